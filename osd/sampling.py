@@ -1,0 +1,111 @@
+"""Sampling: logits to the distribution a token is actually drawn from, and drawing from it.
+
+The draft's ``q`` and the target's ``p`` both come from :func:`logits_to_probs`, so every
+verifier sees exactly the post-processing distribution (temperature, top-k, top-p) that each
+token was sampled from; getting that wrong breaks losslessness silently (ALGORITHMS.md).
+Temperature 0 is greedy: the distribution is one-hot on the argmax, which makes every verifier
+reduce to its greedy rule without a separate code path.
+
+Random numbers are never drawn here: callers pass uniforms, so the functions are pure and can be
+tested with hand-made tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SamplingParams", "logits_to_probs", "sample_from_probs"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen from a model's logits.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Must be >= 0.
+        top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
+        top_k: number of most likely tokens kept; 0 keeps everything.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether decoding is deterministic argmax."""
+        return self.temperature == 0.0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turns logits into the distribution tokens are sampled from.
+
+    Args:
+        logits: (..., V) raw model logits, any float dtype.
+        params: temperature, top-k and top-p to apply, in that order.
+
+    Returns:
+        (..., V) float32 (or float64 if the logits are) probabilities summing to 1 over the
+        last dimension; one-hot on the argmax when ``params.temperature == 0``.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if params.is_greedy:
+        one_hot = torch.zeros_like(logits)
+        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab_size = logits.shape[-1]
+    if 0 < params.top_k < vocab_size:
+        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        probs = _keep_top_p(probs, params.top_p)
+    return probs
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches ``top_p``; renormalises."""
+    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (..., V)
+    # A token is kept if the mass strictly before it is below top_p; the first is always kept.
+    keep_sorted = mass_before < top_p
+    keep_sorted[..., 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, sorted_ids, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draws one token per row by inverting the cumulative distribution.
+
+    A token of zero probability is never returned, whatever the uniform.
+
+    Args:
+        probs: (..., V) non-negative weights (need not be normalised).
+        uniforms: (...) draws from U[0, 1).
+
+    Returns:
+        (...) int64 token ids.
+    """
+    cdf = torch.cumsum(probs, dim=-1)  # (..., V)
+    targets = (uniforms.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # (..., 1)
+    ids = torch.searchsorted(cdf.contiguous(), targets.contiguous(), right=True).squeeze(-1)
+    ids = ids.clamp_(max=probs.shape[-1] - 1)
+    # Rounding can land past the last token with mass; step back to the last nonzero one.
+    chosen_mass = probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    if bool((chosen_mass <= 0).any()):
+        positions = torch.arange(probs.shape[-1], device=probs.device)
+        last_nonzero = torch.where(probs > 0, positions, -1).amax(dim=-1)
+        ids = torch.where(chosen_mass > 0, ids, last_nonzero)
+    return ids
