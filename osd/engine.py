@@ -1,0 +1,469 @@
+"""The speculative decoding engine: a draft model proposes, the target verifies in one forward.
+
+Both models keep KV caches across steps; on rejection the caches are cropped to the kept
+prefix, so the prefix is never recomputed. The verifiers (:mod:`osd.verification`) keep the
+output distribution exactly the target's. Random streams for drafting and for verification are
+separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192), SpecTr
+(arXiv 2310.15141), Block Verification (arXiv 2403.10444).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from osd.generation import (
+    GenerationLog,
+    GenerationResult,
+    GenerationStats,
+    StreamChunk,
+    TextAssembler,
+)
+from osd.models import CausalLM, crop_cache, load_causal_lm, load_tokenizer
+from osd.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+
+__all__ = ["VERIFIERS", "Method", "SpeculativeDecoder"]
+
+Method = Literal["token", "block", "spectr"]
+VERIFIERS = {"token": token_verify, "block": block_verify, "spectr": spectr_verify}
+
+
+@dataclass
+class _Request:
+    """Validated arguments and per-request state of one generation."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    method: Method
+    num_spec_tokens: int
+    num_drafts: int
+    adapter: str | None
+    stop_token_ids: frozenset[int]
+    draft_gen: torch.Generator
+    verify_gen: torch.Generator
+    log_top_m: int | None
+    stop: list[str]
+    seq: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    draft_token_probs: list[torch.Tensor] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """One verified step: tokens to emit and the target rows for the log."""
+
+    token_ids: list[int]
+    num_drafted: int
+    num_accepted: int
+    target_logits: torch.Tensor  # (num_accepted + 1, V) rows of the emitted positions
+    draft_token_probs: torch.Tensor  # (num_drafted,)
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding over a Hugging Face target/draft pair.
+
+    Args:
+        target: the large model (object, local path or hub id).
+        draft: the small model sharing the target's vocabulary; may be a peft model with
+            several named LoRA adapters, chosen per call with ``adapter=``.
+        tokenizer: shared tokenizer; loaded from ``target`` when that is a path and None given.
+        device: device for models given as paths (e.g. ``"cuda"``); None: CUDA if available.
+        dtype: dtype for models given as paths (e.g. ``"bfloat16"``); None: the checkpoint's.
+        log_top_m: how many of the target's most likely tokens to log per position.
+        adaptive_threshold: stop drafting after a token whose draft probability is below this
+            (0 disables); the decision depends only on the draft, so outputs stay exact.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel | str,
+        draft: PreTrainedModel | str,
+        tokenizer: Any = None,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        log_top_m: int = 32,
+        adaptive_threshold: float = 0.0,
+    ) -> None:
+        if tokenizer is None and isinstance(target, str):
+            tokenizer = load_tokenizer(target)
+        target_model = load_causal_lm(target, device=device, dtype=dtype)
+        draft_model = load_causal_lm(draft, device=device, dtype=dtype)
+        vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
+        self.target = CausalLM(target_model, vocab_size)
+        self.draft = CausalLM(draft_model, vocab_size)
+        if self.draft.device != self.target.device:
+            raise ValueError(
+                f"target is on {self.target.device} but draft on {self.draft.device}; "
+                "put both on one device"
+            )
+        if log_top_m < 1:
+            raise ValueError(f"log_top_m must be >= 1, got {log_top_m}")
+        if not 0.0 <= adaptive_threshold < 1.0:
+            raise ValueError(f"adaptive_threshold must be in [0, 1), got {adaptive_threshold}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.log_top_m = min(log_top_m, vocab_size)
+        self.adaptive_threshold = adaptive_threshold
+        positions = [m for m in (self.target.max_positions, self.draft.max_positions) if m]
+        self.max_context = min(positions) if positions else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """Names of the draft's LoRA adapters."""
+        return self.draft.adapter_names
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        """Generates a completion; arguments as in :meth:`stream`."""
+        token_ids: list[int] = []
+        text: list[str] = []
+        finish: Any = "length"
+        stream = self._stream(prompt, **kwargs)
+        for chunk in stream:
+            token_ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            finish = chunk.finish_reason or finish
+        request: _Request = stream.request  # type: ignore[attr-defined]
+        return GenerationResult(
+            token_ids=token_ids,
+            text="".join(text),
+            finish_reason=finish,
+            stats=request.stats,
+            log=self._finish_log(request) if request.log_top_m else None,
+        )
+
+    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamChunk]:
+        """Yields tokens as soon as they are verified.
+
+        Args:
+            prompt: text (needs a tokenizer) or token ids.
+            max_tokens: most tokens to generate (default 128).
+            temperature: 0 is greedy (default 1.0).
+            top_p: nucleus mass in (0, 1] (default 1.0).
+            top_k: keep the k most likely tokens; 0 keeps all (default 0).
+            stop: strings that end generation; the text is cut before them.
+            stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
+            seed: seed of this request's random streams; None draws one.
+            method: ``"token"``, ``"block"`` (default) or ``"spectr"``.
+            num_spec_tokens: tokens drafted per step, k >= 1 (default 4).
+            num_drafts: draft sequences for spectr, K >= 1 (default 2).
+            adapter: LoRA adapter of the draft to use; None is the base draft.
+            log: collect per-request log data (default True).
+
+        Yields:
+            :class:`StreamChunk` per step; the last one carries the finish reason.
+        """
+        return self._stream(prompt, **kwargs)
+
+    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> _RequestStream:
+        return _RequestStream(self, self._validate(prompt, **kwargs))
+
+    def _validate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        method: Method = "block",
+        num_spec_tokens: int = 4,
+        num_drafts: int = 2,
+        adapter: str | None = None,
+        log: bool = True,
+    ) -> _Request:
+        prompt_ids = self._prompt_ids(prompt)
+        if method not in VERIFIERS:
+            raise ValueError(f"method must be one of {sorted(VERIFIERS)}, got {method!r}")
+        if num_spec_tokens < 1:
+            raise ValueError(f"num_spec_tokens (k) must be >= 1, got {num_spec_tokens}")
+        if num_drafts < 1:
+            raise ValueError(f"num_drafts (K) must be >= 1, got {num_drafts}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        self.draft.check_adapter(adapter)
+        max_new = max_tokens
+        if self.max_context is not None:
+            if len(prompt_ids) >= self.max_context:
+                raise ValueError(
+                    f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
+                )
+            max_new = min(max_tokens, self.max_context - len(prompt_ids))
+        if stop_token_ids is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            stop_token_ids = [] if eos is None else [eos]
+        seed = secrets.randbits(62) if seed is None else seed
+        request = _Request(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            params=params,
+            method=method,
+            num_spec_tokens=num_spec_tokens,
+            # Greedy drafts would all be identical: one suffices.
+            num_drafts=1 if params.is_greedy else num_drafts,
+            adapter=adapter,
+            stop_token_ids=frozenset(stop_token_ids),
+            draft_gen=torch.Generator(self.device).manual_seed(seed),
+            verify_gen=torch.Generator(self.device).manual_seed(seed ^ 0x5EED),
+            log_top_m=self.log_top_m if log else None,
+            stop=[stop] if isinstance(stop, str) else list(stop or []),
+        )
+        request.seq = list(prompt_ids)
+        return request
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        return prompt_ids
+
+    def _finish_log(self, request: _Request) -> GenerationLog:
+        """Moves the request's log data to the CPU once, at the end (no per-step syncs)."""
+        num_generated = request.stats.num_generated
+        top_ids = torch.cat([ids for ids, _ in request.log_rows])[:num_generated]
+        top_probs = torch.cat([probs for _, probs in request.log_rows])[:num_generated]
+        return GenerationLog(
+            prompt_len=len(request.prompt_ids),
+            token_ids=torch.tensor(request.seq, dtype=torch.int32),
+            num_drafted=torch.tensor(request.num_drafted, dtype=torch.int32),
+            num_accepted=torch.tensor(request.num_accepted, dtype=torch.int32),
+            draft_token_probs=torch.cat(request.draft_token_probs).cpu().half(),
+            target_top_ids=top_ids.cpu().int(),
+            target_top_probs=top_probs.cpu().half(),
+        )
+
+
+class _RequestStream:
+    """Iterator over one request's steps; owns its KV caches (requests share nothing)."""
+
+    def __init__(self, engine: SpeculativeDecoder, request: _Request) -> None:
+        self.engine = engine
+        self.request = request
+        self._steps = self._run()
+
+    def __iter__(self) -> _RequestStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return next(self._steps)
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[StreamChunk]:
+        engine, request = self.engine, self.request
+        assembler = TextAssembler(engine.tokenizer, request.stop)
+        target_cache, draft_cache = engine.target.new_cache(), engine.draft.new_cache()
+        stats = request.stats
+        while True:
+            remaining = request.max_new_tokens - stats.num_generated
+            k = max(1, min(request.num_spec_tokens, remaining - 1))
+            if request.method == "spectr" and request.num_drafts > 1:
+                step = _spectr_step(engine, request, target_cache, draft_cache, k)
+            else:
+                step = _single_draft_step(engine, request, target_cache, draft_cache, k)
+            emitted, finish = _truncate(step.token_ids, remaining, request.stop_token_ids)
+            request.seq.extend(emitted)
+            stats.steps += 1
+            stats.drafted += step.num_drafted
+            stats.accepted += step.num_accepted
+            stats.num_generated += len(emitted)
+            request.num_drafted.append(step.num_drafted)
+            request.num_accepted.append(step.num_accepted)
+            request.draft_token_probs.append(step.draft_token_probs)
+            if request.log_top_m:
+                request.log_rows.append(_top_m(step.target_logits, request.log_top_m))
+            text = assembler.add(emitted)
+            if assembler.stopped:
+                finish = "stop"
+            elif finish is None and stats.num_generated >= request.max_new_tokens:
+                finish = "length"
+            if finish is not None:
+                yield StreamChunk(emitted, text + assembler.flush(), finish)
+                return
+            yield StreamChunk(emitted, text)
+
+
+def _truncate(
+    token_ids: list[int], remaining: int, stop_token_ids: frozenset[int]
+) -> tuple[list[int], Literal["stop", "length"] | None]:
+    """Cuts a step's tokens at the budget and after the first stop token."""
+    for i, token in enumerate(token_ids[:remaining]):
+        if token in stop_token_ids:
+            return token_ids[: i + 1], "stop"
+    return token_ids[:remaining], ("length" if len(token_ids) >= remaining else None)
+
+
+def _top_m(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target's top-m at temperature 1: (N, V) logits -> (N, m) ids and probs."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, m, dim=-1)
+    return top.indices, top.values
+
+
+def _uniforms(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=gen.device, dtype=torch.float64)
+
+
+def _draft_tokens(
+    engine: SpeculativeDecoder,
+    request: _Request,
+    cache: DynamicCache,
+    pending: torch.Tensor,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples up to k tokens per row from the draft; stops early on low confidence.
+
+    Args:
+        pending: (B, T) tokens not yet in the draft cache.
+
+    Returns:
+        ``(draft_ids, draft_probs)``: (B, k') and (B, k', V) with k' <= k.
+    """
+    ids: list[torch.Tensor] = []
+    probs: list[torch.Tensor] = []
+    inputs = pending
+    for i in range(k):
+        logits = engine.draft.logits(inputs, cache, num_logits=1, adapter=request.adapter)
+        q = logits_to_probs(logits[:, 0], request.params)  # (B, V)
+        x = sample_from_probs(q, _uniforms(request.draft_gen, q.shape[0]))  # (B,)
+        ids.append(x)
+        probs.append(q)
+        inputs = x.unsqueeze(1)
+        if engine.adaptive_threshold > 0 and i < k - 1:
+            confidence = q.gather(1, x.unsqueeze(1)).min()
+            if float(confidence) < engine.adaptive_threshold:
+                break
+    return torch.stack(ids, dim=1), torch.stack(probs, dim=1)
+
+
+def _single_draft_step(
+    engine: SpeculativeDecoder,
+    request: _Request,
+    target_cache: DynamicCache,
+    draft_cache: DynamicCache,
+    k: int,
+) -> _Step:
+    """Drafts one sequence, verifies it with token or block verification, crops the caches."""
+    seq, device = request.seq, engine.device
+    length = len(seq)
+    pending = torch.tensor([seq[draft_cache.get_seq_length() :]], device=device)
+    draft_ids, draft_probs = _draft_tokens(engine, request, draft_cache, pending, k)
+    k = draft_ids.shape[1]
+    target_input = torch.cat(
+        [torch.tensor([seq[target_cache.get_seq_length() :]], device=device), draft_ids], dim=1
+    )
+    target_logits = engine.target.logits(target_input, target_cache, num_logits=k + 1)
+    target_probs = logits_to_probs(target_logits, request.params)  # (1, k + 1, V)
+    verify = VERIFIERS["token" if request.method == "spectr" else request.method]
+    result: VerifyOutput = verify(
+        draft_ids,
+        draft_probs,
+        target_probs,
+        _uniforms(request.verify_gen, 1, k),
+        _uniforms(request.verify_gen, 1),
+    )
+    n = int(result.num_accepted[0])
+    crop_cache(target_cache, length + n)
+    crop_cache(draft_cache, length + n)
+    return _Step(
+        token_ids=[*draft_ids[0, :n].tolist(), int(result.next_token_ids[0])],
+        num_drafted=k,
+        num_accepted=n,
+        target_logits=target_logits[0, : n + 1],
+        draft_token_probs=draft_probs[0].gather(1, draft_ids[0].unsqueeze(1)).squeeze(1),
+    )
+
+
+def _spectr_step(
+    engine: SpeculativeDecoder,
+    request: _Request,
+    target_cache: DynamicCache,
+    draft_cache: DynamicCache,
+    k: int,
+) -> _Step:
+    """Drafts K sequences, verifies the tree with K-SEQ, keeps the chosen row of each cache.
+
+    The caches are replicated K-fold for the step and cut back to the chosen row afterwards.
+    """
+    seq, device, num_drafts = request.seq, engine.device, request.num_drafts
+    length = len(seq)
+    pending = torch.tensor([seq[draft_cache.get_seq_length() :]], device=device)
+    # The first draft position is shared: one forward, then K independent samples from it.
+    logits = engine.draft.logits(pending, draft_cache, num_logits=1, adapter=request.adapter)
+    q_first = logits_to_probs(logits[:, 0], request.params).expand(num_drafts, -1)  # (K, V)
+    x_first = sample_from_probs(q_first, _uniforms(request.draft_gen, num_drafts))  # (K,)
+    draft_cache.batch_repeat_interleave(num_drafts)
+    if k > 1:
+        rest_ids, rest_probs = _draft_tokens(
+            engine, request, draft_cache, x_first.unsqueeze(1), k - 1
+        )
+        draft_ids = torch.cat([x_first.unsqueeze(1), rest_ids], dim=1)  # (K, k)
+        draft_probs = torch.cat([q_first.unsqueeze(1), rest_probs], dim=1)  # (K, k, V)
+    else:
+        draft_ids, draft_probs = x_first.unsqueeze(1), q_first.unsqueeze(1)
+    k = draft_ids.shape[1]
+    shared = torch.tensor([seq[target_cache.get_seq_length() :]], device=device)
+    target_cache.batch_repeat_interleave(num_drafts)
+    target_input = torch.cat([shared.expand(num_drafts, -1), draft_ids], dim=1)
+    target_logits = engine.target.logits(target_input, target_cache, num_logits=k + 1)
+    target_probs = logits_to_probs(target_logits, request.params)  # (K, k + 1, V)
+    result = VERIFIERS["spectr"](
+        draft_ids[None],
+        draft_probs[None],
+        target_probs[None],
+        _uniforms(request.verify_gen, 1, num_drafts, k),
+        _uniforms(request.verify_gen, 1),
+    )
+    n, row = int(result.num_accepted[0]), int(result.draft_index[0])
+    keep = torch.tensor([row], device=device)
+    for cache in (target_cache, draft_cache):
+        cache.batch_select_indices(keep)
+        crop_cache(cache, length + n)
+    chosen_ids = draft_ids[row]
+    return _Step(
+        token_ids=[*chosen_ids[:n].tolist(), int(result.next_token_ids[0])],
+        num_drafted=k,
+        num_accepted=n,
+        target_logits=target_logits[row, : n + 1],
+        draft_token_probs=draft_probs[row].gather(1, chosen_ids.unsqueeze(1)).squeeze(1),
+    )
+
+
+def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any) -> int:
+    """The vocabulary both models score; padded embedding rows beyond the tokenizer may differ."""
+    target_size = target.get_output_embeddings().weight.shape[0]
+    draft_size = draft.get_output_embeddings().weight.shape[0]
+    if target_size == draft_size:
+        return int(target_size)
+    shared = min(target_size, draft_size)
+    if tokenizer is not None and len(tokenizer) <= shared:
+        return int(shared)
+    raise ValueError(
+        f"target and draft have different vocabularies ({target_size} vs {draft_size} tokens)"
+        + ("" if tokenizer is None else f" and the tokenizer has {len(tokenizer)}")
+    )

@@ -1,0 +1,162 @@
+"""What a generation returns: tokens, text, statistics and the per-request log data.
+
+Also the incremental detokenizer that turns verified tokens into text deltas, holding back
+text that may still become a stop string or an incomplete UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+__all__ = [
+    "FinishReason",
+    "GenerationLog",
+    "GenerationResult",
+    "GenerationStats",
+    "StreamChunk",
+    "TextAssembler",
+]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationStats:
+    """Counts for one request.
+
+    Attributes:
+        steps: target verification calls (each drafts, verifies and emits >= 1 token).
+        drafted: drafted tokens offered to the verifier (per chosen draft sequence for SpecTr).
+        accepted: drafted tokens kept.
+        num_generated: tokens emitted.
+    """
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    num_generated: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens kept."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per target call."""
+        return self.num_generated / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "num_generated": self.num_generated,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_step": self.tokens_per_step,
+        }
+
+
+@dataclass
+class GenerationLog:
+    """What the target thought, per request: the trainer's input (see DESIGN.md "Record").
+
+    Attributes:
+        prompt_len: number of prompt tokens at the start of ``token_ids``.
+        token_ids: (prompt_len + N,) int32 prompt then generated tokens.
+        num_drafted: (S,) int32 tokens drafted per verification step.
+        num_accepted: (S,) int32 drafted tokens kept per step.
+        draft_token_probs: (sum(num_drafted),) float16 draft probability of each drafted token.
+        target_top_ids: (N, m) int32 target's top-m tokens at each generated position.
+        target_top_probs: (N, m) float16 their probabilities at temperature 1.
+    """
+
+    prompt_len: int
+    token_ids: torch.Tensor
+    num_drafted: torch.Tensor
+    num_accepted: torch.Tensor
+    draft_token_probs: torch.Tensor
+    target_top_ids: torch.Tensor
+    target_top_probs: torch.Tensor
+
+
+@dataclass
+class StreamChunk:
+    """Tokens verified in one step and the text they add (may be empty while held back)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation.
+
+    Attributes:
+        token_ids: generated tokens (the prompt excluded).
+        text: their decoded text, cut before a stop string if one was hit.
+        finish_reason: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
+        stats: speculative decoding counts.
+        log: per-request log data; None when logging was not requested.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    stats: GenerationStats
+    log: GenerationLog | None = None
+
+
+class TextAssembler:
+    """Decodes generated tokens incrementally and finds stop strings.
+
+    Text that could still be the start of a stop string, or ends in an incomplete UTF-8
+    sequence, is held back until the next tokens settle it.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+        self._tokenizer = tokenizer
+        self._stop = [s for s in stop if s]
+        self._token_ids: list[int] = []
+        self._emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Adds tokens; returns the text now safe to emit. Sets ``stopped`` on a stop string."""
+        if self._tokenizer is None:
+            return ""
+        self._token_ids.extend(token_ids)
+        full = self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
+        cut = min((i for i in (full.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, full = True, full[:cut]
+            safe = len(full)
+        else:
+            safe = len(full) - self._held_back(full)
+        self.text = full
+        delta = full[self._emitted : max(safe, self._emitted)]
+        self._emitted = max(safe, self._emitted)
+        return delta
+
+    def flush(self) -> str:
+        """Returns whatever is still held back (at the end of generation)."""
+        delta = self.text[self._emitted :]
+        self._emitted = len(self.text)
+        return delta
+
+    def _held_back(self, text: str) -> int:
+        if text.endswith("\ufffd"):
+            return len(text) - len(text.rstrip("\ufffd"))
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

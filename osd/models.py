@@ -1,0 +1,127 @@
+"""Loading Hugging Face causal LMs and running them one step at a time with a KV cache.
+
+This is the only module of the engine that knows transformers' and peft's calling conventions
+(the ``cache`` keyword of transformers >= 5.2x, ``past_key_values`` before it; peft's per-call
+``adapter_names``), so the decode loop stays readable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+__all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
+
+# peft's name for "no adapter" in a mixed-adapter batch.
+BASE_ADAPTER = "__base__"
+
+
+def load_causal_lm(
+    model: PreTrainedModel | str, *, device: str | None = None, dtype: str | None = None
+) -> PreTrainedModel:
+    """Returns a model in eval mode, loading it from a local path or hub id if given a string.
+
+    Args:
+        model: a loaded model (used as is, moved only if ``device`` is given) or a path/hub id.
+        device: e.g. ``"cuda"`` or ``"cpu"``; ``None`` keeps a loaded model where it is and
+            loads a path on CUDA when available.
+        dtype: e.g. ``"bfloat16"``; ``None`` keeps the checkpoint's dtype.
+    """
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if isinstance(model, str):
+        kwargs: dict[str, Any] = {"dtype": torch_dtype} if torch_dtype else {}
+        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    elif torch_dtype is not None:
+        model = model.to(torch_dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_tokenizer(source: Any) -> Any:
+    """Loads the tokenizer saved beside a model path or hub id; None if there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
+def _base_model(model: PreTrainedModel) -> PreTrainedModel:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+@dataclass
+class CausalLM:
+    """A causal LM called with explicit KV caches, optional LoRA adapter and logits slicing.
+
+    Attributes:
+        model: the Hugging Face model (or a peft model wrapping one).
+        vocab_size: logits columns used (may be below the padded embedding size).
+    """
+
+    model: PreTrainedModel
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        params = inspect.signature(_base_model(self.model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._slices_logits = "logits_to_keep" in params
+        self.adapter_names: tuple[str, ...] = tuple(getattr(self.model, "peft_config", {}) or ())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=_base_model(self.model).config)
+
+    def check_adapter(self, adapter: str | None) -> None:
+        """Raises ValueError if ``adapter`` is not a LoRA adapter of this model."""
+        if adapter is not None and adapter not in self.adapter_names:
+            raise ValueError(
+                f"unknown adapter {adapter!r}; this draft has {list(self.adapter_names) or 'none'}"
+            )
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        *,
+        num_logits: int,
+        adapter: str | None = None,
+    ) -> torch.Tensor:
+        """Runs new tokens through the model, appending them to ``cache``.
+
+        Args:
+            input_ids: (B, T) tokens after those already in the cache.
+            cache: the KV cache, extended in place by T positions.
+            num_logits: logits wanted for the last ``num_logits`` positions.
+            adapter: LoRA adapter name for a peft model; None is the base model.
+
+        Returns:
+            (B, num_logits, vocab_size) logits.
+        """
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
+        if self._slices_logits:
+            kwargs["logits_to_keep"] = num_logits
+        if self.adapter_names:
+            kwargs["adapter_names"] = [adapter or BASE_ADAPTER] * input_ids.shape[0]
+        logits = self.model(input_ids=input_ids, **kwargs).logits
+        return logits[:, -num_logits:, : self.vocab_size]
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Drops cached positions beyond ``length`` (transformers 5 takes a negative count)."""
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
