@@ -76,17 +76,31 @@ def uniform_cells(thresholds: torch.Tensor) -> list[tuple[torch.Tensor, float]]:
     return cells
 
 
-def single_draft_step(method: str, k: int, vocab_size: int) -> OneStep:
+def stopped_drafts(prefix: Sequence, k: int, vocab_size: int, stop_below: float):
+    """Every draft with its probability, drafting stopping after a token with q < stop_below."""
+
+    def extend(draft: Sequence, prob: float):
+        if len(draft) == k or (
+            draft and float(toy_dist(prefix + draft[:-1], vocab_size, "q")[draft[-1]]) < stop_below
+        ):
+            yield draft, prob
+            return
+        for token, q in enumerate(toy_dist(prefix + draft, vocab_size, "q").tolist()):
+            if q > 0:
+                yield from extend(draft + (token,), prob * q)
+
+    return extend((), 1.0)
+
+
+def single_draft_step(method: str, k: int, vocab_size: int, stop_below: float = 0.0) -> OneStep:
     verify = {"token": token_verify, "block": block_verify}[method]
 
     def one_step(prefix: Sequence) -> dict[Sequence, float]:
         out: dict[Sequence, float] = defaultdict(float)
-        for draft in itertools.product(range(vocab_size), repeat=k):
-            q = torch.stack([toy_dist(prefix + draft[:i], vocab_size, "q") for i in range(k)])
-            p = torch.stack([toy_dist(prefix + draft[:i], vocab_size, "p") for i in range(k + 1)])
-            draft_prob = float(q[torch.arange(k), torch.tensor(draft)].prod())
-            if draft_prob == 0:
-                continue
+        for draft, draft_prob in stopped_drafts(prefix, k, vocab_size, stop_below):
+            n = len(draft)
+            q = torch.stack([toy_dist(prefix + draft[:i], vocab_size, "q") for i in range(n)])
+            p = torch.stack([toy_dist(prefix + draft[:i], vocab_size, "p") for i in range(n + 1)])
             ids, q, p = torch.tensor([draft]), q[None], p[None]
             if method == "token":
                 thresholds = token_acceptance_probs(ids, q, p)[0]
@@ -156,6 +170,14 @@ def assert_matches_target(one_step: OneStep, prefix: Sequence, k: int, vocab_siz
 @pytest.mark.parametrize(("k", "vocab_size"), [(1, 3), (2, 3), (3, 3), (1, 5), (2, 4)])
 def test_single_draft_verifier_emits_target_distribution(method, k, vocab_size):
     assert_matches_target(single_draft_step(method, k, vocab_size), (1,), k, vocab_size)
+
+
+@pytest.mark.parametrize("method", ["token", "block"])
+@pytest.mark.parametrize("stop_below", [0.3, 0.5])
+def test_adaptive_draft_length_keeps_output_exact(method, stop_below):
+    """Stopping the draft on its own low confidence depends only on the draft: still exact."""
+    step = single_draft_step(method, 3, 3, stop_below=stop_below)
+    assert_matches_target(step, (1,), 3, 3)
 
 
 @pytest.mark.parametrize(
