@@ -34,13 +34,13 @@ def load_causal_lm(
     torch_dtype = getattr(torch, dtype) if dtype else None
     if isinstance(model, str):
         kwargs: dict[str, Any] = {"dtype": torch_dtype} if torch_dtype else {}
-        model = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model, **kwargs)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    elif torch_dtype is not None:
-        model = model.to(torch_dtype)
+    else:
+        loaded = model.to(torch_dtype) if torch_dtype is not None else model
     if device is not None:
-        model = model.to(device)
-    return model.eval()
+        loaded = loaded.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
+    return loaded.eval()
 
 
 def load_tokenizer(source: Any) -> Any:

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints its numbers next to a peer measured in the same run."""
