@@ -11,62 +11,31 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
+from osd.decode_step import (
+    VERIFIERS,
+    DecodeRequest,
+    single_draft_step,
+    spectr_step,
+    top_m_distribution,
+)
 from osd.generation import (
     GenerationLog,
     GenerationResult,
-    GenerationStats,
+    RequestSettings,
     StreamChunk,
     TextAssembler,
 )
-from osd.models import CausalLM, crop_cache, load_causal_lm, load_tokenizer
-from osd.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+from osd.models import CausalLM, load_causal_lm, load_tokenizer
+from osd.sampling import SamplingParams
 
 __all__ = ["VERIFIERS", "Method", "SpeculativeDecoder"]
 
 Method = Literal["token", "block", "spectr"]
-VERIFIERS = {"token": token_verify, "block": block_verify, "spectr": spectr_verify}
-
-
-@dataclass
-class _Request:
-    """Validated arguments and per-request state of one generation."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    params: SamplingParams
-    method: Method
-    num_spec_tokens: int
-    num_drafts: int
-    adapter: str | None
-    stop_token_ids: frozenset[int]
-    draft_gen: torch.Generator
-    verify_gen: torch.Generator
-    log_top_m: int | None
-    stop: list[str]
-    seq: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    draft_token_probs: list[torch.Tensor] = field(default_factory=list)
-    num_drafted: list[int] = field(default_factory=list)
-    num_accepted: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Step:
-    """One verified step: tokens to emit and the target rows for the log."""
-
-    token_ids: list[int]
-    num_drafted: int
-    num_accepted: int
-    target_logits: torch.Tensor  # (num_accepted + 1, V) rows of the emitted positions
-    draft_token_probs: torch.Tensor  # (num_drafted,)
 
 
 class SpeculativeDecoder:
@@ -137,7 +106,7 @@ class SpeculativeDecoder:
             token_ids.extend(chunk.token_ids)
             text.append(chunk.text)
             finish = chunk.finish_reason or finish
-        request: _Request = stream.request  # type: ignore[attr-defined]
+        request: DecodeRequest = stream.request  # type: ignore[attr-defined]
         return GenerationResult(
             token_ids=token_ids,
             text="".join(text),
@@ -169,8 +138,8 @@ class SpeculativeDecoder:
         """
         return self._stream(prompt, **kwargs)
 
-    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> _RequestStream:
-        return _RequestStream(self, self._validate(prompt, **kwargs))
+    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> DecodeRequestStream:
+        return DecodeRequestStream(self, self._validate(prompt, **kwargs))
 
     def _validate(
         self,
@@ -188,7 +157,7 @@ class SpeculativeDecoder:
         num_drafts: int = 2,
         adapter: str | None = None,
         log: bool = True,
-    ) -> _Request:
+    ) -> DecodeRequest:
         prompt_ids = self._prompt_ids(prompt)
         if method not in VERIFIERS:
             raise ValueError(f"method must be one of {sorted(VERIFIERS)}, got {method!r}")
@@ -211,8 +180,9 @@ class SpeculativeDecoder:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_token_ids = [] if eos is None else [eos]
         seed = secrets.randbits(62) if seed is None else seed
-        request = _Request(
+        request = DecodeRequest(
             prompt_ids=prompt_ids,
+            seed=seed,
             max_new_tokens=max_new,
             params=params,
             method=method,
@@ -224,6 +194,7 @@ class SpeculativeDecoder:
             draft_gen=torch.Generator(self.device).manual_seed(seed),
             verify_gen=torch.Generator(self.device).manual_seed(seed ^ 0x5EED),
             log_top_m=self.log_top_m if log else None,
+            adaptive_threshold=self.adaptive_threshold,
             stop=[stop] if isinstance(stop, str) else list(stop or []),
         )
         request.seq = list(prompt_ids)
@@ -243,12 +214,25 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return prompt_ids
 
-    def _finish_log(self, request: _Request) -> GenerationLog:
+    def _finish_log(self, request: DecodeRequest) -> GenerationLog:
         """Moves the request's log data to the CPU once, at the end (no per-step syncs)."""
         num_generated = request.stats.num_generated
         top_ids = torch.cat([ids for ids, _ in request.log_rows])[:num_generated]
         top_probs = torch.cat([probs for _, probs in request.log_rows])[:num_generated]
+        params = request.params
+        settings = RequestSettings(
+            method=request.method,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            num_spec_tokens=request.num_spec_tokens,
+            num_drafts=request.num_drafts,
+            adapter=request.adapter,
+        )
         return GenerationLog(
+            settings=settings,
             prompt_len=len(request.prompt_ids),
             token_ids=torch.tensor(request.seq, dtype=torch.int32),
             num_drafted=torch.tensor(request.num_drafted, dtype=torch.int32),
@@ -259,15 +243,15 @@ class SpeculativeDecoder:
         )
 
 
-class _RequestStream:
+class DecodeRequestStream:
     """Iterator over one request's steps; owns its KV caches (requests share nothing)."""
 
-    def __init__(self, engine: SpeculativeDecoder, request: _Request) -> None:
+    def __init__(self, engine: SpeculativeDecoder, request: DecodeRequest) -> None:
         self.engine = engine
         self.request = request
         self._steps = self._run()
 
-    def __iter__(self) -> _RequestStream:
+    def __iter__(self) -> DecodeRequestStream:
         return self
 
     def __next__(self) -> StreamChunk:
@@ -283,9 +267,13 @@ class _RequestStream:
             remaining = request.max_new_tokens - stats.num_generated
             k = max(1, min(request.num_spec_tokens, remaining - 1))
             if request.method == "spectr" and request.num_drafts > 1:
-                step = _spectr_step(engine, request, target_cache, draft_cache, k)
+                step = spectr_step(
+                    engine.target, engine.draft, request, target_cache, draft_cache, k
+                )
             else:
-                step = _single_draft_step(engine, request, target_cache, draft_cache, k)
+                step = single_draft_step(
+                    engine.target, engine.draft, request, target_cache, draft_cache, k
+                )
             emitted, finish = _truncate(step.token_ids, remaining, request.stop_token_ids)
             request.seq.extend(emitted)
             stats.steps += 1
@@ -296,7 +284,7 @@ class _RequestStream:
             request.num_accepted.append(step.num_accepted)
             request.draft_token_probs.append(step.draft_token_probs)
             if request.log_top_m:
-                request.log_rows.append(_top_m(step.target_logits, request.log_top_m))
+                request.log_rows.append(top_m_distribution(step.target_logits, request.log_top_m))
             text = assembler.add(emitted)
             if assembler.stopped:
                 finish = "stop"
@@ -316,142 +304,6 @@ def _truncate(
         if token in stop_token_ids:
             return token_ids[: i + 1], "stop"
     return token_ids[:remaining], ("length" if len(token_ids) >= remaining else None)
-
-
-def _top_m(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target's top-m at temperature 1: (N, V) logits -> (N, m) ids and probs."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = torch.topk(probs, m, dim=-1)
-    return top.indices, top.values
-
-
-def _uniforms(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.rand(shape, generator=gen, device=gen.device, dtype=torch.float64)
-
-
-def _draft_tokens(
-    engine: SpeculativeDecoder,
-    request: _Request,
-    cache: DynamicCache,
-    pending: torch.Tensor,
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples up to k tokens per row from the draft; stops early on low confidence.
-
-    Args:
-        pending: (B, T) tokens not yet in the draft cache.
-
-    Returns:
-        ``(draft_ids, draft_probs)``: (B, k') and (B, k', V) with k' <= k.
-    """
-    ids: list[torch.Tensor] = []
-    probs: list[torch.Tensor] = []
-    inputs = pending
-    for i in range(k):
-        logits = engine.draft.logits(inputs, cache, num_logits=1, adapter=request.adapter)
-        q = logits_to_probs(logits[:, 0], request.params)  # (B, V)
-        x = sample_from_probs(q, _uniforms(request.draft_gen, q.shape[0]))  # (B,)
-        ids.append(x)
-        probs.append(q)
-        inputs = x.unsqueeze(1)
-        if engine.adaptive_threshold > 0 and i < k - 1:
-            confidence = q.gather(1, x.unsqueeze(1)).min()
-            if float(confidence) < engine.adaptive_threshold:
-                break
-    return torch.stack(ids, dim=1), torch.stack(probs, dim=1)
-
-
-def _single_draft_step(
-    engine: SpeculativeDecoder,
-    request: _Request,
-    target_cache: DynamicCache,
-    draft_cache: DynamicCache,
-    k: int,
-) -> _Step:
-    """Drafts one sequence, verifies it with token or block verification, crops the caches."""
-    seq, device = request.seq, engine.device
-    length = len(seq)
-    pending = torch.tensor([seq[draft_cache.get_seq_length() :]], device=device)
-    draft_ids, draft_probs = _draft_tokens(engine, request, draft_cache, pending, k)
-    k = draft_ids.shape[1]
-    target_input = torch.cat(
-        [torch.tensor([seq[target_cache.get_seq_length() :]], device=device), draft_ids], dim=1
-    )
-    target_logits = engine.target.logits(target_input, target_cache, num_logits=k + 1)
-    target_probs = logits_to_probs(target_logits, request.params)  # (1, k + 1, V)
-    verify = VERIFIERS["token" if request.method == "spectr" else request.method]
-    result: VerifyOutput = verify(
-        draft_ids,
-        draft_probs,
-        target_probs,
-        _uniforms(request.verify_gen, 1, k),
-        _uniforms(request.verify_gen, 1),
-    )
-    n = int(result.num_accepted[0])
-    crop_cache(target_cache, length + n)
-    crop_cache(draft_cache, length + n)
-    return _Step(
-        token_ids=[*draft_ids[0, :n].tolist(), int(result.next_token_ids[0])],
-        num_drafted=k,
-        num_accepted=n,
-        target_logits=target_logits[0, : n + 1],
-        draft_token_probs=draft_probs[0].gather(1, draft_ids[0].unsqueeze(1)).squeeze(1),
-    )
-
-
-def _spectr_step(
-    engine: SpeculativeDecoder,
-    request: _Request,
-    target_cache: DynamicCache,
-    draft_cache: DynamicCache,
-    k: int,
-) -> _Step:
-    """Drafts K sequences, verifies the tree with K-SEQ, keeps the chosen row of each cache.
-
-    The caches are replicated K-fold for the step and cut back to the chosen row afterwards.
-    """
-    seq, device, num_drafts = request.seq, engine.device, request.num_drafts
-    length = len(seq)
-    pending = torch.tensor([seq[draft_cache.get_seq_length() :]], device=device)
-    # The first draft position is shared: one forward, then K independent samples from it.
-    logits = engine.draft.logits(pending, draft_cache, num_logits=1, adapter=request.adapter)
-    q_first = logits_to_probs(logits[:, 0], request.params).expand(num_drafts, -1)  # (K, V)
-    x_first = sample_from_probs(q_first, _uniforms(request.draft_gen, num_drafts))  # (K,)
-    draft_cache.batch_repeat_interleave(num_drafts)
-    if k > 1:
-        rest_ids, rest_probs = _draft_tokens(
-            engine, request, draft_cache, x_first.unsqueeze(1), k - 1
-        )
-        draft_ids = torch.cat([x_first.unsqueeze(1), rest_ids], dim=1)  # (K, k)
-        draft_probs = torch.cat([q_first.unsqueeze(1), rest_probs], dim=1)  # (K, k, V)
-    else:
-        draft_ids, draft_probs = x_first.unsqueeze(1), q_first.unsqueeze(1)
-    k = draft_ids.shape[1]
-    shared = torch.tensor([seq[target_cache.get_seq_length() :]], device=device)
-    target_cache.batch_repeat_interleave(num_drafts)
-    target_input = torch.cat([shared.expand(num_drafts, -1), draft_ids], dim=1)
-    target_logits = engine.target.logits(target_input, target_cache, num_logits=k + 1)
-    target_probs = logits_to_probs(target_logits, request.params)  # (K, k + 1, V)
-    result = VERIFIERS["spectr"](
-        draft_ids[None],
-        draft_probs[None],
-        target_probs[None],
-        _uniforms(request.verify_gen, 1, num_drafts, k),
-        _uniforms(request.verify_gen, 1),
-    )
-    n, row = int(result.num_accepted[0]), int(result.draft_index[0])
-    keep = torch.tensor([row], device=device)
-    for cache in (target_cache, draft_cache):
-        cache.batch_select_indices(keep)
-        crop_cache(cache, length + n)
-    chosen_ids = draft_ids[row]
-    return _Step(
-        token_ids=[*chosen_ids[:n].tolist(), int(result.next_token_ids[0])],
-        num_drafted=k,
-        num_accepted=n,
-        target_logits=target_logits[row, : n + 1],
-        draft_token_probs=draft_probs[row].gather(1, chosen_ids.unsqueeze(1)).squeeze(1),
-    )
 
 
 def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any) -> int:

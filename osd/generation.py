@@ -6,22 +6,30 @@ text that may still become a stop string or an incomplete UTF-8 character.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from osd.record import Record
+
 __all__ = [
+    "BASE_DRAFT_NAME",
     "FinishReason",
     "GenerationLog",
     "GenerationResult",
     "GenerationStats",
+    "RequestSettings",
     "StreamChunk",
     "TextAssembler",
 ]
 
 FinishReason = Literal["stop", "length"]
+
+# Adapter name recorded when the base draft (no LoRA adapter) proposed the tokens.
+BASE_DRAFT_NAME = "base"
 
 
 @dataclass
@@ -61,11 +69,27 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class RequestSettings:
+    """How a request was decoded, as recorded with its log data."""
+
+    method: str
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    seed: int
+    num_spec_tokens: int
+    num_drafts: int
+    adapter: str | None
+
+
 @dataclass
 class GenerationLog:
     """What the target thought, per request: the trainer's input (see DESIGN.md "Record").
 
     Attributes:
+        settings: how the request was decoded.
         prompt_len: number of prompt tokens at the start of ``token_ids``.
         token_ids: (prompt_len + N,) int32 prompt then generated tokens.
         num_drafted: (S,) int32 tokens drafted per verification step.
@@ -75,6 +99,7 @@ class GenerationLog:
         target_top_probs: (N, m) float16 their probabilities at temperature 1.
     """
 
+    settings: RequestSettings
     prompt_len: int
     token_ids: torch.Tensor
     num_drafted: torch.Tensor
@@ -82,6 +107,39 @@ class GenerationLog:
     draft_token_probs: torch.Tensor
     target_top_ids: torch.Tensor
     target_top_probs: torch.Tensor
+
+    def to_record(
+        self,
+        *,
+        request_id: str,
+        domain: str = "",
+        adapter_version: int = 0,
+        created_at: float | None = None,
+    ) -> Record:
+        """Packs this log into the record the buffer stores (no text is carried)."""
+        s = self.settings
+        return Record(
+            request_id=request_id,
+            created_at=time.time() if created_at is None else created_at,
+            domain=domain,
+            adapter_name=s.adapter or BASE_DRAFT_NAME,
+            adapter_version=adapter_version,
+            method=s.method,  # type: ignore[arg-type]
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_tokens=s.max_tokens,
+            seed=s.seed,
+            num_spec_tokens=s.num_spec_tokens,
+            num_drafts=s.num_drafts,
+            prompt_len=self.prompt_len,
+            token_ids=self.token_ids.numpy(),
+            num_drafted=self.num_drafted.numpy(),
+            num_accepted=self.num_accepted.numpy(),
+            draft_token_probs=self.draft_token_probs.numpy(),
+            target_top_ids=self.target_top_ids.numpy(),
+            target_top_probs=self.target_top_probs.numpy(),
+        )
 
 
 @dataclass

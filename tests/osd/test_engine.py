@@ -168,3 +168,15 @@ def test_generation_stops_at_the_context_limit(tokenizer):
     result = SpeculativeDecoder(target, draft).generate([1] * 15, max_tokens=50, seed=0)
     assert len(result.token_ids) == 5
     assert result.finish_reason == "length"
+
+
+def test_log_packs_into_a_record_without_text(engine):
+    from osd.record import Record
+
+    result = engine.generate("ab", max_tokens=20, seed=2, adapter="sql", method="spectr")
+    record = result.log.to_record(request_id="req-1", domain="code", adapter_version=3)
+    again = Record.unpack(record.pack())
+    assert again.generated_ids.tolist() == result.token_ids
+    assert (again.adapter_name, again.adapter_version, again.method) == ("sql", 3, "spectr")
+    assert again.num_drafts == 2 and again.seed == result.log.settings.seed
+    assert result.text.encode() not in record.pack() or not result.text

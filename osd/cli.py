@@ -1,0 +1,27 @@
+"""The ``osd`` command line: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module with a ``main(argv) -> int``, one-line help)
+SUBCOMMANDS = {
+    "demo-models": ("osd.demo.cli", "build, check or describe the offline demo model pair"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatches ``osd <subcommand> ...`` to the module that implements it."""
+    parser = argparse.ArgumentParser(prog="osd", description="Online speculative decoding.")
+    parser.add_argument("command", choices=sorted(SUBCOMMANDS), help="what to run")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand")
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    module_name, _ = SUBCOMMANDS[args.command]
+    return int(importlib.import_module(module_name).main(args.args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
