@@ -10,7 +10,7 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -24,6 +24,7 @@ from osd.decode_step import (
     top_m_distribution,
 )
 from osd.generation import (
+    FinishReason,
     GenerationLog,
     GenerationResult,
     RequestSettings,
@@ -33,7 +34,7 @@ from osd.generation import (
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
 
-__all__ = ["VERIFIERS", "Method", "SpeculativeDecoder"]
+__all__ = ["VERIFIERS", "GenerationStream", "Method", "SpeculativeDecoder"]
 
 Method = Literal["token", "block", "spectr"]
 
@@ -98,24 +99,9 @@ class SpeculativeDecoder:
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         """Generates a completion; arguments as in :meth:`stream`."""
-        token_ids: list[int] = []
-        text: list[str] = []
-        finish: Any = "length"
-        stream = self._stream(prompt, **kwargs)
-        for chunk in stream:
-            token_ids.extend(chunk.token_ids)
-            text.append(chunk.text)
-            finish = chunk.finish_reason or finish
-        request: DecodeRequest = stream.request  # type: ignore[attr-defined]
-        return GenerationResult(
-            token_ids=token_ids,
-            text="".join(text),
-            finish_reason=finish,
-            stats=request.stats,
-            log=self._finish_log(request) if request.log_top_m else None,
-        )
+        return self.stream(prompt, **kwargs).result()
 
-    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamChunk]:
+    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
         """Yields tokens as soon as they are verified.
 
         Args:
@@ -138,8 +124,8 @@ class SpeculativeDecoder:
         """
         return self._stream(prompt, **kwargs)
 
-    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> DecodeRequestStream:
-        return DecodeRequestStream(self, self._validate(prompt, **kwargs))
+    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
+        return GenerationStream(self, self._validate(prompt, **kwargs))
 
     def _validate(
         self,
@@ -214,51 +200,51 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
         return prompt_ids
 
-    def _finish_log(self, request: DecodeRequest) -> GenerationLog:
-        """Moves the request's log data to the CPU once, at the end (no per-step syncs)."""
-        num_generated = request.stats.num_generated
-        top_ids = torch.cat([ids for ids, _ in request.log_rows])[:num_generated]
-        top_probs = torch.cat([probs for _, probs in request.log_rows])[:num_generated]
-        params = request.params
-        settings = RequestSettings(
-            method=request.method,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=request.max_new_tokens,
-            seed=request.seed,
-            num_spec_tokens=request.num_spec_tokens,
-            num_drafts=request.num_drafts,
-            adapter=request.adapter,
-        )
-        return GenerationLog(
-            settings=settings,
-            prompt_len=len(request.prompt_ids),
-            token_ids=torch.tensor(request.seq, dtype=torch.int32),
-            num_drafted=torch.tensor(request.num_drafted, dtype=torch.int32),
-            num_accepted=torch.tensor(request.num_accepted, dtype=torch.int32),
-            draft_token_probs=torch.cat(request.draft_token_probs).cpu().half(),
-            target_top_ids=top_ids.cpu().int(),
-            target_top_probs=top_probs.cpu().half(),
-        )
 
+class GenerationStream:
+    """Iterator over one request's steps; owns its KV caches (requests share nothing).
 
-class DecodeRequestStream:
-    """Iterator over one request's steps; owns its KV caches (requests share nothing)."""
+    Iterate for :class:`StreamChunk` s; once exhausted, :meth:`result` gives the whole
+    :class:`GenerationResult` (with its log data). :meth:`cancel` stops after the current step.
+    """
 
     def __init__(self, engine: SpeculativeDecoder, request: DecodeRequest) -> None:
         self.engine = engine
         self.request = request
         self._steps = self._run()
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+        self._finish_reason: FinishReason = "length"
 
-    def __iter__(self) -> DecodeRequestStream:
+    def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> StreamChunk:
-        return next(self._steps)
+        chunk = next(self._steps)
+        self._token_ids.extend(chunk.token_ids)
+        self._text.append(chunk.text)
+        self._finish_reason = chunk.finish_reason or self._finish_reason
+        return chunk
+
+    def cancel(self) -> None:
+        """Stops generating after the step in progress (e.g. the client went away)."""
+        self._steps.close()
+
+    def result(self) -> GenerationResult:
+        """The finished generation; drains the stream first if it is not exhausted."""
+        for _ in self:
+            pass
+        request = self.request
+        return GenerationResult(
+            token_ids=list(self._token_ids),
+            text="".join(self._text),
+            finish_reason=self._finish_reason,
+            stats=request.stats,
+            log=_finish_log(request) if request.log_top_m else None,
+        )
 
     @torch.inference_mode()
-    def _run(self) -> Iterator[StreamChunk]:
+    def _run(self) -> Generator[StreamChunk, None, None]:
         engine, request = self.engine, self.request
         assembler = TextAssembler(engine.tokenizer, request.stop)
         target_cache, draft_cache = engine.target.new_cache(), engine.draft.new_cache()
@@ -294,6 +280,35 @@ class DecodeRequestStream:
                 yield StreamChunk(emitted, text + assembler.flush(), finish)
                 return
             yield StreamChunk(emitted, text)
+
+
+def _finish_log(request: DecodeRequest) -> GenerationLog:
+    """Moves the request's log data to the CPU once, at the end (no per-step syncs)."""
+    num_generated = request.stats.num_generated
+    top_ids = torch.cat([ids for ids, _ in request.log_rows])[:num_generated]
+    top_probs = torch.cat([probs for _, probs in request.log_rows])[:num_generated]
+    params = request.params
+    settings = RequestSettings(
+        method=request.method,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_tokens=request.max_new_tokens,
+        seed=request.seed,
+        num_spec_tokens=request.num_spec_tokens,
+        num_drafts=request.num_drafts,
+        adapter=request.adapter,
+    )
+    return GenerationLog(
+        settings=settings,
+        prompt_len=len(request.prompt_ids),
+        token_ids=torch.tensor(request.seq, dtype=torch.int32),
+        num_drafted=torch.tensor(request.num_drafted, dtype=torch.int32),
+        num_accepted=torch.tensor(request.num_accepted, dtype=torch.int32),
+        draft_token_probs=torch.cat(request.draft_token_probs).cpu().half(),
+        target_top_ids=top_ids.cpu().int(),
+        target_top_probs=top_probs.cpu().half(),
+    )
 
 
 def _truncate(

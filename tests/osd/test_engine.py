@@ -180,3 +180,12 @@ def test_log_packs_into_a_record_without_text(engine):
     assert (again.adapter_name, again.adapter_version, again.method) == ("sql", 3, "spectr")
     assert again.num_drafts == 2 and again.seed == result.log.settings.seed
     assert result.text.encode() not in record.pack() or not result.text
+
+
+def test_stream_result_and_cancel(engine):
+    stream = engine.stream(PROMPTS[0], max_tokens=50, seed=4, stop_token_ids=[])
+    first = next(stream)
+    stream.cancel()
+    result = stream.result()
+    assert result.token_ids == first.token_ids
+    assert result.log.target_top_ids.shape[0] == len(first.token_ids)
