@@ -28,10 +28,10 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import TracebackType
 
 import redis
 
+from osd.closing import Closeable
 from osd.record import Record
 from osd.redis_server import check_credentials, connect, redact_url
 
@@ -91,7 +91,7 @@ def _check_arguments(stream: str, counts: dict[str, int], durations: dict[str, f
         raise ValueError("stream must not be empty")
 
 
-class LogWriter:
+class LogWriter(Closeable):
     """Writes `Record`s to a Redis stream from a background thread; `log` never blocks or raises.
 
     Args:
@@ -238,17 +238,6 @@ class LogWriter:
             self._drop_queued("closed")
             self._client.close()
         return self.metrics()
-
-    def __enter__(self) -> LogWriter:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def _run(self) -> None:
         while not (self._closing.is_set() and self._queue.empty()):

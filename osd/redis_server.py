@@ -20,12 +20,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from osd.closing import Closeable
 
 __all__ = ["LocalRedis", "RedisServerError", "check_credentials", "connect", "redact_url"]
 
@@ -85,7 +86,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class LocalRedis:
+class LocalRedis(Closeable):
     """A `redis-server` child process on 127.0.0.1, with AOF on, in a temporary directory.
 
     Use as a context manager; `stop()` shuts it down cleanly and `restart()` brings it back on the
@@ -260,14 +261,6 @@ class LocalRedis:
 
     def __enter__(self) -> LocalRedis:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = f"pid={self.pid}" if self.running else "stopped"

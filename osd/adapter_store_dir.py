@@ -1,0 +1,189 @@
+"""The adapter store on a shared filesystem (local disk, NFS with working `flock`).
+
+Layout under `root`::
+
+    <name>/v<version>/adapter.safetensors   weights, read-only once published
+    <name>/v<version>/manifest.json         `AdapterManifest`, read-only once published
+    <name>/CURRENT                          the pointer: the current version number
+    <name>/LAST_VERSION                     the last version number handed out
+    <name>/.lock                            `flock`ed around allocation and pointer moves
+    <name>/.tmp-*                           versions being written; never read
+
+A version is written into a fresh `.tmp-*` directory (files and directory fsynced) and renamed to
+`v<version>` in one `os.rename`, so `v<version>` either does not exist or is complete. The pointer
+is replaced with `os.replace` under the lock, after checking that it still names the expected
+version (compare-and-set). There is no message channel: `subscribe` polls the pointers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from osd.adapter_manifest import (
+    AdapterManifest,
+    AdapterNotFound,
+    AdapterStoreError,
+    PublishConflict,
+    check_adapter_name,
+)
+from osd.adapter_store import DEFAULT_MAX_BYTES, AdapterStore, PointerPollSubscription
+
+__all__ = ["DirectoryAdapterStore"]
+
+WEIGHTS_FILE = "adapter.safetensors"
+MANIFEST_FILE = "manifest.json"
+_VERSION_DIR_RE = re.compile(r"v([1-9][0-9]*)")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
+    with open(path, "xb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.chmod(path, mode)
+
+
+def _replace_durably(path: Path, data: bytes) -> None:
+    """Replaces the file at `path` atomically: a reader sees the old or the new content."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        _write_durably(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise AdapterStoreError(f"{path} should hold a version number, holds {text[:40]!r}")
+    return int(text)
+
+
+class DirectoryAdapterStore(AdapterStore):
+    """Adapter versions as files under `root`, shared by trainers and replicas.
+
+    Args:
+        root: the store's directory; created if missing.
+        max_bytes: largest weights file accepted.
+        poll_interval_s: how often `subscribe` re-reads the pointers.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        poll_interval_s: float = 1.0,
+    ) -> None:
+        super().__init__(max_bytes=max_bytes)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.poll_interval_s = poll_interval_s
+
+    def __repr__(self) -> str:
+        return f"DirectoryAdapterStore({str(self.root)!r})"
+
+    def _dir(self, name: str) -> Path:
+        check_adapter_name(name)
+        return self.root / name
+
+    def _version_dir(self, name: str, version: int) -> Path:
+        return self._dir(name) / f"v{version}"
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[Path]:
+        """Holds the adapter's lock file; each call opens it anew, so threads exclude too."""
+        directory = self._dir(name)
+        directory.mkdir(exist_ok=True)
+        with open(directory / ".lock", "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield directory
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def current(self, name: str) -> int | None:
+        return _read_int(self._dir(name) / "CURRENT")
+
+    def list_versions(self, name: str) -> list[int]:
+        directory = self._dir(name)
+        if not directory.is_dir():
+            return []
+        versions = []
+        for entry in directory.iterdir():
+            match = _VERSION_DIR_RE.fullmatch(entry.name)
+            if match and (entry / MANIFEST_FILE).is_file():
+                versions.append(int(match.group(1)))
+        return sorted(versions)
+
+    def names(self) -> list[str]:
+        found = []
+        for entry in self.root.iterdir():
+            with contextlib.suppress(ValueError):
+                if entry.is_dir() and self.list_versions(entry.name):
+                    found.append(entry.name)
+        return sorted(found)
+
+    def subscribe(self) -> PointerPollSubscription:
+        """Polls every pointer each `poll_interval_s`; see `PointerPollSubscription`."""
+        return PointerPollSubscription(self, self.poll_interval_s)
+
+    def _allocate_version(self, name: str) -> int:
+        with self._locked(name) as directory:
+            last = max([_read_int(directory / "LAST_VERSION") or 0, *self.list_versions(name)])
+            _replace_durably(directory / "LAST_VERSION", f"{last + 1}\n".encode())
+        return last + 1
+
+    def _write_version(self, manifest: AdapterManifest, payload: bytes) -> None:
+        directory = self._dir(manifest.name)
+        tmp = directory / f".tmp-v{manifest.version}-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            _write_durably(tmp / WEIGHTS_FILE, payload, mode=0o444)
+            _write_durably(tmp / MANIFEST_FILE, manifest.to_json(), mode=0o444)
+            _fsync_dir(tmp)
+            # Fails if the version exists (a non-empty directory): versions are never rewritten.
+            os.rename(tmp, directory / f"v{manifest.version}")
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise AdapterStoreError(f"could not store {manifest.ref} under {directory}") from exc
+        _fsync_dir(directory)
+
+    def _read_manifest(self, name: str, version: int) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError):
+            return (self._version_dir(name, version) / MANIFEST_FILE).read_bytes()
+        return None
+
+    def _read_weights(self, name: str, version: int) -> bytes | None:
+        with contextlib.suppress(FileNotFoundError):
+            return (self._version_dir(name, version) / WEIGHTS_FILE).read_bytes()
+        return None
+
+    def _compare_and_set(self, name: str, expected: int | None, new: int) -> None:
+        with self._locked(name) as directory:
+            actual = _read_int(directory / "CURRENT")
+            if actual != expected:
+                raise PublishConflict(name, expected, actual, new)
+            if not (self._version_dir(name, new) / MANIFEST_FILE).is_file():
+                raise AdapterNotFound(f"adapter {name!r} has no version {new}")
+            _replace_durably(directory / "CURRENT", f"{new}\n".encode())
