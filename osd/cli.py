@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS = {
     "demo-models": ("osd.demo.cli", "build, check or describe the offline demo model pair"),
+    "serve": ("serving.cli", "run the Ray Serve app against a given Redis and Ray cluster"),
 }
 
 

@@ -113,16 +113,20 @@ class GenerationLog:
         *,
         request_id: str,
         domain: str = "",
+        adapter_name: str | None = None,
         adapter_version: int = 0,
         created_at: float | None = None,
     ) -> Record:
-        """Packs this log into the record the buffer stores (no text is carried)."""
+        """Packs this log into the record the buffer stores (no text is carried).
+
+        ``adapter_name`` defaults to the adapter the request used (``base`` for none).
+        """
         s = self.settings
         return Record(
             request_id=request_id,
             created_at=time.time() if created_at is None else created_at,
             domain=domain,
-            adapter_name=s.adapter or BASE_DRAFT_NAME,
+            adapter_name=adapter_name or s.adapter or BASE_DRAFT_NAME,
             adapter_version=adapter_version,
             method=s.method,  # type: ignore[arg-type]
             temperature=s.temperature,

@@ -72,7 +72,11 @@ class CausalLM:
         params = inspect.signature(_base_model(self.model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._slices_logits = "logits_to_keep" in params
-        self.adapter_names: tuple[str, ...] = tuple(getattr(self.model, "peft_config", {}) or ())
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """LoRA adapters loaded now (a replica adds and removes versions while serving)."""
+        return tuple(getattr(self.model, "peft_config", {}) or ())
 
     @property
     def device(self) -> torch.device:

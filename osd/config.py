@@ -1,0 +1,269 @@
+"""Configuration: frozen dataclasses are the schema, YAML holds the values.
+
+One loader (:func:`load_config`) reads a YAML file, applies ``a.b=value`` overrides, rejects
+unknown keys and converts values to the annotated types, with errors that name the field and the
+bad value. Device and dtype default to ``auto``: CUDA and bfloat16 where a GPU is present, CPU
+and float32 elsewhere, so nothing hard-codes the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+__all__ = [
+    "AdapterConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OSDConfig",
+    "ServeConfig",
+    "SpecConfig",
+    "TrainerConfig",
+    "WandbConfig",
+    "config_from_dict",
+    "load_config",
+    "resolve_device",
+    "resolve_dtype",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target/draft pair and the draft's LoRA adapters."""
+
+    target: str = "demo:target"  # path, hub id, or demo:target / demo:draft (built offline)
+    draft: str = "demo:draft"
+    tokenizer: str = ""  # empty: the target's
+    device: str = "auto"  # auto: cuda if available, else cpu
+    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
+    adapters: tuple[str, ...] = ("general",)  # LoRA adapters attached to the draft
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def __post_init__(self) -> None:
+        _require(bool(self.target), "model.target", self.target, "a path or hub id")
+        _require(bool(self.draft), "model.draft", self.draft, "a path or hub id")
+        _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, ">= 1")
+        _require(bool(self.adapters), "model.adapters", self.adapters, "at least one name")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding defaults; requests may override method, k and K."""
+
+    method: Literal["token", "block", "spectr"] = "block"
+    num_spec_tokens: int = 4
+    num_drafts: int = 2
+    adaptive_threshold: float = 0.0
+    log_top_m: int = 32
+
+    def __post_init__(self) -> None:
+        _require(self.num_spec_tokens >= 1, "spec.num_spec_tokens", self.num_spec_tokens, ">= 1")
+        _require(self.num_drafts >= 1, "spec.num_drafts", self.num_drafts, ">= 1")
+        _require(
+            0 <= self.adaptive_threshold < 1,
+            "spec.adaptive_threshold",
+            self.adaptive_threshold,
+            "in [0, 1)",
+        )
+        _require(self.log_top_m >= 1, "spec.log_top_m", self.log_top_m, ">= 1")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """The Redis log buffer between replicas and the trainer."""
+
+    redis_url: str = ""  # empty: start a local redis-server (embedded default)
+    stream: str = "osd:records"
+    maxlen: int = 200_000
+    queue_size: int = 10_000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.maxlen >= 1, "log.maxlen", self.maxlen, ">= 1")
+        _require(self.queue_size >= 1, "log.queue_size", self.queue_size, ">= 1")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The Ray Serve application."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str = "osd"
+    num_replicas: int = 1
+    max_ongoing_requests: int = 8
+    max_queued_requests: int = 32
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_tokens_limit: int = 1024
+    max_body_bytes: int = 1_000_000
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(0 < self.port < 65536, "serve.port", self.port, "in 1..65535")
+        _require(self.num_replicas >= 1, "serve.num_replicas", self.num_replicas, ">= 1")
+        _require(
+            self.max_ongoing_requests >= 1,
+            "serve.max_ongoing_requests",
+            self.max_ongoing_requests,
+            ">= 1",
+        )
+        _require(
+            self.max_tokens_limit >= 1, "serve.max_tokens_limit", self.max_tokens_limit, ">= 1"
+        )
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """Where published adapter versions live and how replicas follow and judge them."""
+
+    store: Literal["directory", "redis"] = "redis"
+    root: str = ""  # directory store: shared folder; empty: a folder under the run directory
+    reconcile_interval_s: float = 1.0
+    rollback_window: int = 64  # generated positions per version before judging it live
+    rollback_margin: float = 0.05  # roll back when acceptance drops by more than this
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The online distillation worker."""
+
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "tvd"] = "forward_kl"
+    positions: Literal["all", "rejected"] = "all"
+    learning_rate: float = 1e-3
+    batch_records: int = 16
+    steps_per_round: int = 20
+    replay_size: int = 2_000
+    holdout_fraction: float = 0.2
+    publish_margin: float = 0.01
+    min_records: int = 32
+    group: str = "trainer"
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.learning_rate > 0, "trainer.learning_rate", self.learning_rate, "> 0")
+        _require(
+            0 < self.holdout_fraction < 1,
+            "trainer.holdout_fraction",
+            self.holdout_fraction,
+            "in (0, 1)",
+        )
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases: offline by default (``wandb sync`` later); online with a key."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "osd"
+    dir: str = ""
+
+
+@dataclass(frozen=True)
+class OSDConfig:
+    """Everything one deployment of osd needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
+    adapters: AdapterConfig = field(default_factory=AdapterConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    run_dir: str = "runs/latest"
+
+
+def _require(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> OSDConfig:
+    """Loads a YAML config (or the defaults) and applies ``a.b=value`` overrides.
+
+    Raises:
+        ValueError: on unknown keys, malformed overrides or values of the wrong type.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(
+                f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
+            )
+        data = loaded
+    for override in overrides or []:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override must look like a.b=value, got {override!r}")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {override!r}: {part} is not a section")
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return config_from_dict(OSDConfig, data)
+
+
+def config_from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Builds dataclass ``cls`` from a mapping, recursively, rejecting unknown keys."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) {unknown} in {prefix or 'config'}; known: {sorted(names)}"
+        )
+    kwargs = {name: _convert(hints[name], value, f"{prefix}{name}") for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return config_from_dict(hint, value or {}, prefix=f"{name}.")  # type: ignore[arg-type]
+    if origin is Literal:
+        if value not in args:
+            raise ValueError(f"{name} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        items = value if isinstance(value, list | tuple) else [value]
+        return tuple(_convert(args[0], item, name) for item in items)
+    if origin in (typing.Union, types.UnionType):
+        return (
+            value
+            if value is None
+            else _convert(next(a for a in args if a is not type(None)), value, name)
+        )
+    if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise ValueError(f"{name} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` becomes ``cuda`` where a GPU is present, else ``cpu``."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` becomes ``bfloat16`` on CUDA and ``float32`` elsewhere."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"

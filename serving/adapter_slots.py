@@ -1,0 +1,101 @@
+"""Versions of each draft adapter loaded in one replica, swapped without dropping requests.
+
+Every loaded version is its own peft adapter named ``<adapter>@<version>``. A request leases the
+current version when it starts and keeps it to the end, so a swap never changes the draft under
+a running request (and verification keeps outputs exact whatever the draft). The previous
+version stays loaded for rollback; older ones are deleted once no request uses them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AdapterLease", "AdapterSlots", "peft_adapter_name"]
+
+
+def peft_adapter_name(adapter: str, version: int) -> str:
+    return f"{adapter}@{version}"
+
+
+@dataclass(frozen=True)
+class AdapterLease:
+    """A version of an adapter held by one request."""
+
+    adapter: str
+    version: int
+
+    @property
+    def peft_name(self) -> str:
+        return peft_adapter_name(self.adapter, self.version)
+
+
+class AdapterSlots:
+    """Current and previous version per adapter, with leases; thread-safe.
+
+    Args:
+        model: the peft draft; adapters ``<name>@0`` must already be attached.
+        adapters: logical adapter names.
+    """
+
+    def __init__(self, model: Any, adapters: list[str]) -> None:
+        self.model = model
+        self._current = {name: 0 for name in adapters}
+        self._previous: dict[str, int | None] = {name: None for name in adapters}
+        self._leases: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._current)
+
+    def current(self, adapter: str) -> int:
+        return self._current[adapter]
+
+    def previous(self, adapter: str) -> int | None:
+        return self._previous[adapter]
+
+    def acquire(self, adapter: str) -> AdapterLease:
+        with self._lock:
+            lease = AdapterLease(adapter, self._current[adapter])
+            self._leases[lease.peft_name] += 1
+        return lease
+
+    def release(self, lease: AdapterLease) -> None:
+        with self._lock:
+            self._leases[lease.peft_name] -= 1
+            self._collect()
+
+    def swap_in(self, adapter: str, version: int, install: Callable[[Any, str], None]) -> None:
+        """Loads ``version`` (``install(model, peft_name)``, off the decode path), makes it
+        current and keeps the old current as previous."""
+        name = peft_adapter_name(adapter, version)
+        if name not in getattr(self.model, "peft_config", {}):
+            install(self.model, name)
+        with self._lock:
+            if self._current[adapter] != version:
+                self._previous[adapter] = self._current[adapter]
+                self._current[adapter] = version
+            self._collect()
+
+    def roll_back(self, adapter: str, to_version: int | None = None) -> int | None:
+        """Makes the previous (or the given loaded) version current again; returns it."""
+        with self._lock:
+            target = self._previous[adapter] if to_version is None else to_version
+            if target is None or peft_adapter_name(adapter, target) not in self.model.peft_config:
+                return None
+            self._previous[adapter], self._current[adapter] = None, target
+            self._collect()
+            return target
+
+    def _collect(self) -> None:
+        """Deletes loaded versions that are neither current, previous nor leased."""
+        keep = {peft_adapter_name(a, v) for a, v in self._current.items()}
+        keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
+        for name in list(self.model.peft_config):
+            if name not in keep and self._leases[name] <= 0 and "@" in name:
+                self.model.delete_adapter(name)
+                self._leases.pop(name, None)

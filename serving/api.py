@@ -1,0 +1,180 @@
+"""The OpenAI-compatible HTTP API of a replica (FastAPI), independent of Ray.
+
+``/v1/completions``, ``/v1/chat/completions`` (streaming over SSE with
+``stream_options.include_usage``), ``/v1/models``, ``/health`` and ``/metrics``. Every bad
+request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a hang.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from osd.generation import GenerationResult
+from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
+from serving.runtime import Job, ReplicaRuntime
+
+__all__ = ["create_api"]
+
+
+def create_api(runtime: ReplicaRuntime) -> FastAPI:
+    """Builds the FastAPI app serving ``runtime``."""
+    app = FastAPI(title="osd", version="0.1.0")
+    serve = runtime.config.serve
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.errors()[:1])), status_code=400)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "adapters": {a: runtime.slots.current(a) for a in runtime.slots.adapters},
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(runtime.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": serve.model_name, "object": "model", "created": 0, "owned_by": "osd"}],
+        }
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+        return await _handle(runtime, request, "completion")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> JSONResponse | StreamingResponse:
+        return await _handle(runtime, request, "chat")
+
+    return app
+
+
+async def _read_json(request: Request, max_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body over {max_bytes} bytes", code="body_too_large")
+    body = b""
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body over {max_bytes} bytes", code="body_too_large")
+    try:
+        return json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}") from None
+
+
+async def _handle(
+    runtime: ReplicaRuntime, http: Request, kind: Literal["completion", "chat"]
+) -> JSONResponse | StreamingResponse:
+    data = await _read_json(http, runtime.config.serve.max_body_bytes)
+    request = parse_request(kind, data)
+    job = runtime.admit(request)
+    if request.stream:
+        return StreamingResponse(_sse(runtime, job, kind), media_type="text/event-stream")
+    result = await runtime.complete(job)
+    body = _response(job, kind, result, runtime.config.serve.model_name)
+    return JSONResponse(body)
+
+
+def _usage(job: Job, result: GenerationResult) -> dict[str, Any]:
+    prompt_tokens = (
+        result.log.prompt_len if result.log is not None else len(job.stream.request.prompt_ids)
+    )
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(result.token_ids),
+        "total_tokens": prompt_tokens + len(result.token_ids),
+    }
+
+
+def _osd_stats(job: Job, result: GenerationResult) -> dict[str, Any]:
+    return {
+        **result.stats.as_dict(),
+        "adapter": job.lease.adapter,
+        "adapter_version": job.lease.version,
+        "method": job.stream.request.method,
+        "route": job.route.reason,
+        "note": job.route.note,
+    }
+
+
+def _response(job: Job, kind: str, result: GenerationResult, model: str) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": result.finish_reason,
+            "message": {"role": "assistant", "content": result.text},
+        }
+        obj, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "logprobs": None,
+        }
+        obj, prefix = "text_completion", "cmpl"
+    return {
+        "id": new_id(prefix),
+        "object": obj,
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(job, result),
+        "osd": _osd_stats(job, result),
+    }
+
+
+async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncIterator[bytes]:
+    chat = isinstance(job.request, ChatRequest)
+    ident = new_id("chatcmpl" if chat else "cmpl")
+    head = {
+        "id": ident,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": now(),
+        "model": runtime.config.serve.model_name,
+    }
+
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n".encode()
+
+    def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": 0, "delta": delta, "finish_reason": finish}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    first = True
+    try:
+        async for chunk in runtime.stream(job):
+            if chunk.text or chunk.finish_reason or first:
+                yield event([choice(chunk.text, chunk.finish_reason, first)])
+                first = False
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n".encode()
+        return
+    result = job.stream.result()
+    if job.request.include_usage:
+        yield event([], usage=_usage(job, result), osd=_osd_stats(job, result))
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,92 @@
+"""The Ray Serve application: replicas running :class:`ReplicaRuntime` behind the HTTP API.
+
+``serve run configs/serve.yaml`` (import path ``serving.app:app_builder``) or
+``osd serve --config ...``. Replica count, concurrency, queue bound and GPUs per replica come
+from the config; Ray Serve answers 503 when a replica's queue is full.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+
+from osd.config import OSDConfig, config_from_dict, load_config
+from serving.api import create_api
+from serving.runtime import ReplicaRuntime
+
+__all__ = ["OSDReplica", "app_builder", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+
+@serve.ingress()
+class OSDReplica:
+    """One replica: models, adapters, log writer and watcher, with the FastAPI app."""
+
+    def __init__(self, config: dict[str, Any], redis_url: str = "") -> None:
+        self.config: OSDConfig = config_from_dict(OSDConfig, config)
+        writer = None
+        url = redis_url or self.config.log.redis_url
+        if self.config.log.enabled and url:
+            from osd.log_writer import LogWriter
+
+            log = self.config.log
+            writer = LogWriter(url, log.stream, maxlen=log.maxlen, queue_size=log.queue_size)
+        self.runtime = ReplicaRuntime(self.config, log_writer=writer)
+        self.watcher = None
+        if url:
+            from serving.watcher import AdapterWatcher
+
+            self.watcher = AdapterWatcher.from_config(self.runtime, self.config, url)
+            self.watcher.start()
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return create_api(self.runtime)
+
+    def check_health(self) -> None:
+        """Ray Serve restarts a replica whose health check raises."""
+        if self.watcher is not None and not self.watcher.alive:
+            raise RuntimeError("adapter watcher thread died")
+
+    def __del__(self) -> None:
+        if getattr(self, "watcher", None) is not None:
+            self.watcher.stop()
+        if getattr(self, "runtime", None) is not None:
+            self.runtime.close()
+
+
+def build_app(config: OSDConfig, redis_url: str = "") -> Any:
+    """A bound Serve application for ``config``."""
+    s = config.serve
+    deployment = serve.deployment(
+        OSDReplica,
+        name="osd",
+        num_replicas=s.num_replicas,
+        max_ongoing_requests=s.max_ongoing_requests,
+        max_queued_requests=s.max_queued_requests,
+        ray_actor_options={"num_cpus": s.num_cpus, "num_gpus": s.num_gpus},
+        health_check_period_s=5,
+    )
+    return deployment.bind(_as_dict(config), redis_url)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Entry point for ``serve run``: ``args`` holds ``config`` (a path) and ``overrides``."""
+    overrides = args.get("overrides") or []
+    config = load_config(args.get("config"), list(overrides))
+    return build_app(config, args.get("redis_url", ""))
+
+
+def _as_dict(config: OSDConfig) -> dict[str, Any]:
+    import dataclasses
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return list(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(config))

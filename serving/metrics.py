@@ -1,0 +1,94 @@
+"""Prometheus metrics of one replica (exported at ``/metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["ReplicaMetrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class ReplicaMetrics:
+    """Counters, gauges and histograms; each replica has its own registry."""
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r, labels = self.registry, ["adapter", "version", "domain"]
+        self.requests = Counter(
+            "osd_requests", "Requests by outcome", ["endpoint", "status"], registry=r
+        )
+        self.tokens = Counter("osd_generated_tokens", "Generated tokens", labels, registry=r)
+        self.drafted = Counter("osd_drafted_tokens", "Drafted tokens", labels, registry=r)
+        self.accepted = Counter(
+            "osd_accepted_tokens", "Accepted drafted tokens", labels, registry=r
+        )
+        self.accepted_at = Counter(
+            "osd_accepted_by_position",
+            "Steps whose draft was accepted at least to this position",
+            ["adapter", "position"],
+            registry=r,
+        )
+        self.steps = Counter("osd_steps", "Target verification calls", labels, registry=r)
+        self.ttft = Histogram(
+            "osd_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "osd_inter_token_latency_seconds",
+            "Time per generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            "osd_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.in_flight = Gauge("osd_requests_in_flight", "Requests being decoded", registry=r)
+        self.log_written = Gauge("osd_log_records_written", "Records written to Redis", registry=r)
+        self.log_dropped = Gauge("osd_log_records_dropped", "Records dropped", registry=r)
+        self.log_opted_out = Gauge(
+            "osd_log_records_opted_out", "Requests that opted out", registry=r
+        )
+        self.swaps = Counter(
+            "osd_adapter_swaps", "Adapter versions swapped in", ["adapter"], registry=r
+        )
+        self.rollbacks = Counter(
+            "osd_adapter_rollbacks", "Adapter versions rolled back", ["adapter"], registry=r
+        )
+        self.refused = Counter(
+            "osd_adapter_refusals",
+            "Adapter versions refused by the loader",
+            ["adapter", "reason"],
+            registry=r,
+        )
+        self.router_fallbacks = Counter(
+            "osd_router_fallbacks", "Unknown drafts sent to general", registry=r
+        )
+
+    def observe_generation(
+        self,
+        adapter: str,
+        version: int,
+        domain: str,
+        num_generated: int,
+        num_drafted: list[int],
+        num_accepted: list[int],
+    ) -> None:
+        """Counts one finished request's tokens."""
+        labels = (adapter, str(version), domain or "none")
+        self.tokens.labels(*labels).inc(num_generated)
+        self.drafted.labels(*labels).inc(sum(num_drafted))
+        self.accepted.labels(*labels).inc(sum(num_accepted))
+        self.steps.labels(*labels).inc(len(num_drafted))
+        for accepted in num_accepted:
+            for position in range(1, accepted + 1):
+                self.accepted_at.labels(adapter, str(position)).inc()
+
+    def export(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,171 @@
+"""OpenAI-compatible request and response shapes, and OpenAI-style errors.
+
+Requests take the usual OpenAI fields plus osd's own: ``draft`` (adapter or domain), ``domain``
+(a route label), ``spec`` (method, k, K) and ``log`` (false opts the request out of logging).
+Validation failures become :class:`APIError` with a 4xx status, never a 500.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "APIError",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "SpecOptions",
+    "error_body",
+    "parse_request",
+]
+
+
+class APIError(Exception):
+    """An error answered to the client with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = (
+            status,
+            message,
+            param,
+            code,
+            kind,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, kind=self.kind, param=self.param, code=self.code)
+
+
+def error_body(
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """The OpenAI error envelope."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class SpecOptions(BaseModel):
+    """osd's speculative decoding options for one request."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    method: Literal["token", "block", "spectr"] | None = None
+    k: int | None = Field(default=None, ge=1, le=16)
+    K: int | None = Field(default=None, ge=1, le=8)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=256)
+    draft: str | None = Field(default=None, max_length=128)
+    domain: str | None = Field(default=None, max_length=128)
+    spec: SpecOptions | None = None
+    log: bool = True
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n = 1 is supported, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or any(len(s) > 64 for s in stops):
+            raise ValueError("at most 4 stop sequences of at most 64 characters")
+        return stop
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("only one prompt per request is supported")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+
+
+def parse_request(
+    kind: Literal["completion", "chat"], data: Any
+) -> CompletionRequest | ChatRequest:
+    """Validates a decoded JSON body; raises :class:`APIError` (400) naming the bad field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = CompletionRequest if kind == "completion" else ChatRequest
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,271 @@
+"""One replica's state: the engine, the draft's adapter versions, router, log writer, metrics.
+
+Requests run concurrently in a thread pool (torch releases the GIL in its kernels); each has its
+own KV caches and random streams, and leases one adapter version for its whole life. After a
+request, its record goes to the log writer's queue (never blocking) unless it opted out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from osd.config import OSDConfig
+from osd.engine import GenerationStream, SpeculativeDecoder
+from osd.generation import GenerationResult, StreamChunk
+from osd.model_sources import attach_lora_adapters, load_model_pair
+from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
+from serving.metrics import ReplicaMetrics
+from serving.protocol import APIError, ChatRequest, CompletionRequest, new_id
+from serving.router import AdapterRouter, RouteDecision
+
+__all__ = ["Job", "ReplicaRuntime"]
+
+
+@dataclass
+class Job:
+    """One admitted request: its stream, route and adapter lease."""
+
+    request: CompletionRequest | ChatRequest
+    stream: GenerationStream
+    route: RouteDecision
+    lease: AdapterLease
+    request_id: str = field(default_factory=lambda: new_id("req"))
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+
+class ReplicaRuntime:
+    """Everything a replica needs to serve; independent of Ray and HTTP (tested without)."""
+
+    def __init__(self, config: OSDConfig, *, log_writer: Any = None) -> None:
+        self.config = config
+        target, draft, tokenizer = load_model_pair(config.model)
+        adapters = list(config.model.adapters)
+        draft = attach_lora_adapters(
+            draft, config.model, [peft_adapter_name(a, 0) for a in adapters]
+        )
+        spec = config.spec
+        self.engine = SpeculativeDecoder(
+            target,
+            draft,
+            tokenizer,
+            log_top_m=spec.log_top_m,
+            adaptive_threshold=spec.adaptive_threshold,
+        )
+        self.slots = AdapterSlots(draft, adapters)
+        self.router = AdapterRouter(adapters, general=adapters[0])
+        self.metrics = ReplicaMetrics()
+        self.log_writer = log_writer
+        self.monitor: Any = None  # set by the adapter watcher: observe(adapter, version, acc)
+        limit = config.serve.max_ongoing_requests
+        self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="decode")
+        self._admission = threading.BoundedSemaphore(limit)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def prompt_of(self, request: CompletionRequest | ChatRequest) -> str | list[int]:
+        if isinstance(request, CompletionRequest):
+            return request.prompt  # type: ignore[return-value]
+        messages = [m.model_dump() for m in request.messages]
+        tokenizer = self.tokenizer
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            return str(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            )
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join([*lines, "assistant:"])
+
+    def admit(self, request: CompletionRequest | ChatRequest) -> Job:
+        """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
+        serve = self.config.serve
+        if request.model != serve.model_name:
+            raise APIError(
+                404,
+                f"model {request.model!r} does not exist; this server serves {serve.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        max_tokens = request.max_completion_tokens or request.max_tokens or 16
+        if max_tokens > serve.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens is {max_tokens}; this server allows at most {serve.max_tokens_limit}",
+                param="max_tokens",
+            )
+        if not self._admission.acquire(blocking=False):
+            raise APIError(
+                429,
+                "too many requests in flight on this replica; retry shortly",
+                kind="rate_limit_error",
+                code="overloaded",
+            )
+        try:
+            route = self.router.choose(request.draft, request.domain)
+            if route.reason == "fallback":
+                self.metrics.router_fallbacks.inc()
+            lease = self.slots.acquire(route.adapter)
+            try:
+                stream = self._start(request, lease, max_tokens)
+            except BaseException:
+                self.slots.release(lease)
+                raise
+        except ValueError as exc:
+            self._admission.release()
+            raise APIError(400, str(exc), param=_param_of(str(exc))) from None
+        except BaseException:
+            self._admission.release()
+            raise
+        self.metrics.in_flight.inc()
+        return Job(request, stream, route, lease)
+
+    def _start(
+        self, request: CompletionRequest | ChatRequest, lease: AdapterLease, max_tokens: int
+    ) -> GenerationStream:
+        spec, defaults = request.spec, self.config.spec
+        return self.engine.stream(
+            self.prompt_of(request),
+            max_tokens=max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop=request.stop_list,
+            seed=request.seed,
+            method=(spec and spec.method) or defaults.method,
+            num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
+            num_drafts=(spec and spec.K) or defaults.num_drafts,
+            adapter=lease.peft_name,
+            log=self.log_writer is not None and request.log,
+        )
+
+    async def complete(self, job: Job) -> GenerationResult:
+        """Runs a request to the end in the thread pool."""
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(self._executor, job.stream.result)
+        except BaseException:
+            self._finish(job, None)
+            raise
+        job.first_token_at = job.first_token_at or time.perf_counter()
+        self._finish(job, result)
+        return result
+
+    async def stream(self, job: Job) -> AsyncIterator[StreamChunk]:
+        """Yields chunks as the thread pool verifies them; cancels if the consumer stops."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        stop = threading.Event()
+
+        def pump() -> None:
+            try:
+                for chunk in job.stream:
+                    loop.call_soon_threadsafe(queue.put_nowait, ("chunk", chunk))
+                    if stop.is_set():
+                        job.stream.cancel()
+                        break
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", job.stream.result()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+
+        loop.run_in_executor(self._executor, pump)
+        result = None
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "chunk":
+                    job.first_token_at = job.first_token_at or time.perf_counter()
+                    yield item
+                elif kind == "done":
+                    result = item
+                    return
+                else:
+                    raise item
+        finally:
+            stop.set()
+            if result is None:  # consumer went away or an error: wait for the pump to stop
+                while (kind_item := await queue.get())[0] == "chunk":
+                    pass
+                result = kind_item[1] if kind_item[0] == "done" else None
+            self._finish(job, result)
+
+    def _finish(self, job: Job, result: GenerationResult | None) -> None:
+        """Metrics, router feedback, live monitor and the log record, off the decode path."""
+        try:
+            if result is not None:
+                self._account(job, result)
+        finally:
+            self.slots.release(job.lease)
+            self._admission.release()
+            self.metrics.in_flight.dec()
+
+    def _account(self, job: Job, result: GenerationResult) -> None:
+        stats, lease, domain = result.stats, job.lease, job.request.domain or ""
+        elapsed = time.perf_counter() - job.started
+        self.metrics.latency.observe(elapsed)
+        if job.first_token_at is not None:
+            self.metrics.ttft.observe(job.first_token_at - job.started)
+        if stats.num_generated > 1 and job.first_token_at is not None:
+            self.metrics.itl.observe(
+                (time.perf_counter() - job.first_token_at) / (stats.num_generated - 1)
+            )
+        log = result.log
+        num_drafted = log.num_drafted.tolist() if log is not None else []
+        num_accepted = log.num_accepted.tolist() if log is not None else []
+        self.metrics.observe_generation(
+            lease.adapter, lease.version, domain, stats.num_generated, num_drafted, num_accepted
+        )
+        if stats.drafted:
+            self.router.record(job.route.route_key, lease.adapter, stats.acceptance_rate)
+            if self.monitor is not None:
+                self.monitor.observe(lease.adapter, lease.version, stats.accepted, stats.drafted)
+        if self.log_writer is None:
+            return
+        if not job.request.log or log is None:
+            self.log_writer.log(None, opt_out=True)
+            return
+        # Records name the logical adapter ("code"), not the loaded version ("code@3").
+        self.log_writer.log(
+            log.to_record(
+                request_id=job.request_id,
+                domain=domain,
+                adapter_name=lease.adapter,
+                adapter_version=lease.version,
+            )
+        )
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition, with the log writer's counters read at scrape time."""
+        if self.log_writer is not None:
+            counts = self.log_writer.metrics()
+            self.metrics.log_written.set(counts.written)
+            self.metrics.log_dropped.set(counts.dropped)
+            self.metrics.log_opted_out.set(counts.opted_out)
+        return self.metrics.export()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.log_writer is not None:
+            self.log_writer.close()
+
+
+def _param_of(message: str) -> str | None:
+    for param in (
+        "prompt",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "num_spec_tokens",
+        "num_drafts",
+        "method",
+    ):
+        if param in message:
+            return param
+    return None

@@ -1,0 +1,189 @@
+"""Per-replica adapter watcher: follows published versions and rolls back losers.
+
+A background thread listens for publish notifications and also reconciles with the pointers
+periodically (notifications can be lost). A new version is fetched and validated (sha256,
+base-model hash, shapes; safetensors only) off the decode path and swapped in for new requests;
+a refused version is counted and serving continues on the current one. The live monitor compares
+each version's acceptance with its predecessor's over a window and rolls back a worse one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes
+from osd.adapter_manifest import AdapterEvent, AdapterStoreError, PublishConflict
+from osd.adapter_store import AdapterStore, open_adapter_store
+from osd.config import OSDConfig
+from serving.adapter_slots import peft_adapter_name
+from serving.runtime import ReplicaRuntime
+
+__all__ = ["AdapterWatcher", "LiveMonitor"]
+
+logger = logging.getLogger(__name__)
+
+
+class LiveMonitor:
+    """Acceptance per (adapter, version) over the last ``window`` drafted tokens."""
+
+    def __init__(self, window: int, margin: float) -> None:
+        self.window, self.margin = window, margin
+        self._requests: dict[tuple[str, int], deque[tuple[int, int]]] = defaultdict(deque)
+        self._lock = threading.Lock()
+
+    def observe(self, adapter: str, version: int, accepted: int, drafted: int) -> None:
+        with self._lock:
+            history = self._requests[(adapter, version)]
+            history.append((accepted, drafted))
+            while sum(d for _, d in history) - history[0][1] >= self.window:
+                history.popleft()
+
+    def rate(self, adapter: str, version: int) -> float | None:
+        """Acceptance over the window, or None until a full window was seen."""
+        with self._lock:
+            history = list(self._requests.get((adapter, version), ()))
+        drafted = sum(d for _, d in history)
+        if drafted < self.window:
+            return None
+        return sum(a for a, _ in history) / drafted
+
+    def is_worse(self, adapter: str, version: int, predecessor: int) -> bool:
+        new, old = self.rate(adapter, version), self.rate(adapter, predecessor)
+        return new is not None and old is not None and new < old - self.margin
+
+
+class AdapterWatcher:
+    """Keeps one replica's adapters at the published versions."""
+
+    def __init__(
+        self,
+        runtime: ReplicaRuntime,
+        store: AdapterStore,
+        *,
+        reconcile_interval_s: float = 1.0,
+        window: int = 64,
+        margin: float = 0.05,
+    ) -> None:
+        self.runtime, self.store = runtime, store
+        self.interval = reconcile_interval_s
+        self.monitor = LiveMonitor(window, margin)
+        runtime.monitor = self.monitor
+        self.base_hash = base_model_hash(runtime.slots.model)
+        self.events: deque[dict[str, Any]] = deque(maxlen=200)  # swaps, refusals, rollbacks
+        self._refused: set[tuple[str, int]] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adapter-watcher", daemon=True)
+
+    @classmethod
+    def from_config(
+        cls, runtime: ReplicaRuntime, config: OSDConfig, redis_url: str
+    ) -> AdapterWatcher:
+        a = config.adapters
+        location = redis_url if a.store == "redis" else a.root
+        return cls(
+            runtime,
+            open_adapter_store(location),
+            reconcile_interval_s=a.reconcile_interval_s,
+            window=a.rollback_window,
+            margin=a.rollback_margin,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self.reconcile()  # pick up current versions before serving the first request
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def reconcile(self) -> None:
+        """Brings every adapter to the version its pointer names."""
+        for adapter in self.runtime.slots.adapters:
+            try:
+                version = self.store.current(adapter)
+            except AdapterStoreError as exc:
+                logger.warning("cannot read pointer of %s: %s", adapter, exc)
+                continue
+            self.handle(AdapterEvent(adapter, version))
+        self.check_rollbacks()
+
+    def handle(self, event: AdapterEvent) -> None:
+        slots, name, version = self.runtime.slots, event.name, event.version
+        if name not in slots.adapters or version is None or version == slots.current(name):
+            return
+        if (name, version) in self._refused:
+            return
+        try:
+            shapes = lora_shapes(slots.model, peft_adapter_name(name, 0))
+            manifest, weights = self.store.load(
+                name, version, expected_base_model_hash=self.base_hash, expected_shapes=shapes
+            )
+            slots.swap_in(
+                name,
+                version,
+                lambda model, peft_name: install_adapter(model, peft_name, manifest, weights),
+            )
+        except (AdapterStoreError, ValueError, OSError) as exc:
+            self._refused.add((name, version))
+            self.runtime.metrics.refused.labels(name, type(exc).__name__).inc()
+            self._report("refused", name, version, reason=str(exc))
+            return
+        self.runtime.metrics.swaps.labels(name).inc()
+        self._report("swap", name, version)
+
+    def check_rollbacks(self) -> None:
+        """Rolls back a current version whose live acceptance is worse than its predecessor's."""
+        slots = self.runtime.slots
+        for name in slots.adapters:
+            current, previous = slots.current(name), slots.previous(name)
+            if previous is None or not self.monitor.is_worse(name, current, previous):
+                continue
+            try:
+                self.store.rollback(name, previous, expected_current=current)
+            except PublishConflict:
+                pass  # another replica or the trainer moved the pointer first
+            except AdapterStoreError as exc:
+                logger.warning("rollback of %s v%s failed: %s", name, current, exc)
+            self._refused.add((name, current))
+            slots.roll_back(name, previous)
+            self.runtime.metrics.rollbacks.labels(name).inc()
+            self._report(
+                "rollback",
+                name,
+                current,
+                to_version=previous,
+                new_rate=self.monitor.rate(name, current),
+                old_rate=self.monitor.rate(name, previous),
+            )
+
+    def _report(self, kind: str, name: str, version: int, **details: Any) -> None:
+        event = {"event": kind, "adapter": name, "version": version, "time": time.time(), **details}
+        self.events.append(event)
+        logger.info("adapter %s", event)
+
+    def _run(self) -> None:
+        subscription = None
+        last = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                if subscription is None:
+                    subscription = self.store.subscribe()
+                event = subscription.get(timeout_s=min(self.interval, 0.5))
+                if event is not None:
+                    self.handle(event)
+                if time.monotonic() - last >= self.interval:
+                    self.reconcile()
+                    last = time.monotonic()
+                else:
+                    self.check_rollbacks()
+            except Exception as exc:  # noqa: BLE001 - keep watching; Redis may come back
+                logger.warning("adapter watcher: %s", exc)
+                subscription = None
+                self._stop.wait(self.interval)

@@ -1,0 +1,132 @@
+"""The Serve app end to end through the official openai client, with a real Redis and Ray."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+
+from osd.log_reader import LogReader
+from osd.model_sources import load_model_pair
+
+
+@pytest.fixture(scope="module")
+def client(ray_serve_app):
+    base_url, _ = ray_serve_app
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def greedy_text(ray_serve_app):
+    _, config = ray_serve_app
+    target, _, tokenizer = load_model_pair(config.model)
+
+    def run(prompt: str, max_tokens: int) -> str:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = target.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+    return run
+
+
+def test_completion_at_temperature_zero_equals_target_greedy(client, greedy_text):
+    for method in ("token", "block", "spectr"):
+        response = client.completions.create(
+            model="osd",
+            prompt="the cat",
+            max_tokens=24,
+            temperature=0,
+            extra_body={"spec": {"method": method, "k": 3}},
+        )
+        assert response.choices[0].text == greedy_text("the cat", 24)
+        assert response.usage.completion_tokens <= 24
+        assert response.model_extra["osd"]["method"] == method
+
+
+def test_chat_and_streaming_match(client):
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(
+        model="osd", messages=messages, max_tokens=20, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model="osd",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_records_reach_the_log_buffer_unless_opted_out(client, serving_redis):
+    reader = LogReader(serving_redis.url, group="test-records", start_id="$")
+    client.completions.create(
+        model="osd", prompt="abc", max_tokens=8, seed=1, extra_body={"domain": "code"}
+    )
+    client.completions.create(
+        model="osd",
+        prompt="abc",
+        max_tokens=8,
+        seed=2,
+        extra_body={"log": False, "domain": "secret"},
+    )
+    records, deadline = [], 30
+    while deadline and len(records) < 1:
+        records += [r for _, r in reader.read(count=10, block_ms=1000)]
+        deadline -= 1
+    records += [r for _, r in reader.read(count=10, block_ms=1500)]
+    assert [r.domain for r in records] == ["code"]
+    assert records[0].num_generated == 8 and records[0].adapter_name == "code"
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        ({"model": "nope", "prompt": "a"}, 404),
+        ({"model": "osd", "prompt": "a", "max_tokens": 100000}, 400),
+        ({"model": "osd", "prompt": "a" * 600}, 400),
+        ({"model": "osd", "prompt": "a", "temperature": -1}, 400),
+        ({"model": "osd", "prompt": "a", "n": 2}, 400),
+        ({"model": "osd"}, 400),
+    ],
+)
+def test_bad_requests_get_openai_style_4xx(ray_serve_app, body, status):
+    base_url, _ = ray_serve_app
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    assert "message" in response.json()["error"]
+
+
+def test_malformed_and_oversized_bodies(ray_serve_app):
+    base_url, _ = ray_serve_app
+    bad = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert bad.status_code == 400 and "error" in bad.json()
+    huge = httpx.post(
+        f"{base_url}/v1/completions",
+        content=b"x" * 2_000_000,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert huge.status_code == 413
+
+
+def test_models_health_and_metrics(ray_serve_app):
+    base_url, _ = ray_serve_app
+    assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "osd"
+    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+    assert "osd_generated_tokens_total" in httpx.get(f"{base_url}/metrics").text
