@@ -7,8 +7,11 @@ This is the only module of the engine that knows transformers' and peft's callin
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -67,6 +70,9 @@ class CausalLM:
 
     model: PreTrainedModel
     vocab_size: int
+    # Entered around every forward; a server that adds and removes LoRA adapters while
+    # decoding makes it a shared (read) lock so module dicts never change mid-forward.
+    guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
 
     def __post_init__(self) -> None:
         params = inspect.signature(_base_model(self.model).forward).parameters
@@ -120,7 +126,8 @@ class CausalLM:
             kwargs["logits_to_keep"] = num_logits
         if self.adapter_names:
             kwargs["adapter_names"] = [adapter or BASE_ADAPTER] * input_ids.shape[0]
-        logits = self.model(input_ids=input_ids, **kwargs).logits
+        with self.guard():
+            logits = self.model(input_ids=input_ids, **kwargs).logits
         return logits[:, -num_logits:, : self.vocab_size]
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AdapterLease", "AdapterSlots", "peft_adapter_name"]
+__all__ = ["AdapterLease", "AdapterSlots", "ReadWriteLock", "peft_adapter_name"]
 
 
 def peft_adapter_name(adapter: str, version: int) -> str:
@@ -33,6 +34,40 @@ class AdapterLease:
         return peft_adapter_name(self.adapter, self.version)
 
 
+class ReadWriteLock:
+    """Many readers (decode forwards) or one writer (adding or deleting an adapter)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writing = False
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
+            self._writing = True
+            self._cond.wait_for(lambda: self._readers == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
 class AdapterSlots:
     """Current and previous version per adapter, with leases; thread-safe.
 
@@ -47,6 +82,8 @@ class AdapterSlots:
         self._previous: dict[str, int | None] = {name: None for name in adapters}
         self._leases: Counter[str] = Counter()
         self._lock = threading.Lock()
+        # Decode forwards read the adapters' module dicts; installs and deletes write them.
+        self.model_lock = ReadWriteLock()
 
     @property
     def adapters(self) -> list[str]:
@@ -74,7 +111,8 @@ class AdapterSlots:
         current and keeps the old current as previous."""
         name = peft_adapter_name(adapter, version)
         if name not in getattr(self.model, "peft_config", {}):
-            install(self.model, name)
+            with self.model_lock.writing():
+                install(self.model, name)
         with self._lock:
             if self._current[adapter] != version:
                 self._previous[adapter] = self._current[adapter]
@@ -95,7 +133,13 @@ class AdapterSlots:
         """Deletes loaded versions that are neither current, previous nor leased."""
         keep = {peft_adapter_name(a, v) for a, v in self._current.items()}
         keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
-        for name in list(self.model.peft_config):
-            if name not in keep and self._leases[name] <= 0 and "@" in name:
-                self.model.delete_adapter(name)
-                self._leases.pop(name, None)
+        unused = [
+            name
+            for name in self.model.peft_config
+            if name not in keep and self._leases[name] <= 0 and "@" in name
+        ]
+        if unused:
+            with self.model_lock.writing():
+                for name in unused:
+                    self.model.delete_adapter(name)
+                    self._leases.pop(name, None)

@@ -45,6 +45,7 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
         return {
             "status": "ok",
             "adapters": {a: runtime.slots.current(a) for a in runtime.slots.adapters},
+            "adapter_events": list(runtime.adapter_events)[-20:],
         }
 
     @app.get("/metrics")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,10 +60,12 @@ class ReplicaRuntime:
             adaptive_threshold=spec.adaptive_threshold,
         )
         self.slots = AdapterSlots(draft, adapters)
+        self.engine.draft.guard = self.slots.model_lock.reading
         self.router = AdapterRouter(adapters, general=adapters[0])
         self.metrics = ReplicaMetrics()
         self.log_writer = log_writer
         self.monitor: Any = None  # set by the adapter watcher: observe(adapter, version, acc)
+        self.adapter_events: deque[dict[str, Any]] = deque(maxlen=100)  # swaps, rollbacks...
         limit = config.serve.max_ongoing_requests
         self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="decode")
         self._admission = threading.BoundedSemaphore(limit)
@@ -175,24 +178,25 @@ class ReplicaRuntime:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
 
         loop.run_in_executor(self._executor, pump)
-        result = None
+        result, ended = None, False
         try:
             while True:
                 kind, item = await queue.get()
                 if kind == "chunk":
                     job.first_token_at = job.first_token_at or time.perf_counter()
                     yield item
-                elif kind == "done":
-                    result = item
-                    return
-                else:
+                    continue
+                ended = True
+                if kind == "error":
                     raise item
+                result = item
+                return
         finally:
             stop.set()
-            if result is None:  # consumer went away or an error: wait for the pump to stop
-                while (kind_item := await queue.get())[0] == "chunk":
-                    pass
-                result = kind_item[1] if kind_item[0] == "done" else None
+            while not ended:  # the consumer went away: let the pump stop, then account
+                kind, item = await queue.get()
+                if kind != "chunk":
+                    ended, result = True, item if kind == "done" else None
             self._finish(job, result)
 
     def _finish(self, job: Job, result: GenerationResult | None) -> None:

@@ -73,7 +73,11 @@ class AdapterWatcher:
         self.monitor = LiveMonitor(window, margin)
         runtime.monitor = self.monitor
         self.base_hash = base_model_hash(runtime.slots.model)
-        self.events: deque[dict[str, Any]] = deque(maxlen=200)  # swaps, refusals, rollbacks
+        # The layout every version must have, read before version 0 may be unloaded.
+        self.shapes = {
+            name: lora_shapes(runtime.slots.model, peft_adapter_name(name, 0))
+            for name in runtime.slots.adapters
+        }
         self._refused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adapter-watcher", daemon=True)
@@ -121,9 +125,11 @@ class AdapterWatcher:
         if (name, version) in self._refused:
             return
         try:
-            shapes = lora_shapes(slots.model, peft_adapter_name(name, 0))
             manifest, weights = self.store.load(
-                name, version, expected_base_model_hash=self.base_hash, expected_shapes=shapes
+                name,
+                version,
+                expected_base_model_hash=self.base_hash,
+                expected_shapes=self.shapes[name],
             )
             slots.swap_in(
                 name,
@@ -165,7 +171,7 @@ class AdapterWatcher:
 
     def _report(self, kind: str, name: str, version: int, **details: Any) -> None:
         event = {"event": kind, "adapter": name, "version": version, "time": time.time(), **details}
-        self.events.append(event)
+        self.runtime.adapter_events.append(event)
         logger.info("adapter %s", event)
 
     def _run(self) -> None:
