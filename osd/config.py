@@ -58,7 +58,7 @@ class ModelConfig:
 class SpecConfig:
     """Speculative decoding defaults; requests may override method, k and K."""
 
-    method: Literal["token", "block", "spectr"] = "block"
+    method: Literal["token", "block", "spectr", "none"] = "block"
     num_spec_tokens: int = 4
     num_drafts: int = 2
     adaptive_threshold: float = 0.0
@@ -147,6 +147,12 @@ class TrainerConfig:
     min_records: int = 32
     group: str = "trainer"
     device: str = "auto"
+    holdout_size: int = 256  # held-out records per adapter the judge estimates on (newest kept)
+    min_holdout_records: int = 8  # no judging (and no publishing) with fewer held-out records
+    max_record_wait_s: float = 30.0  # start a round with < min_records once one waited this long
+    consumer: str = ""  # consumer name in the group; empty: <hostname>-<pid>
+    claim_idle_ms: int = 60_000  # take over entries other consumers left pending this long
+    seed: int = 0  # replay sampling
 
     def __post_init__(self) -> None:
         _require(self.learning_rate > 0, "trainer.learning_rate", self.learning_rate, "> 0")
@@ -156,6 +162,23 @@ class TrainerConfig:
             self.holdout_fraction,
             "in (0, 1)",
         )
+        for name in ("batch_records", "steps_per_round", "replay_size", "min_records"):
+            _require(getattr(self, name) >= 1, f"trainer.{name}", getattr(self, name), ">= 1")
+        _require(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, ">= 1")
+        _require(
+            self.min_holdout_records >= 1,
+            "trainer.min_holdout_records",
+            self.min_holdout_records,
+            ">= 1",
+        )
+        _require(
+            0 <= self.publish_margin < 1, "trainer.publish_margin", self.publish_margin, "in [0, 1)"
+        )
+        _require(
+            self.max_record_wait_s > 0, "trainer.max_record_wait_s", self.max_record_wait_s, "> 0"
+        )
+        _require(self.claim_idle_ms >= 0, "trainer.claim_idle_ms", self.claim_idle_ms, ">= 0")
+        _require(bool(self.group), "trainer.group", self.group, "a non-empty consumer group")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from osd.verification import VerifyOutput, block_verify, spectr_verify, token_ve
 
 __all__ = [
     "VERIFIERS",
+    "target_only_step",
     "DecodeRequest",
     "StepOutput",
     "single_draft_step",
@@ -200,4 +201,27 @@ def spectr_step(
         num_accepted=n,
         target_logits=target_logits[row, : n + 1],
         draft_token_probs=draft_probs[row].gather(1, chosen_ids.unsqueeze(1)).squeeze(1),
+    )
+
+
+def target_only_step(
+    target: CausalLM,
+    draft: CausalLM,
+    request: DecodeRequest,
+    target_cache: DynamicCache,
+    draft_cache: DynamicCache,
+    k: int,
+) -> StepOutput:
+    """Speculation off (method ``none``): one token sampled from the target, no draft."""
+    seq, device = request.seq, target.device
+    pending = torch.tensor([seq[target_cache.get_seq_length() :]], device=device)
+    logits = target.logits(pending, target_cache, num_logits=1)  # (1, 1, V)
+    probs = logits_to_probs(logits[:, 0], request.params)  # (1, V)
+    token = sample_from_probs(probs, _uniforms(request.verify_gen, 1))
+    return StepOutput(
+        token_ids=[int(token[0])],
+        num_drafted=0,
+        num_accepted=0,
+        target_logits=logits[0],
+        draft_token_probs=probs.new_zeros(0),
     )

@@ -10,7 +10,7 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 from __future__ import annotations
 
 import secrets
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -19,8 +19,10 @@ from transformers import PreTrainedModel
 from osd.decode_step import (
     VERIFIERS,
     DecodeRequest,
+    StepOutput,
     single_draft_step,
     spectr_step,
+    target_only_step,
     top_m_distribution,
 )
 from osd.generation import (
@@ -36,7 +38,8 @@ from osd.sampling import SamplingParams
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "SpeculativeDecoder"]
 
-Method = Literal["token", "block", "spectr"]
+Method = Literal["token", "block", "spectr", "none"]
+METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
 
 
 class SpeculativeDecoder:
@@ -145,8 +148,8 @@ class SpeculativeDecoder:
         log: bool = True,
     ) -> DecodeRequest:
         prompt_ids = self._prompt_ids(prompt)
-        if method not in VERIFIERS:
-            raise ValueError(f"method must be one of {sorted(VERIFIERS)}, got {method!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
         if num_spec_tokens < 1:
             raise ValueError(f"num_spec_tokens (k) must be >= 1, got {num_spec_tokens}")
         if num_drafts < 1:
@@ -252,14 +255,9 @@ class GenerationStream:
         while True:
             remaining = request.max_new_tokens - stats.num_generated
             k = max(1, min(request.num_spec_tokens, remaining - 1))
-            if request.method == "spectr" and request.num_drafts > 1:
-                step = spectr_step(
-                    engine.target, engine.draft, request, target_cache, draft_cache, k
-                )
-            else:
-                step = single_draft_step(
-                    engine.target, engine.draft, request, target_cache, draft_cache, k
-                )
+            step = _step_function(request)(
+                engine.target, engine.draft, request, target_cache, draft_cache, k
+            )
             emitted, finish = _truncate(step.token_ids, remaining, request.stop_token_ids)
             request.seq.extend(emitted)
             stats.steps += 1
@@ -309,6 +307,14 @@ def _finish_log(request: DecodeRequest) -> GenerationLog:
         target_top_ids=top_ids.cpu().int(),
         target_top_probs=top_probs.cpu().half(),
     )
+
+
+def _step_function(request: DecodeRequest) -> Callable[..., StepOutput]:
+    if request.method == "none":
+        return target_only_step
+    if request.method == "spectr" and request.num_drafts > 1:
+        return spectr_step
+    return single_draft_step
 
 
 def _truncate(

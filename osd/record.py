@@ -25,7 +25,7 @@ __all__ = ["MAX_ID_BYTES", "METHODS", "SCHEMA_VERSION", "Method", "Record", "Rec
 
 MAX_ID_BYTES = 128
 
-Method = Literal["token", "block", "spectr"]
+Method = Literal["token", "block", "spectr", "none"]
 
 _INT64 = np.iinfo(np.int64)
 

@@ -44,7 +44,8 @@ __all__ = [
 
 MAGIC = b"OSDR"
 SCHEMA_VERSION = 1
-METHODS: tuple[str, ...] = ("token", "block", "spectr")
+# "none": plain target decoding (speculation off). Append only: the index is on the wire.
+METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
 
 _PREFIX = struct.Struct("<4sH")
 _HEADER = struct.Struct("<4sHHdqddqiiiiiIII4B")

@@ -81,6 +81,7 @@ class AdapterSlots:
         self._current = {name: 0 for name in adapters}
         self._previous: dict[str, int | None] = {name: None for name in adapters}
         self._leases: Counter[str] = Counter()
+        self._installing: set[str] = set()  # loaded but not yet current: never collected
         self._lock = threading.Lock()
         # Decode forwards read the adapters' module dicts; installs and deletes write them.
         self.model_lock = ReadWriteLock()
@@ -110,14 +111,20 @@ class AdapterSlots:
         """Loads ``version`` (``install(model, peft_name)``, off the decode path), makes it
         current and keeps the old current as previous."""
         name = peft_adapter_name(adapter, version)
-        if name not in getattr(self.model, "peft_config", {}):
-            with self.model_lock.writing():
-                install(self.model, name)
         with self._lock:
-            if self._current[adapter] != version:
-                self._previous[adapter] = self._current[adapter]
-                self._current[adapter] = version
-            self._collect()
+            self._installing.add(name)
+        try:
+            if name not in getattr(self.model, "peft_config", {}):
+                with self.model_lock.writing():
+                    install(self.model, name)
+            with self._lock:
+                if self._current[adapter] != version:
+                    self._previous[adapter] = self._current[adapter]
+                    self._current[adapter] = version
+        finally:
+            with self._lock:
+                self._installing.discard(name)
+                self._collect()
 
     def roll_back(self, adapter: str, to_version: int | None = None) -> int | None:
         """Makes the previous (or the given loaded) version current again; returns it."""
@@ -133,6 +140,7 @@ class AdapterSlots:
         """Deletes loaded versions that are neither current, previous nor leased."""
         keep = {peft_adapter_name(a, v) for a, v in self._current.items()}
         keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
+        keep |= self._installing
         unused = [
             name
             for name in self.model.peft_config

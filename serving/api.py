@@ -8,6 +8,8 @@ request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -21,6 +23,8 @@ from serving.protocol import APIError, ChatRequest, error_body, new_id, now, par
 from serving.runtime import Job, ReplicaRuntime
 
 __all__ = ["create_api"]
+
+logger = logging.getLogger(__name__)
 
 
 def create_api(runtime: ReplicaRuntime) -> FastAPI:
@@ -36,6 +40,12 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error: %s", exc)
+        body = error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+        return JSONResponse(body, status_code=500)
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(str(exc.errors()[:1])), status_code=400)
@@ -44,6 +54,7 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {
             "status": "ok",
+            "pid": os.getpid(),
             "adapters": {a: runtime.slots.current(a) for a in runtime.slots.adapters},
             "adapter_events": list(runtime.adapter_events)[-20:],
         }

@@ -65,7 +65,7 @@ class SpecOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    method: Literal["token", "block", "spectr"] | None = None
+    method: Literal["token", "block", "spectr", "none"] | None = None
     k: int | None = Field(default=None, ge=1, le=16)
     K: int | None = Field(default=None, ge=1, le=8)
 

@@ -189,3 +189,13 @@ def test_stream_result_and_cancel(engine):
     result = stream.result()
     assert result.token_ids == first.token_ids
     assert result.log.target_top_ids.shape[0] == len(first.token_ids)
+
+
+def test_method_none_is_plain_target_decoding(engine, greedy_references):
+    result = engine.generate(
+        PROMPTS[0], max_tokens=100, temperature=0, method="none", stop_token_ids=[]
+    )
+    assert result.token_ids == greedy_references[0]
+    assert result.stats.drafted == 0 and result.stats.steps == 100
+    record = result.log.to_record(request_id="plain")
+    assert record.method == "none" and record.num_generated == 100

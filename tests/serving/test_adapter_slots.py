@@ -1,0 +1,55 @@
+"""AdapterSlots without Ray: leases, swaps, rollback and collection of unused versions."""
+
+from __future__ import annotations
+
+import threading
+
+from osd.config import load_config
+from osd.model_sources import attach_lora_adapters, load_model_pair
+from serving.adapter_slots import AdapterSlots
+
+
+def make_slots():
+    config = load_config(None, ["model.target=toy:target", "model.draft=toy:draft"])
+    _, draft, _ = load_model_pair(config.model)
+    peft = attach_lora_adapters(draft, config.model, ["general@0"])
+    return AdapterSlots(peft, ["general"]), config
+
+
+def install_copy(model, name):
+    from peft import LoraConfig
+
+    model.add_adapter(name, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"]))
+
+
+def test_leased_version_survives_two_swaps_and_is_collected_after_release():
+    slots, _ = make_slots()
+    lease = slots.acquire("general")
+    slots.swap_in("general", 1, install_copy)
+    slots.swap_in("general", 2, install_copy)
+    assert "general@0" in slots.model.peft_config  # still leased
+    slots.release(lease)
+    assert sorted(slots.model.peft_config) == ["general@1", "general@2"]
+    assert (slots.current("general"), slots.previous("general")) == (2, 1)
+
+
+def test_roll_back_restores_previous_and_unloads_the_loser():
+    slots, _ = make_slots()
+    slots.swap_in("general", 1, install_copy)
+    assert slots.roll_back("general") == 0
+    assert slots.current("general") == 0 and "general@1" not in slots.model.peft_config
+
+
+def test_a_version_being_installed_is_never_collected_by_a_concurrent_release():
+    slots, _ = make_slots()
+    lease = slots.acquire("general")
+    finisher = threading.Thread(target=slots.release, args=(lease,))
+
+    def slow_install(model, name):
+        install_copy(model, name)
+        finisher.start()  # a request finishes while the new version is not yet current
+        finisher.join(timeout=0.3)
+
+    slots.swap_in("general", 1, slow_install)
+    finisher.join()
+    assert slots.current("general") == 1 and "general@1" in slots.model.peft_config
