@@ -9,6 +9,7 @@ and float32 elsewhere, so nothing hard-codes the CPU.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -212,12 +213,15 @@ def _require(ok: bool, name: str, value: Any, expected: str) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> OSDConfig:
     """Loads a YAML config (or the defaults) and applies ``a.b=value`` overrides.
 
+    ``${VAR}`` in the file is replaced from the environment (unset variables stay as written).
+
     Raises:
         ValueError: on unknown keys, malformed overrides or values of the wrong type.
     """
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        # ${VAR} in the file is taken from the environment (e.g. a Redis password).
+        loaded = yaml.safe_load(os.path.expandvars(Path(path).read_text())) or {}
         if not isinstance(loaded, dict):
             raise ValueError(
                 f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
@@ -271,6 +275,11 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
         )
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, str, bool) and type(value) is hint:
         return value
     raise ValueError(f"{name} must be {getattr(hint, '__name__', hint)}, got {value!r}")

@@ -1,0 +1,68 @@
+"""The config loader: every file under configs/ loads; bad keys and values are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from osd.config import OSDConfig, load_config, resolve_dtype
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_file_loads(path):
+    data = yaml.safe_load(path.read_text())
+    if "applications" in data:  # a Ray Serve config: its app args name an osd config
+        for app in data["applications"]:
+            module, _, attr = app["import_path"].partition(":")
+            assert attr and (CONFIGS.parent / (module.replace(".", "/") + ".py")).exists()
+            load_config(CONFIGS.parent / app["args"]["config"], app["args"]["overrides"])
+    else:
+        assert isinstance(load_config(path), OSDConfig)
+
+
+def test_overrides_are_typed_and_applied():
+    config = load_config(
+        None,
+        [
+            "serve.port=9001",
+            "spec.method=spectr",
+            "model.adapters=[general, code]",
+            "trainer.learning_rate=1e-4",
+        ],
+    )
+    assert config.serve.port == 9001 and config.spec.method == "spectr"
+    assert config.model.adapters == ("general", "code")
+    assert config.trainer.learning_rate == pytest.approx(1e-4)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("serve.nope=1", "unknown key"),
+        ("nope.port=1", "unknown key"),
+        ("serve.port=abc", "serve.port must be int"),
+        ("spec.method=beam", "spec.method must be one of"),
+        ("spec.num_spec_tokens=0", "spec.num_spec_tokens must be >= 1"),
+        ("serve.port", "a.b=value"),
+    ],
+)
+def test_bad_overrides_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_environment_variables_expand_in_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSD_TEST_PASSWORD", "s3cret")
+    path = tmp_path / "c.yaml"
+    path.write_text("log:\n  redis_url: redis://:${OSD_TEST_PASSWORD}@host:6379/0\n")
+    assert load_config(path).log.redis_url == "redis://:s3cret@host:6379/0"
+
+
+def test_auto_dtype_follows_the_device():
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("float16", "cuda") == "float16"
