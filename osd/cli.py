@@ -11,6 +11,9 @@ from collections.abc import Sequence
 SUBCOMMANDS = {
     "demo-models": ("osd.demo.cli", "build, check or describe the offline demo model pair"),
     "serve": ("serving.cli", "run the Ray Serve app against a given Redis and Ray cluster"),
+    "up": ("serving.up", "the embedded stack (redis, Ray, Serve app, trainer) until stopped"),
+    "demo": ("serving.demo_job", "the main job: the whole online loop on shifting traffic"),
+    "train": ("trainer.cli", "run the online distillation worker: records in, adapters out"),
 }
 
 

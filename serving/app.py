@@ -51,16 +51,17 @@ class OSDReplica:
             raise RuntimeError("adapter watcher thread died")
 
     def __del__(self) -> None:
-        if getattr(self, "watcher", None) is not None:
-            self.watcher.stop()
-        if getattr(self, "runtime", None) is not None:
-            self.runtime.close()
+        watcher, runtime = getattr(self, "watcher", None), getattr(self, "runtime", None)
+        if watcher is not None:
+            watcher.stop()
+        if runtime is not None:
+            runtime.close()
 
 
 def build_app(config: OSDConfig, redis_url: str = "") -> Any:
     """A bound Serve application for ``config``."""
     s = config.serve
-    deployment = serve.deployment(
+    deployment: Any = serve.deployment(
         OSDReplica,
         name="osd",
         num_replicas=s.num_replicas,

@@ -1,0 +1,275 @@
+"""``osd demo``: the main job. The whole online loop on this machine, learning on its traffic.
+
+Builds (or reuses) the demo models, starts the embedded stack (redis-server, local Ray, the
+Serve app, the trainer), drives the demo workload through the real HTTP API while the domain mix
+shifts, and shows acceptance per domain, tokens/s and adapter versions live. At the end it
+writes ``report.json`` and ``report.png`` into the run directory, logs a W&B run (offline by
+default) and stops everything it started, also on Ctrl-C. Every number comes from the running
+system: responses' own speculative stats, the replica's adapter events, the store's versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from osd.config import OSDConfig, load_config
+from serving.demo_report import write_report
+from serving.stack import LocalStack, install_signal_handlers
+
+__all__ = ["Sample", "TrafficDriver", "main"]
+
+
+@dataclass
+class Sample:
+    """One finished request as the client saw it."""
+
+    time: float  # seconds since the traffic started
+    domain: str
+    phase: str
+    acceptance: float
+    tokens: int
+    latency: float
+    adapter: str
+    version: int
+    status: int
+
+
+class TrafficDriver:
+    """Sends workload items in order from a few client threads; keeps every sample."""
+
+    def __init__(self, base_url: str, items: list[Any], model: str, concurrency: int) -> None:
+        self.url = f"{base_url}/v1/completions"
+        self.items, self.model, self.concurrency = items, model, concurrency
+        self.samples: list[Sample] = []
+        self.failures = 0
+        self.start_time = time.monotonic()
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._worker, daemon=True) for _ in range(concurrency)
+        ]
+
+    def start(self) -> None:
+        self.start_time = time.monotonic()
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def done(self) -> bool:
+        return not any(t.is_alive() for t in self._threads)
+
+    def _take(self) -> Any:
+        with self._lock:
+            if self._next >= len(self.items) or self._stop.is_set():
+                return None
+            self._next += 1
+            return self.items[self._next - 1]
+
+    def _worker(self) -> None:
+        with httpx.Client(timeout=300) as client:
+            while (item := self._take()) is not None:
+                self._send(client, item)
+
+    def _send(self, client: httpx.Client, item: Any) -> None:
+        body = {
+            "model": self.model,
+            "prompt": item.prompt,
+            "max_tokens": item.max_tokens,
+            "temperature": 0.0 if item.temperature is None else item.temperature,
+            "domain": item.domain,
+        }
+        if item.seed is not None:
+            body["seed"] = item.seed
+        start = time.monotonic()
+        try:
+            response = client.post(self.url, json=body)
+            data = response.json()
+        except (httpx.HTTPError, ValueError):
+            with self._lock:
+                self.failures += 1
+            return
+        if response.status_code != 200:
+            with self._lock:
+                self.failures += 1
+            return
+        stats = data["osd"]
+        sample = Sample(
+            time=time.monotonic() - self.start_time,
+            domain=item.domain,
+            phase=item.phase or item.domain,
+            acceptance=stats["acceptance_rate"],
+            tokens=data["usage"]["completion_tokens"],
+            latency=time.monotonic() - start,
+            adapter=stats["adapter"],
+            version=stats["adapter_version"],
+            status=200,
+        )
+        with self._lock:
+            self.samples.append(sample)
+
+
+def recent_by_domain(samples: list[Sample], window: int = 20) -> dict[str, float]:
+    """Mean acceptance of the last ``window`` requests of each domain."""
+    out: dict[str, list[float]] = {}
+    for sample in samples:
+        out.setdefault(sample.domain, []).append(sample.acceptance)
+    return {d: sum(v[-window:]) / len(v[-window:]) for d, v in out.items()}
+
+
+def tokens_per_second(samples: list[Sample], now: float, span: float = 30.0) -> float:
+    recent = [s for s in samples if s.time > now - span]
+    return sum(s.tokens for s in recent) / min(span, max(now, 1e-9))
+
+
+def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
+    """A rich table of the run so far."""
+    from rich.table import Table
+
+    now = time.monotonic() - driver.start_time
+    samples = list(driver.samples)
+    table = Table(
+        title=f"osd demo  {now:6.0f}s  requests {len(samples)}/{total}  "
+        f"failed {driver.failures}  {tokens_per_second(samples, now):.1f} tok/s"
+    )
+    table.add_column("domain")
+    table.add_column("acceptance (last 20)", justify="right")
+    table.add_column("requests", justify="right")
+    counts: dict[str, int] = {}
+    for sample in samples:
+        counts[sample.domain] = counts.get(sample.domain, 0) + 1
+    for domain, rate in sorted(recent_by_domain(samples).items()):
+        table.add_row(domain, f"{rate:.3f}", str(counts[domain]))
+    versions = ", ".join(f"{a} v{v}" for a, v in health.get("adapters", {}).items())
+    table.caption = f"adapters in service: {versions}"
+    return table
+
+
+def poll_health(
+    base_url: str, into: dict[str, Any], events: dict[tuple, dict], stop: threading.Event
+) -> None:
+    """Keeps the replica's adapter versions and swap/rollback events (deduplicated)."""
+    with httpx.Client(timeout=10) as client:
+        while not stop.is_set():
+            try:
+                health = client.get(f"{base_url}/health").json()
+                into.update(health)
+                for event in health.get("adapter_events", []):
+                    events[(event["event"], event["adapter"], event["version"], event["time"])] = (
+                        event
+                    )
+            except (httpx.HTTPError, ValueError):
+                pass
+            stop.wait(1.0)
+
+
+def demo_workload(schedule: str, max_tokens: int, seed: int) -> list[Any]:
+    from osd.demo import build_demo_models, make_workload, parse_schedule
+    from osd.demo.workload import held_out_prompts  # type: ignore[attr-defined]
+
+    paths = build_demo_models(progress=True)
+    return list(
+        make_workload(
+            held_out_prompts(paths), parse_schedule(schedule), max_tokens=max_tokens, seed=seed
+        )
+    )
+
+
+def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]:
+    """Runs the stack and the traffic; returns what the report needs."""
+    from rich.live import Live
+
+    stack = LocalStack(config)
+    health: dict[str, Any] = {}
+    events: dict[tuple, dict] = {}
+    stop = threading.Event()
+    driver = None
+    try:
+        stack.start()
+        wall_start = time.time()
+        poller = threading.Thread(
+            target=poll_health, args=(stack.base_url, health, events, stop), daemon=True
+        )
+        poller.start()
+        driver = TrafficDriver(stack.base_url, items, config.serve.model_name, concurrency)
+        driver.start()
+        with Live(live_view(driver, health, len(items)), refresh_per_second=1) as live:
+            while not driver.done:
+                time.sleep(1.0)
+                live.update(live_view(driver, health, len(items)))
+        published = _published_versions(stack.redis_url, config)
+    finally:
+        stop.set()
+        if driver is not None:
+            driver.stop()
+        stack.close()
+    return {
+        "samples": driver.samples,
+        "failures": driver.failures,
+        "wall_start": wall_start,
+        "events": sorted(events.values(), key=lambda e: e["time"]),
+        "published": published,
+        "run_dir": stack.run_dir,
+    }
+
+
+def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
+    from osd.adapter_store import open_adapter_store
+
+    location = redis_url if config.adapters.store == "redis" else config.adapters.root
+    store = open_adapter_store(location)
+    out = []
+    for name in config.model.adapters:
+        for version in store.list_versions(name):
+            manifest = store.manifest(name, version)
+            out.append(
+                {
+                    "adapter": name,
+                    "version": version,
+                    "time": manifest.created_at,
+                    "acceptance_estimate": manifest.acceptance_estimate,
+                }
+            )
+    return sorted(out, key=lambda e: e["time"])
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="osd demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument(
+        "--schedule",
+        default="prose:60,code:160,sql:160,mixed:120",
+        help="domain:requests phases of the traffic",
+    )
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
+    args = parser.parse_args(list(argv))
+    config = load_config(args.config, args.overrides)
+    install_signal_handlers()
+    try:
+        items = demo_workload(args.schedule, args.max_tokens, args.seed)
+        result = run(config, items, args.concurrency)
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything started was stopped.", flush=True)
+        return 130
+    report = write_report(result, Path(result["run_dir"]), config)
+    print(f"report: {report['paths']}")
+    for domain, numbers in report["domains"].items():
+        print(
+            f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "
+            f"{numbers['final']:.3f} (rise {numbers['rise']:+.3f})"
+        )
+    return 0

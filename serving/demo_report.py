@@ -1,0 +1,138 @@
+"""The demo's report: report.json, report.png and a W&B run, from the samples of a real run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from osd.config import OSDConfig
+
+__all__ = ["domain_summary", "rolling", "throughput_series", "write_report"]
+
+
+def rolling(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, float]]:
+    """Per domain: acceptance low after the domain's shift, at the end, and the rise."""
+    out = {}
+    for domain in sorted({s.domain for s in samples}):
+        series = [s.acceptance for s in samples if s.domain == domain]
+        smooth = rolling(series, window)
+        if len(series) < window:
+            continue
+        settled = smooth[window - 1 :]  # full windows only
+        low = min(settled[: max(1, len(settled) // 3)])
+        final = sum(series[-window:]) / window
+        out[domain] = {
+            "requests": len(series),
+            "first": smooth[window - 1],
+            "low": low,
+            "final": final,
+            "rise": final - low,
+        }
+    return out
+
+
+def throughput_series(samples: list[Any], bin_s: float = 30.0) -> list[tuple[float, float]]:
+    """(bin end time, generated tokens/s in the bin)."""
+    if not samples:
+        return []
+    end = max(s.time for s in samples)
+    bins = [0.0] * (int(end // bin_s) + 1)
+    for sample in samples:
+        bins[int(sample.time // bin_s)] += sample.tokens
+    return [((i + 1) * bin_s, tokens / bin_s) for i, tokens in enumerate(bins)]
+
+
+def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> dict[str, Any]:
+    samples, start = result["samples"], result["wall_start"]
+    events = [{**e, "t": e["time"] - start} for e in result["events"]]
+    published = [{**p, "t": p["time"] - start} for p in result["published"]]
+    report = {
+        "requests": len(samples),
+        "failures": result["failures"],
+        "domains": domain_summary(samples),
+        "tokens_per_second": throughput_series(samples),
+        "published": published,
+        "adapter_events": events,
+        "samples": [dataclasses.asdict(s) for s in samples],
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": str(run_dir / "report.json"), "png": str(run_dir / "report.png")}
+    (run_dir / "report.json").write_text(json.dumps(report, indent=1))
+    _plot(report, run_dir / "report.png")
+    paths["wandb"] = _log_wandb(report, config, run_dir)
+    return {**report, "paths": paths}
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    by_domain: dict[str, list[dict[str, Any]]] = {}
+    for sample in report["samples"]:
+        by_domain.setdefault(sample["domain"], []).append(sample)
+    for domain, rows in sorted(by_domain.items()):
+        top.plot(
+            [r["time"] for r in rows], rolling([r["acceptance"] for r in rows], 10), label=domain
+        )
+    for event in report["published"]:
+        top.axvline(event["t"], color="grey", linestyle=":", linewidth=0.8)
+    for event in report["adapter_events"]:
+        color = {"swap": "green", "rollback": "red"}.get(event["event"], "orange")
+        top.axvline(event["t"], color=color, linestyle="--", linewidth=0.6, alpha=0.6)
+    top.set_ylabel("acceptance rate (rolling 10)")
+    top.set_title("acceptance per domain; dotted: published, dashed: swapped in (red: rollback)")
+    top.legend(loc="lower right")
+    series = report["tokens_per_second"]
+    bottom.plot([t for t, _ in series], [v for _, v in series], marker="o")
+    bottom.set_ylabel("generated tokens/s")
+    bottom.set_xlabel("seconds since traffic started")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
+    if config.wandb.mode == "disabled":
+        return ""
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run = wandb.init(
+        project=config.wandb.project,
+        mode=config.wandb.mode,
+        job_type="demo",
+        dir=config.wandb.dir or str(run_dir),
+        config=dataclasses.asdict(config),
+    )
+    for sample in report["samples"]:
+        run.log(
+            {
+                "time": sample["time"],
+                f"acceptance/{sample['domain']}": sample["acceptance"],
+                "tokens": sample["tokens"],
+                "latency": sample["latency"],
+            }
+        )
+    for domain, numbers in report["domains"].items():
+        for key, value in numbers.items():
+            run.summary[f"{domain}/{key}"] = value
+    run.summary["published_versions"] = len(report["published"])
+    run.finish()
+    return str(run.dir)

@@ -1,0 +1,204 @@
+"""The embedded local stack: a private redis-server, a local Ray, the Serve app and the trainer.
+
+Used by ``osd up`` (serve until stopped) and ``osd demo`` (drive traffic, report). Everything it
+starts it stops again, in reverse order, also on Ctrl-C or SIGTERM: the trainer runs as a child
+process in its own process group, Ray's local cluster is shut down, and the redis-server
+child is stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from osd.closing import Closeable
+from osd.config import OSDConfig
+from osd.redis_server import LocalRedis
+
+__all__ = ["LocalStack", "free_port", "install_signal_handlers"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM (and SIGHUP) end the run like Ctrl-C, so ``finally`` blocks clean up."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
+def config_to_yaml(config: OSDConfig) -> str:
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return yaml.safe_dump(plain(dataclasses.asdict(config)), sort_keys=False)
+
+
+class LocalStack(Closeable):
+    """Starts the whole loop on this machine; ``close()`` stops all of it.
+
+    Args:
+        config: the deployment config; ``log.redis_url`` empty means a private redis-server.
+        with_trainer: also run ``osd train`` as a child process.
+        port: HTTP port (``0``: the config's; ``-1``: any free port).
+    """
+
+    def __init__(self, config: OSDConfig, *, with_trainer: bool = True, port: int = 0) -> None:
+        if port == -1:
+            port = free_port()
+        if port:
+            serve = dataclasses.replace(config.serve, port=port)
+            config = dataclasses.replace(config, serve=serve)
+        self.config = config
+        self.with_trainer = with_trainer
+        self.run_dir = Path(config.run_dir).resolve()
+        self.redis: LocalRedis | None = None
+        self.redis_url = config.log.redis_url
+        self.trainer: subprocess.Popen[bytes] | None = None
+        self.ray_session_dir = ""
+        self._ray_started = False
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.serve.host}:{self.config.serve.port}"
+
+    def start(self) -> LocalStack:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
+        try:
+            if not self.redis_url:
+                self.redis = LocalRedis(data_dir=str(self.run_dir / "redis")).start()
+                self.redis_url = self.redis.url
+            self._start_serve()
+            if self.with_trainer:
+                self._start_trainer()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start_serve(self) -> None:
+        import ray
+        from ray import serve
+
+        from serving.app import build_app
+
+        ray.init(
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+        )
+        self._ray_started = True
+        node = getattr(ray._private.worker, "_global_node", None)  # to find its processes
+        self.ray_session_dir = node.get_session_dir_path() if node is not None else ""
+        s = self.config.serve
+        serve.start(http_options={"host": s.host, "port": s.port})
+        serve.run(build_app(self.config, self.redis_url), name="osd", route_prefix="/")
+        self.wait_ready()
+
+    def _start_trainer(self) -> None:
+        log = open(self.run_dir / "trainer.log", "ab")  # noqa: SIM115 - owned by the child
+        self.trainer = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "osd.cli",
+                "train",
+                "--config",
+                str(self.run_dir / "config.yaml"),
+                "--redis-url",
+                self.redis_url,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"the Serve app did not answer at {self.base_url} in {timeout_s}s")
+
+    def close(self) -> None:
+        """Stops the trainer, Serve, Ray and redis-server, in that order; safe to repeat.
+
+        A second Ctrl-C while stopping is ignored: interrupting the clean-up half-way is what
+        would leave processes behind.
+        """
+        with _signals_ignored():
+            self._close()
+
+    def _close(self) -> None:
+        if self.trainer is not None and self.trainer.poll() is None:
+            _stop_process_group(self.trainer)
+        self.trainer = None
+        if self._ray_started:
+            import ray
+            from ray import serve
+
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+                self._ray_started = False
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _stop_process_group(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -1,0 +1,86 @@
+"""``osd up``: the embedded stack starts, serves, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serving.conftest import TOY, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def processes_mentioning(*needles: str) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [
+        line
+        for line in out.splitlines()[1:]
+        if any(n and n in line for n in needles) and "ps -eo" not in line
+    ]
+
+
+def wait_for_line(process, pattern, timeout_s):
+    deadline, lines = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            if process.poll() is not None:
+                break
+            continue
+        lines.append(line)
+        if re.search(pattern, line):
+            return lines
+    raise AssertionError("".join(lines))
+
+
+@pytest.mark.parametrize("when", ["while-serving", "during-start"])
+def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
+    port = free_port()
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "osd.cli",
+            "up",
+            "--config",
+            "configs/demo.yaml",
+            *TOY,
+            f"serve.port={port}",
+            f"run_dir={run_dir}",
+            "wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    session, trainer = "", ""
+    try:
+        if when == "while-serving":
+            lines = "".join(wait_for_line(process, r"Ctrl-C stops", timeout_s=240))
+            session = re.search(r"ray session: (\S+)", lines).group(1)
+            trainer = re.search(r"trainer pid: (\d+)", lines).group(1)
+            models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
+            assert models["data"][0]["id"] == "osd"
+        else:
+            threading.Thread(target=process.stdout.read, daemon=True).start()  # drain output
+            time.sleep(8)  # redis-server is up, Ray is starting
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    time.sleep(2)
+    leftovers = processes_mentioning(str(run_dir), session)
+    if trainer:
+        leftovers += [p for p in processes_mentioning(" osd.cli train") if p.split()[0] == trainer]
+    assert leftovers == []
