@@ -61,6 +61,7 @@ __all__ = [
     "AdapterTooLarge",
     "PointerPollSubscription",
     "PublishConflict",
+    "adapter_store_location",
     "open_adapter_store",
 ]
 
@@ -310,6 +311,16 @@ class PointerPollSubscription(AdapterSubscription):
 
     def close(self) -> None:
         self._closed = True
+
+
+def adapter_store_location(config: Any, redis_url: str) -> str:
+    """The store the replicas follow: the Redis URL, or `adapters.root` (default
+    ``<run_dir>/adapters``) for the directory store."""
+    if config.adapters.store == "redis":
+        if not redis_url:
+            raise ValueError("adapters.store is redis but no Redis URL was given")
+        return redis_url
+    return config.adapters.root or str(Path(config.run_dir) / "adapters")
 
 
 def open_adapter_store(location: str | Path, **kwargs: Any) -> AdapterStore:

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from osd.config import ModelConfig, resolve_device, resolve_dtype
 from osd.models import load_causal_lm, load_tokenizer
 
-__all__ = ["attach_lora_adapters", "load_model_pair"]
+__all__ = ["attach_lora_adapters", "load_draft", "load_model_pair"]
 
 
 def _toy_pair() -> tuple[PreTrainedModel, PreTrainedModel, Any]:
@@ -35,22 +35,32 @@ def _demo_paths() -> Any:
     return paths
 
 
+def _is_toy(config: ModelConfig) -> bool:
+    return config.target.startswith("toy:") or config.draft.startswith("toy:")
+
+
+def _sources(config: ModelConfig) -> dict[str, str]:
+    """Paths or hub ids of target and draft, with ``demo:`` names resolved."""
+    sources = {"target": config.target, "draft": config.draft}
+    if config.target.startswith("demo:") or config.draft.startswith("demo:"):
+        paths = _demo_paths()
+        sources = {
+            k: str(getattr(paths, v.split(":", 1)[1], v)) if v.startswith("demo:") else v
+            for k, v in sources.items()
+        }
+    return sources
+
+
 def load_model_pair(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedModel, Any]:
     """Loads (target, base draft, tokenizer) on the configured device and dtype."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     target: PreTrainedModel | str
     draft: PreTrainedModel | str
-    if config.target.startswith("toy:") or config.draft.startswith("toy:"):
+    if _is_toy(config):
         target, draft, tokenizer = _toy_pair()
     else:
-        sources = {"target": config.target, "draft": config.draft}
-        if config.target.startswith("demo:") or config.draft.startswith("demo:"):
-            paths = _demo_paths()
-            sources = {
-                k: str(getattr(paths, v.split(":", 1)[1], v)) if v.startswith("demo:") else v
-                for k, v in sources.items()
-            }
+        sources = _sources(config)
         target, draft = sources["target"], sources["draft"]
         tokenizer = load_tokenizer(config.tokenizer or target)
     return (
@@ -77,3 +87,29 @@ def attach_lora_adapters(draft: PreTrainedModel, config: ModelConfig, names: lis
     for name in names[1:]:
         model.add_adapter(name, lora)
     return model.eval()
+
+
+def load_draft(
+    config: ModelConfig, *, device: str | None = None, dtype: str | None = None
+) -> tuple[PreTrainedModel, str]:
+    """Loads only the base draft (the trainer's model), never the target's weights.
+
+    ``toy:`` pairs are built in code, where the toy draft is derived from the toy target, so the
+    tiny toy target is built and dropped; real drafts are read from their path or hub id.
+
+    Args:
+        config: the model section; ``device``/``dtype`` default to its own.
+        device: e.g. ``"cuda"``; ``auto`` or None resolves as `resolve_device`.
+        dtype: e.g. ``"float32"``; ``auto`` or None resolves as `resolve_dtype`.
+
+    Returns:
+        ``(draft, source)``: the draft in eval mode and the path, hub id or toy name it came
+        from (an adapter manifest's ``base_model_id``).
+    """
+    device = resolve_device(device or config.device)
+    dtype = resolve_dtype(dtype or config.dtype, device)
+    if _is_toy(config):
+        _, draft, _ = _toy_pair()
+        return load_causal_lm(draft, device=device, dtype=dtype), config.draft
+    source = _sources(config)["draft"]
+    return load_causal_lm(source, device=device, dtype=dtype), source

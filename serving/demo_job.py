@@ -225,10 +225,9 @@ def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]
 
 
 def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
-    from osd.adapter_store import open_adapter_store
+    from osd.adapter_store import adapter_store_location, open_adapter_store
 
-    location = redis_url if config.adapters.store == "redis" else config.adapters.root
-    store = open_adapter_store(location)
+    store = open_adapter_store(adapter_store_location(config, redis_url))
     out = []
     for name in config.model.adapters:
         for version in store.list_versions(name):

@@ -22,9 +22,33 @@ from osd.config import OSDConfig
 from serving.adapter_slots import peft_adapter_name
 from serving.runtime import ReplicaRuntime
 
-__all__ = ["AdapterWatcher", "LiveMonitor"]
+__all__ = ["AdapterWatcher", "LiveMonitor", "refusal_reason"]
 
 logger = logging.getLogger(__name__)
+
+# What a refused version's error says -> the `reason` label of osd_adapter_refusals_total, so an
+# operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
+# model, LoRA layout). The phrases are those of osd.adapter_lora and osd.adapter_store.
+_REFUSAL_REASONS = (
+    ("sha256", "sha256_mismatch"),
+    ("truncated", "size_mismatch"),
+    ("too long", "size_mismatch"),
+    ("safetensors", "not_safetensors"),
+    ("base model", "base_model_mismatch"),
+    ("LoRA layout", "shape_mismatch"),
+    ("has shape", "shape_mismatch"),
+    ("NaN or infinite", "non_finite"),
+    ("bad manifest", "bad_manifest"),
+)
+
+
+def refusal_reason(exc: Exception) -> str:
+    """A short label for why a version was refused; the exception's type name if unknown."""
+    message = str(exc)
+    for phrase, reason in _REFUSAL_REASONS:
+        if phrase in message:
+            return reason
+    return type(exc).__name__
 
 
 class LiveMonitor:
@@ -138,7 +162,7 @@ class AdapterWatcher:
             )
         except (AdapterStoreError, ValueError, OSError) as exc:
             self._refused.add((name, version))
-            self.runtime.metrics.refused.labels(name, type(exc).__name__).inc()
+            self.runtime.metrics.refused.labels(name, refusal_reason(exc)).inc()
             self._report("refused", name, version, reason=str(exc))
             return
         self.runtime.metrics.swaps.labels(name).inc()

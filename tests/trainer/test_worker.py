@@ -1,0 +1,187 @@
+"""The worker against a real redis-server: it learns from logged records, publishes only what the
+judge accepts, publishes with compare-and-set, and its versions load into a replica's draft."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+import pytest
+import torch
+
+from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes, lora_state_dict
+from osd.adapter_store import open_adapter_store
+from osd.model_sources import attach_lora_adapters
+from osd.redis_server import connect
+from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
+from trainer.examples import is_held_out
+from trainer.worker import TrainerWorker
+
+
+def run_until_idle(worker: TrainerWorker, max_calls: int = 200) -> list:
+    reports = []
+    for _ in range(max_calls):
+        report = worker.run_once(block_ms=50)
+        if report is not None:
+            reports.append(report)
+        elif not any(d.fresh for d in worker.data.values()) and worker.ingest(block_ms=50) == 0:
+            break
+    return reports
+
+
+def new_worker(config, redis_url, **kwargs) -> TrainerWorker:
+    return TrainerWorker(config, redis_url, draft=headroom_draft(), base_model_id="toy", **kwargs)
+
+
+def pending_count(redis_url: str, stream: str, group: str) -> int:
+    client = connect(redis_url)
+    try:
+        return int(client.xpending(stream, group)["pending"])
+    finally:
+        client.close()
+
+
+def test_training_raises_held_out_acceptance_and_publishes_the_judges_number(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(tmp_path, stream, steps_per_round=60)
+    push(redis_url, stream, records)
+    worker = new_worker(config, redis_url)
+    reports = run_until_idle(worker)
+    worker.close()
+
+    published = [r for r in reports if r.outcome == "published"]
+    assert published, [r.describe() for r in reports]
+    last = published[-1]
+    store = open_adapter_store(tmp_path / "adapters")
+    assert store.current("general") == last.version
+    manifest = store.manifest("general", last.version)
+    assert manifest.acceptance_estimate == pytest.approx(last.verdict.candidate.lower, abs=1e-12)
+    assert manifest.parent_version == (published[-2].version if len(published) > 1 else None)
+
+    # Independently of the trainer: the published adapter, installed in a replica-shaped draft,
+    # accepts more on the held-out records than the base draft does.
+    holdout = [r for r in records if is_held_out(r.request_id, config.trainer.holdout_fraction)]
+    replica = attach_lora_adapters(headroom_draft(), config.model, ["general@0"])
+    manifest, weights = store.load(
+        "general",
+        last.version,
+        expected_base_model_hash=base_model_hash(replica),
+        expected_shapes=lora_shapes(replica, "general@0"),
+    )
+    install_adapter(replica, f"general@{last.version}", manifest, weights)
+    base = model_acceptance(headroom_draft(), holdout)
+    replica.set_adapter(f"general@{last.version}")
+    trained = model_acceptance(replica, holdout)
+    print(f"held-out acceptance: base {base.lower:.4f} -> trained {trained.lower:.4f}")
+    assert trained.lower > base.lower + 0.03, (base, trained)
+    assert worker.stats.published == len(published)
+    assert pending_count(redis_url, stream, config.trainer.group) == 0
+
+
+def test_degraded_candidate_is_refused_and_not_published(tmp_path, redis_url, stream, records):
+    config = make_config(tmp_path, stream)
+    push(redis_url, stream, records[:96])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    assert len(worker.data["general"].holdout) >= config.trainer.min_holdout_records
+    gen = torch.Generator().manual_seed(0)
+    noisy = {
+        k: v + 0.3 * torch.randn(v.shape, generator=gen)
+        for k, v in worker.trainer.weights("general").items()
+    }
+    worker.trainer.set_weights("general", noisy, ["candidate"])
+
+    report = worker.judge_and_publish("general")
+    worker.close()
+
+    assert report.outcome == "refused"
+    assert report.verdict.candidate.lower < report.verdict.current.lower
+    assert worker.stats.refused == 1 and worker.stats.published == 0
+    assert open_adapter_store(tmp_path / "adapters").current("general") is None
+
+
+def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
+    tmp_path, redis_url, stream, records
+):
+    name = f"general-{uuid.uuid4().hex[:8]}"  # the Redis store is shared by the session
+    config = make_config(tmp_path, stream, "adapters.store=redis", f"model.adapters=[{name}]")
+    push(redis_url, stream, records[:96])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    store = open_adapter_store(redis_url)
+    other = attach_lora_adapters(headroom_draft(), config.model, [f"{name}@0"])
+    rival = store.publish(
+        name,
+        lora_state_dict(other, f"{name}@0"),
+        worker.trainer.spec(name),
+        expected_current=None,
+        acceptance_estimate=0.5,
+    )
+
+    report = worker.train_round(name)
+
+    assert report.outcome == "conflict", report.describe()
+    assert store.current(name) == rival.version  # the rival's version stays current
+    assert worker.publisher.versions[name] == rival.version
+    assert worker.stats.conflicts == 1
+    reloaded = worker.trainer.weights(name, "candidate")
+    for key, value in lora_state_dict(other, f"{name}@0").items():
+        torch.testing.assert_close(reloaded[key], value, rtol=0, atol=0)
+
+    # Training goes on from the rival's version and publishes over it.
+    report = worker.train_round(name)
+    worker.close()
+    assert report.outcome == "published", report.describe()
+    assert store.manifest(name, report.version).parent_version == rival.version
+    store.close()
+
+
+def test_domain_records_train_general_and_their_adapter_and_are_acked_after_both(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(tmp_path, stream, "model.adapters=[general,code]", steps_per_round=4)
+    code = [dataclasses.replace(r, domain="code") for r in records[:32]]
+    ids = push(redis_url, stream, code + records[32:64])
+    code_ids = set(ids[:32])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    general, code_data = worker.data["general"], worker.data["code"]
+    assert len(general.fresh) + len(general.holdout) == 64
+    assert len(code_data.fresh) + len(code_data.holdout) == 32
+    assert {e.entry_id for e in [*code_data.fresh, *code_data.holdout]} == code_ids
+
+    worker.train_round("general")
+    used = {e.entry_id for e in general.replay}
+    assert used & code_ids and used - code_ids
+    # A plain record is done once general used it; a code record waits for the code adapter.
+    assert not any(entry_id in worker.acks for entry_id in used - code_ids)
+    assert all(entry_id in worker.acks for entry_id in used & code_ids)
+    worker.train_round("code")
+    assert not code_data.fresh
+    assert not any(entry_id in worker.acks for entry_id in used)
+    worker.close()
+
+
+def test_restarted_worker_claims_what_a_crashed_one_left_pending_and_never_acked_entries(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(tmp_path, stream, steps_per_round=2, min_records=64)
+    ids = push(redis_url, stream, records[:64])
+    crashed = new_worker(config, redis_url, consumer="a")
+    crashed.ingest()
+    crashed.train_round("general")
+    acked = {e.entry_id for e in crashed.data["general"].replay}
+    acked |= {e.entry_id for e in crashed.data["general"].holdout}
+    pending = pending_count(redis_url, stream, config.trainer.group)
+    assert pending == 64 - len(acked) > 0
+    # The crash: no close, nothing more acknowledged; a new process takes over.
+
+    worker = new_worker(config, redis_url, consumer="b")
+    assert worker.stats.claimed == pending
+    claimed = {e.entry_id for e in worker.data["general"].fresh}
+    assert claimed == set(ids) - acked
+    run_until_idle(worker)
+    worker.close()
+    assert worker.stats.trained_records == pending
+    assert pending_count(redis_url, stream, config.trainer.group) == 0

@@ -1,0 +1,87 @@
+"""``osd train``: run the online distillation worker as a process.
+
+    osd train --config configs/train.yaml --redis-url redis://:pw@host:6379/0 trainer.device=cuda
+
+Reads the log stream (``log.stream``) as consumer group ``trainer.group``, publishes adapters to
+the store ``adapters.store`` names, logs to W&B as ``wandb.mode`` says (offline by default, under
+the run directory). SIGTERM or Ctrl-C stop it after the current step; SIGKILL loses nothing that
+was acknowledged (see `trainer.worker`). On exit it prints its totals as one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from osd.config import load_config
+from osd.redis_server import redact_url
+
+__all__ = ["main"]
+
+_log = logging.getLogger("trainer")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osd train", description="Online distillation worker.")
+    parser.add_argument("--config", help="YAML config (default: built-in defaults)")
+    parser.add_argument(
+        "--redis-url", default="", help="log buffer and adapter store (default: log.redis_url)"
+    )
+    parser.add_argument("--max-rounds", type=int, default=None, help="stop after this many")
+    parser.add_argument(
+        "--exit-when-idle",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="exit once no record arrived and nothing was trained for this long",
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("overrides", nargs="*", help="config overrides like trainer.device=cuda")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the worker until stopped; returns the process exit code."""
+    args = _parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = load_config(args.config, args.overrides)
+        url = args.redis_url or config.log.redis_url
+        if not url:
+            raise ValueError("the trainer needs a Redis URL: --redis-url or log.redis_url")
+    except (OSError, ValueError) as exc:
+        print(f"osd train: {exc}", file=sys.stderr)
+        return 2
+
+    from trainer.tracking import open_tracker
+    from trainer.worker import TrainerWorker
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker = TrainerWorker(config, url, tracker=open_tracker(config))
+    _log.info(
+        "training %s on %s from %s (group %s), device %s",
+        ", ".join(worker.adapters),
+        config.model.draft,
+        redact_url(url),
+        config.trainer.group,
+        worker.trainer.device,
+    )
+    try:
+        worker.run(stop, max_rounds=args.max_rounds, exit_when_idle_s=args.exit_when_idle)
+    finally:
+        worker.close()
+    print(json.dumps({"trainer_stats": worker.stats.as_dict()}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

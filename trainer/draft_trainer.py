@@ -1,0 +1,205 @@
+"""The base draft with LoRA adapters being distilled, and their acceptance estimates.
+
+Each logical adapter (``general``, ``code``, ...) has two peft adapters on one base draft:
+``<name>@candidate``, trained by the optimizer, and ``<name>@current``, frozen, holding the
+version the store names as current (identity LoRA, i.e. the base draft, before any version).
+Both use exactly the LoRA layout of the replicas (`osd.model_sources.attach_lora_adapters` with
+`config.model`), so a candidate's `lora_state_dict` loads into a replica's ``<name>@<version>``.
+
+Training runs under `accelerate` (fp32 on CPU, bf16 autocast on CUDA); the losses
+(`osd.losses.distillation_loss`) and estimates (`osd.acceptance.estimate_acceptance`) compute
+their softmax in fp32 either way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from osd.acceptance import AcceptanceEstimate, estimate_acceptance
+from osd.adapter_lora import adapter_spec, check_lora_shapes, lora_shapes, lora_state_dict
+from osd.adapter_manifest import AdapterSpec
+from osd.config import ModelConfig
+from osd.losses import LossName, distillation_loss
+from osd.model_sources import attach_lora_adapters
+from osd.record import Record
+from trainer.examples import Batch, PositionMode, collate
+
+__all__ = ["DraftTrainer", "Slot", "StepStats", "peft_name"]
+
+Slot = Literal["candidate", "current"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step did.
+
+    Attributes:
+        loss: the loss before the step (mean over the trained positions; 0 with none).
+        num_tokens: real input tokens run through the draft (forward and backward).
+        num_positions: positions the loss counted.
+    """
+
+    loss: float
+    num_tokens: int
+    num_positions: int
+
+
+def peft_name(adapter: str, slot: Slot) -> str:
+    """The peft adapter holding `slot` of logical adapter `adapter`."""
+    return f"{adapter}@{slot}"
+
+
+class DraftTrainer:
+    """Trains and evaluates the LoRA adapters of one base draft.
+
+    Args:
+        draft: the base draft (a plain Hugging Face causal LM, not yet wrapped by peft).
+        model_config: the model section; its LoRA rank, alpha and target modules are used.
+        adapters: logical adapter names, general first.
+        base_model_id: what published manifests name as the base draft.
+        loss: distillation loss (`osd.losses.LossName`).
+        learning_rate: AdamW learning rate of every candidate.
+        device: "cpu" or "cuda[:i]"; CUDA trains with bf16 autocast.
+        vocab_size: draft logits columns the engine scores (padded rows beyond are cut); None:
+            all of them.
+        eval_batch_records: records per forward when estimating acceptance.
+        max_grad_norm: gradient clipping threshold.
+        seed: seeds the LoRA initialisation (the global torch RNG is left as it was).
+    """
+
+    def __init__(
+        self,
+        draft: Any,
+        model_config: ModelConfig,
+        adapters: Sequence[str],
+        *,
+        base_model_id: str,
+        loss: LossName = "forward_kl",
+        learning_rate: float = 1e-3,
+        device: str = "cpu",
+        vocab_size: int | None = None,
+        eval_batch_records: int = 32,
+        max_grad_norm: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        from accelerate import Accelerator
+
+        if not adapters:
+            raise ValueError("adapters must name at least one adapter")
+        self.adapters = list(adapters)
+        self.base_model_id, self.loss = base_model_id, loss
+        self.vocab_size, self.eval_batch_records = vocab_size, eval_batch_records
+        self.max_grad_norm = max_grad_norm
+        names = [peft_name(a, s) for s in ("candidate", "current") for a in self.adapters]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = attach_lora_adapters(draft, model_config, names)
+        on_cuda = device.startswith("cuda")
+        self.accelerator = Accelerator(cpu=not on_cuda, mixed_precision="bf16" if on_cuda else "no")
+        optimizers = [
+            torch.optim.AdamW(self._lora_params(model, peft_name(a, "candidate")), learning_rate)
+            for a in self.adapters
+        ]
+        model, *prepared = self.accelerator.prepare(model, *optimizers)
+        self.model = model
+        self._optimizers = dict(zip(self.adapters, prepared, strict=True))
+        forward = self.model.get_base_model().forward
+        self._slices_logits = "logits_to_keep" in inspect.signature(forward).parameters
+        self.model.eval()
+
+    @staticmethod
+    def _lora_params(model: Any, name: str) -> list[Tensor]:
+        params = [p for n, p in model.named_parameters() if f".{name}." in n]
+        if not params:
+            raise ValueError(f"peft adapter {name!r} has no parameters")
+        return params
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def _logits(self, adapter: str, slot: Slot, batch: Batch) -> Tensor:
+        """(B, L - first_index, V) draft logits at the inputs that predict generated tokens."""
+        self.model.set_adapter(peft_name(adapter, slot))
+        kwargs: dict[str, Any] = {"use_cache": False}
+        keep = batch.input_ids.shape[1] - batch.first_index
+        if self._slices_logits:
+            kwargs["logits_to_keep"] = keep
+        with self.accelerator.autocast():
+            logits = self.model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, **kwargs
+            ).logits
+        logits = logits[:, -keep:]
+        return logits if self.vocab_size is None else logits[..., : self.vocab_size]
+
+    def train_step(
+        self, adapter: str, records: Sequence[Record], positions: PositionMode
+    ) -> StepStats:
+        """One optimizer step of `adapter`'s candidate on `records`, at `positions`."""
+        batch = collate(records, positions).to(self.device)
+        optimizer = self._optimizers[adapter]
+        self.model.train()
+        try:
+            logits = self._logits(adapter, "candidate", batch)
+            top_ids, top_probs, train_mask, _ = batch.sliced()
+            loss = distillation_loss(self.loss, logits, top_ids, top_probs, train_mask)
+            optimizer.zero_grad(set_to_none=True)
+            self.accelerator.backward(loss)
+            params = self._lora_params(self.model, peft_name(adapter, "candidate"))
+            self.accelerator.clip_grad_norm_(params, self.max_grad_norm)
+            optimizer.step()
+        finally:
+            self.model.eval()
+        return StepStats(float(loss.detach()), batch.num_tokens, batch.num_train_positions)
+
+    @torch.no_grad()
+    def estimate(self, adapter: str, slot: Slot, records: Sequence[Record]) -> AcceptanceEstimate:
+        """Mean acceptance bounds of `slot` of `adapter` over every generated position of
+        `records` (`osd.acceptance.estimate_acceptance`); trivial [0, 1] with no records."""
+        parts = []
+        for start in range(0, len(records), self.eval_batch_records):
+            chunk = records[start : start + self.eval_batch_records]
+            batch = collate(chunk, "all").to(self.device)
+            logits = self._logits(adapter, slot, batch).float()
+            top_ids, top_probs, _, eval_mask = batch.sliced()
+            parts.append(estimate_acceptance(logits, top_ids, top_probs, eval_mask))
+        return AcceptanceEstimate.combine(parts)
+
+    def weights(self, adapter: str, slot: Slot = "candidate") -> dict[str, Tensor]:
+        """CPU copies of one slot's LoRA tensors, keyed as the store and replicas expect."""
+        return lora_state_dict(self.model, peft_name(adapter, slot))
+
+    def shapes(self, adapter: str) -> dict[str, tuple[int, ...]]:
+        """The LoRA layout (key -> shape) every version of `adapter` must have."""
+        return lora_shapes(self.model, peft_name(adapter, "candidate"))
+
+    def spec(self, adapter: str) -> AdapterSpec:
+        """What a published version of `adapter` is: base draft, rank, alpha, target modules."""
+        return adapter_spec(self.model, peft_name(adapter, "candidate"), self.base_model_id)
+
+    @torch.no_grad()
+    def set_weights(
+        self, adapter: str, weights: Mapping[str, Tensor], slots: Iterable[Slot]
+    ) -> None:
+        """Copies `weights` (keyed like `weights()`) into the given slots of `adapter`.
+
+        Raises:
+            AdapterIntegrityError: keys or shapes that are not this adapter's layout.
+        """
+        from peft import set_peft_model_state_dict
+
+        check_lora_shapes(weights, self.shapes(adapter))
+        for slot in slots:
+            name = peft_name(adapter, slot)
+            state = {k: v.to(self.device) for k, v in weights.items()}
+            set_peft_model_state_dict(self.model, state, adapter_name=name)
+
+    def promote(self, adapter: str) -> None:
+        """Makes the candidate the current version (after it was published)."""
+        self.set_weights(adapter, self.weights(adapter, "candidate"), ["current"])

@@ -1,0 +1,97 @@
+"""Between the trainer's adapters and the adapter store: restore, publish with compare-and-set.
+
+Each adapter remembers the store version its weights descend from (`versions`). Publishing moves
+the store's pointer only if it still names that version (`AdapterStore.publish(...,
+expected_current=...)`); if another trainer, or a replica's rollback, moved it meanwhile, the
+store raises `PublishConflict`, the new version stays stored but not current, and the trainer
+reloads the version that is current into both slots and goes on training from it. Nothing is
+ever clobbered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from osd.adapter_lora import base_model_hash
+from osd.adapter_manifest import AdapterManifest, AdapterStoreError, PublishConflict
+from osd.adapter_store import AdapterStore
+from trainer.draft_trainer import DraftTrainer
+
+__all__ = ["Publisher"]
+
+_log = logging.getLogger(__name__)
+
+
+class Publisher:
+    """Publishes `trainer`'s candidates to `store`, one version lineage per adapter.
+
+    Args:
+        store: the adapter store the replicas follow.
+        trainer: holds the candidate and current slots of every adapter.
+    """
+
+    def __init__(self, store: AdapterStore, trainer: DraftTrainer) -> None:
+        self.store, self.trainer = store, trainer
+        self.base_hash = base_model_hash(trainer.model)
+        self.versions: dict[str, int | None] = dict.fromkeys(trainer.adapters)
+        self.num_conflicts = 0
+
+    def restore(self, adapter: str) -> int | None:
+        """Loads the store's current version of `adapter` into both slots.
+
+        A version that does not load (another base draft, wrong layout, damaged) is skipped with
+        a warning: the slots keep their weights, and the next publish replaces it.
+
+        Returns:
+            The current version (None when none was published), now the expected one.
+        """
+        version = self.store.current(adapter)
+        self.versions[adapter] = version
+        if version is None:
+            return None
+        try:
+            manifest, weights = self.store.load(
+                adapter,
+                version,
+                expected_base_model_hash=self.base_hash,
+                expected_shapes=self.trainer.shapes(adapter),
+            )
+        except (AdapterStoreError, ValueError) as exc:
+            _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
+            return version
+        self.trainer.set_weights(adapter, weights, ["candidate", "current"])
+        _log.info(
+            "%s: resuming from v%d (acceptance estimate %s)",
+            adapter,
+            version,
+            manifest.acceptance_estimate,
+        )
+        return version
+
+    def publish(self, adapter: str, acceptance_estimate: float) -> AdapterManifest | None:
+        """Publishes the candidate of `adapter` over the version it descends from.
+
+        Returns:
+            The new manifest, or None after a conflict (the winner's version is then loaded).
+        """
+        expected = self.versions[adapter]
+        try:
+            manifest = self.store.publish(
+                adapter,
+                self.trainer.weights(adapter),
+                self.trainer.spec(adapter),
+                expected_current=expected,
+                acceptance_estimate=min(1.0, max(0.0, acceptance_estimate)),
+            )
+        except PublishConflict as exc:
+            self.num_conflicts += 1
+            _log.warning(
+                "%s: publish conflict (%s); reloading the current version and training on",
+                adapter,
+                exc,
+            )
+            self.restore(adapter)
+            return None
+        self.versions[adapter] = manifest.version
+        self.trainer.promote(adapter)
+        return manifest

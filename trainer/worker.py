@@ -1,0 +1,315 @@
+"""The online distillation worker: log stream in, judged adapter versions out.
+
+Loop (`TrainerWorker.run`): read records from the log stream as one consumer of
+`config.trainer.group`; hold out a deterministic fraction for the judge; route the rest to the
+adapters that learn from them (`trainer.examples.adapters_for`); when an adapter has
+`min_records` fresh records (or its oldest fresh one waited `max_record_wait_s`), run a round of
+`steps_per_round` steps (half fresh, half replay: `trainer.replay`), then judge the candidate
+against the current version on held-out records and publish it with compare-and-set if it is
+better by `publish_margin` (`trainer.judge`, `trainer.publisher`).
+
+Delivery (at least once, never twice after an acknowledgement):
+
+- a held-out (or unusable) record is acknowledged as soon as it is read: it is in the judge's
+  window, never trained on;
+- a training record is acknowledged once every adapter it was routed to has used it in a
+  training step; it then lives on only in their in-memory replay windows;
+- a record read but not yet trained on stays pending in the group. A restarted worker (any
+  consumer name) first claims every pending entry of the group, so a crash loses no record; one
+  used in a step whose acknowledgement the crash prevented is trained on once more;
+- acknowledged records are never delivered again, so never retrained after a restart. What a
+  crash loses is the replay and hold-out windows (memory only) and candidate progress since the
+  last published version, from which the restarted worker resumes (`Publisher.restore`).
+
+One trainer per consumer group: at start-up it claims all of the group's pending entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from osd.adapter_store import AdapterStore, adapter_store_location, open_adapter_store
+from osd.config import OSDConfig, resolve_device
+from osd.log_reader import LogReader
+from osd.model_sources import load_draft
+from osd.record import Record
+from trainer.draft_trainer import DraftTrainer
+from trainer.examples import Example, adapters_for, is_held_out
+from trainer.judge import judge
+from trainer.publisher import Publisher
+from trainer.replay import AckTracker, AdapterData
+from trainer.tracking import NullTracker, Tracker
+from trainer.worker_stats import RoundReport, WorkerStats
+
+__all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
+
+_log = logging.getLogger(__name__)
+_MAX_READ = 256
+_MAX_CLAIM = 100_000
+
+
+def _entry_time(entry_id: str) -> float:
+    """Unix seconds from a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
+    head = entry_id.partition("-")[0]
+    return int(head) / 1e3 if head.isdigit() else 0.0
+
+
+class TrainerWorker:
+    """Reads records, trains the adapters, judges and publishes them.
+
+    Args:
+        config: the deployment's config (`model`, `log`, `adapters`, `trainer`, `wandb`).
+        redis_url: the log buffer's Redis (and the adapter store's, for the redis store).
+        draft: the base draft, already loaded; default: `osd.model_sources.load_draft`.
+        base_model_id: manifests' name of the base draft (default: where it was loaded from).
+        store: adapter store; default: the one `config.adapters` names.
+        tracker: where round metrics go (default: nowhere; the CLI opens W&B).
+        consumer: consumer name; default `trainer.consumer` or ``<hostname>-<pid>``.
+    """
+
+    def __init__(
+        self,
+        config: OSDConfig,
+        redis_url: str,
+        *,
+        draft: Any = None,
+        base_model_id: str | None = None,
+        store: AdapterStore | None = None,
+        tracker: Tracker | None = None,
+        consumer: str | None = None,
+    ) -> None:
+        cfg = self.cfg = config.trainer
+        self.config, self.adapters = config, list(config.model.adapters)
+        self.trainer = self._build_trainer(draft, base_model_id)
+        self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
+        self.store = store or open_adapter_store(adapter_store_location(config, redis_url))
+        self.publisher = Publisher(self.store, self.trainer)
+        self.tracker: Tracker = tracker or NullTracker()
+        self.reader = LogReader(
+            redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
+        )
+        self.data = {a: AdapterData(cfg.replay_size, cfg.holdout_size) for a in self.adapters}
+        self.acks = AckTracker()
+        self.stats = WorkerStats()
+        self.rng = np.random.default_rng(cfg.seed)
+        self.fresh_limit = max(cfg.min_records, cfg.steps_per_round * cfg.batch_records)
+        self._unpublished: dict[str, list[float]] = {a: [] for a in self.adapters}
+        self._last_claim = time.monotonic()
+        self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
+        self._resume()
+
+    def _build_trainer(self, draft: Any, base_model_id: str | None) -> DraftTrainer:
+        """The draft in fp32 (bf16 autocast on CUDA) with the configured adapters."""
+        cfg = self.cfg
+        device = resolve_device(cfg.device)
+        if draft is None:
+            draft, source = load_draft(self.config.model, device=device, dtype="float32")
+            base_model_id = base_model_id or source
+        return DraftTrainer(
+            draft.float(),
+            self.config.model,
+            self.adapters,
+            base_model_id=base_model_id or self.config.model.draft,
+            loss=cfg.loss,
+            learning_rate=cfg.learning_rate,
+            device=device,
+            eval_batch_records=cfg.batch_records,
+            seed=cfg.seed,
+        )
+
+    def _resume(self) -> None:
+        """Loads the published versions, then claims every entry the group left pending (a
+        crashed predecessor's records, read but not trained on)."""
+        for adapter in self.adapters:
+            self.publisher.restore(adapter)
+        self.stats.claimed += self._accept(self.reader.claim_stale(0, count=_MAX_CLAIM))
+
+    # Reading.
+
+    def _usable(self, record: Record) -> bool:
+        if record.prompt_len < 1 or record.num_generated < 1:
+            return False
+        top = int(record.target_top_ids.max()) if record.target_top_ids.size else 0
+        return max(int(record.token_ids.max()), top) < self.vocab_size
+
+    def _accept(self, entries: list[tuple[str, Record]]) -> int:
+        """Routes read entries to the adapters' fresh and hold-out windows; returns how many."""
+        done: list[str] = []
+        accepted = 0
+        for entry_id, record in entries:
+            if entry_id in self.acks:
+                continue  # claimed again while we hold it
+            accepted += 1
+            if not self._usable(record):
+                self.stats.skipped += 1
+                done.append(entry_id)
+                continue
+            example = Example(entry_id, record, _entry_time(entry_id))
+            adapters = adapters_for(record, self.adapters)
+            if is_held_out(record.request_id, self.cfg.holdout_fraction):
+                for adapter in adapters:
+                    self.data[adapter].add_holdout(example)
+                self.stats.held_out += 1
+                done.append(entry_id)
+                continue
+            self.acks.expect(entry_id, len(adapters))
+            for adapter in adapters:
+                self.data[adapter].add_fresh(example)
+            self.stats.by_domain[record.domain or "-"] += 1
+        self.reader.ack(done)
+        return accepted
+
+    def ingest(self, block_ms: int = 0) -> int:
+        """Reads new records (waiting up to `block_ms` for the first), unless enough fresh
+        records wait already; claims entries of dead consumers now and then.
+
+        Returns:
+            How many records were read or claimed.
+        """
+        claimed = read = 0
+        idle_ms = self.cfg.claim_idle_ms
+        if idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
+            self._last_claim = time.monotonic()
+            claimed = self._accept(self.reader.claim_stale(idle_ms, count=_MAX_READ))
+        room = self.fresh_limit - max(len(d.fresh) for d in self.data.values())
+        if room > 0:
+            read = self._accept(self.reader.read(count=min(room, _MAX_READ), block_ms=block_ms))
+        self.stats.claimed += claimed
+        self.stats.read += read
+        return claimed + read
+
+    # Training.
+
+    def ready(self, now: float | None = None) -> list[str]:
+        """Adapters with enough fresh records, or whose oldest fresh record waited too long."""
+        now = time.time() if now is None else now
+        ready = []
+        for adapter, data in self.data.items():
+            oldest = data.oldest_fresh_at()
+            if len(data.fresh) >= self.cfg.min_records or (
+                oldest is not None and now - oldest >= self.cfg.max_record_wait_s
+            ):
+                ready.append(adapter)
+        return ready
+
+    def train_round(self, adapter: str) -> RoundReport:
+        """`steps_per_round` steps of `adapter`, acknowledging what they used, then the judge."""
+        data, cfg = self.data[adapter], self.cfg
+        report = RoundReport(adapter=adapter)
+        started = time.perf_counter()
+        for _ in range(cfg.steps_per_round):
+            if self._stop.is_set():
+                break  # stopping: judge what was trained so far, then return
+            batch, fresh = data.next_batch(cfg.batch_records, self.rng)
+            if not batch:
+                break
+            try:
+                step = self.trainer.train_step(adapter, [e.record for e in batch], cfg.positions)
+            except BaseException:
+                data.requeue(fresh)
+                raise
+            data.trained(fresh)
+            self._unpublished[adapter].extend(e.arrived_at for e in fresh)
+            self.reader.ack(self.acks.used(e.entry_id for e in fresh))
+            report.add_step(step, len(fresh))
+        report.train_s = time.perf_counter() - started
+        self.stats.add_round(report)
+        self.judge_and_publish(adapter, report)
+        self._emit(report)
+        return report
+
+    def judge_and_publish(self, adapter: str, report: RoundReport | None = None) -> RoundReport:
+        """Estimates candidate and current on the held-out window; publishes if better.
+
+        Returns:
+            `report` (a new one if None) with the verdict and outcome filled in.
+        """
+        report = report or RoundReport(adapter=adapter)
+        holdout = [e.record for e in self.data[adapter].holdout]
+        if len(holdout) < self.cfg.min_holdout_records:
+            report.outcome = "waiting"
+            return report
+        verdict = judge(
+            self.trainer.estimate(adapter, "candidate", holdout),
+            self.trainer.estimate(adapter, "current", holdout),
+            margin=self.cfg.publish_margin,
+        )
+        report.verdict = verdict
+        if not verdict.publish:
+            report.outcome = "refused"
+            self.stats.refused += 1
+            return report
+        manifest = self.publisher.publish(adapter, verdict.candidate.lower)
+        if manifest is None:
+            report.outcome = "conflict"
+            self.stats.conflicts += 1
+            return report
+        now = time.time()
+        report.outcome, report.version = "published", manifest.version
+        report.record_to_version_s = [now - t for t in self._unpublished[adapter] if t > 0]
+        self._unpublished[adapter].clear()
+        self.stats.published += 1
+        self.stats.latencies.extend(report.record_to_version_s)
+        return report
+
+    def _emit(self, report: RoundReport) -> None:
+        """Logs the round's progress line and sends its metrics to the tracker."""
+        reader = self.reader.metrics()
+        _log.info("%s | %s | lag %s", report.describe(), self.stats.describe(), reader.lag)
+        metrics = {**report.metrics(), **self.stats.metrics()}
+        for key in ("lag", "pending", "stream_length", "dead_letters"):
+            value = getattr(reader, key)
+            if value is not None:
+                metrics[f"reader/{key}"] = float(value)
+        self.tracker.log(metrics, step=self.stats.rounds)
+
+    def run_once(self, block_ms: int = 1000) -> RoundReport | None:
+        """Reads what is there (waiting up to `block_ms` when no adapter is ready), then runs
+        one round of the ready adapter with the most fresh records, if any."""
+        self.ingest(block_ms=0 if self.ready() else block_ms)
+        ready = self.ready()
+        if not ready:
+            return None
+        return self.train_round(max(ready, key=lambda a: len(self.data[a].fresh)))
+
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        max_rounds: int | None = None,
+        exit_when_idle_s: float | None = None,
+    ) -> int:
+        """Runs rounds until `stop` is set, `max_rounds` ran, or (with `exit_when_idle_s`) no
+        record arrived and no round ran for that long.
+
+        Returns:
+            The number of rounds run.
+        """
+        stop = self._stop = stop or threading.Event()
+        rounds, idle_since = 0, time.monotonic()
+        while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
+            before = self.stats.read + self.stats.claimed
+            report = self.run_once(block_ms=200 if exit_when_idle_s is not None else 1000)
+            rounds += report is not None
+            if report is not None or self.stats.read + self.stats.claimed != before:
+                idle_since = time.monotonic()
+            elif (
+                exit_when_idle_s is not None
+                and time.monotonic() - idle_since > exit_when_idle_s
+                and not any(d.fresh for d in self.data.values())
+            ):
+                break
+        return rounds
+
+    def close(self) -> None:
+        """Sends leftover acknowledgements and closes the reader, store and tracker."""
+        self.reader.close()
+        close_store = getattr(self.store, "close", None)
+        if callable(close_store):
+            close_store()
+        self.tracker.close()
