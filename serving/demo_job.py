@@ -254,12 +254,18 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", help="a JSONL workload to replay instead of the demo's")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
     config = load_config(args.config, args.overrides)
     install_signal_handlers()
     try:
-        items = demo_workload(args.schedule, args.max_tokens, args.seed)
+        if args.workload:
+            from osd.demo import load_workload
+
+            items = load_workload(args.workload)
+        else:
+            items = demo_workload(args.schedule, args.max_tokens, args.seed)
         result = run(config, items, args.concurrency)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)

@@ -1,0 +1,52 @@
+"""The main job's plumbing on toy models: traffic through HTTP, trainer, report files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.serving.conftest import TOY, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
+    workload = tmp_path / "workload.jsonl"
+    rows = [
+        {"prompt": f"the {w} sat on", "domain": d, "max_tokens": 12, "phase": d}
+        for d in ("general", "code")
+        for w in ("cat", "dog", "owl", "bee") * 4
+    ]
+    workload.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "osd.cli",
+            "demo",
+            "--workload",
+            str(workload),
+            "--config",
+            "configs/demo.yaml",
+            *TOY,
+            f"serve.port={free_port()}",
+            f"run_dir={run_dir}",
+            "wandb.mode=offline",
+            f"wandb.dir={tmp_path}",
+            "trainer.min_records=8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["requests"] == len(rows) and report["failures"] == 0
+    assert {"general", "code"} <= set(report["domains"])
+    assert all(0.0 <= s["acceptance"] <= 1.0 for s in report["samples"])
+    assert (run_dir / "report.png").stat().st_size > 10_000
+    assert list(tmp_path.glob("wandb/offline-run-*"))
