@@ -45,15 +45,21 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
     return out
 
 
-def throughput_series(samples: list[Any], bin_s: float = 30.0) -> list[tuple[float, float]]:
-    """(bin end time, generated tokens/s in the bin)."""
+def throughput_series(samples: list[Any], num_bins: int = 20) -> list[tuple[float, float]]:
+    """(bin end time, generated tokens/s in the bin); at least 5 s per bin."""
     if not samples:
         return []
     end = max(s.time for s in samples)
-    bins = [0.0] * (int(end // bin_s) + 1)
+    width = max(5.0, end / num_bins)
+    bins = [0.0] * (int(end // width) + 1)
     for sample in samples:
-        bins[int(sample.time // bin_s)] += sample.tokens
-    return [((i + 1) * bin_s, tokens / bin_s) for i, tokens in enumerate(bins)]
+        bins[int(sample.time // width)] += sample.tokens
+    series = []
+    for i, tokens in enumerate(bins):
+        span = min(width, end - i * width)  # the last bin may be partial
+        if span > 0:
+            series.append((i * width + span, tokens / span))
+    return series
 
 
 def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> dict[str, Any]:
