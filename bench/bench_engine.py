@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    def osd_run(method: str, k: int, stats: list) -> Callable[[], int]:
+    def osd_run(method: str, k: int, stats: list, log: bool = True) -> Callable[[], int]:
         def run() -> int:
             stats.clear()
             for p in prompts:
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     method=method,
                     num_spec_tokens=k,
                     stop_token_ids=[],
-                    log=True,
+                    log=log,
                 )
                 stats.append(r.stats)
             return sum(s.num_generated for s in stats)
@@ -171,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{'osd ' + method:<26}{k:>3}{speed:>9.1f}{alpha:>8.2f}{per_call:>10.2f}"
                     f"{theory(alpha, k):>8.2f}{speed / assisted:>11.2f}{speed / base:>10.2f}"
                 )
+        with_log = timed(osd_run("block", 4, [], log=True), args.repeats)
+        without_log = timed(osd_run("block", 4, [], log=False), args.repeats)
+        print(
+            f"\nlog data collection (block, k=4): {with_log:.1f} tok/s with, "
+            f"{without_log:.1f} without: {100 * (without_log / with_log - 1):+.1f}% decode time"
+        )
     return 0
 
 
