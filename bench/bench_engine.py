@@ -39,10 +39,8 @@ def synthetic_pair(vocab_size: int = 2048) -> tuple[Any, Any, str]:
 
 def demo_pair() -> tuple[Any, Any, str] | None:
     """The trained demo pair if it is already built (never builds it here)."""
-    try:
-        from osd.demo import find_demo_models  # type: ignore[attr-defined]
-    except ImportError:
-        return None
+    from osd.model_sources import find_demo_models
+
     paths = find_demo_models()
     if paths is None:
         return None

@@ -6,7 +6,8 @@ Run from the repository root::
                                   [--rate 20] [--no-demo]
 
 For each pair (the toy pair of the tests: a tiny random Llama target and a noisy copy as draft;
-and the offline demo pair when `osd.demo.find_demo_models()` finds it built) it logs records of
+and the offline demo pair when `osd.model_sources.find_demo_models()` finds it built) it logs
+records of
 real speculative generations, then prints:
 
 1. training throughput: input tokens per second through forward + backward of one LoRA step,
@@ -83,7 +84,7 @@ def toy_pair() -> Pair:
 def demo_pair() -> Pair | None:
     """The demo pair if it is built already (never builds it here)."""
     try:
-        from osd.demo import find_demo_models  # type: ignore[attr-defined]
+        from osd.model_sources import find_demo_models
     except ImportError:
         return None
     paths = find_demo_models()
@@ -240,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if demo is not None:
         pairs.append(demo)
     elif not args.no_demo:
-        print("(demo pair not built or osd.demo.find_demo_models unavailable: toy pair only)")
+        print("(demo pair not built or osd.model_sources.find_demo_models: toy pair only)")
     for pair in pairs:
         print(f"\npair: {pair.name}")
         records = make_records(pair, args.records)

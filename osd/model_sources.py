@@ -14,7 +14,13 @@ from transformers import PreTrainedModel
 from osd.config import ModelConfig, resolve_device, resolve_dtype
 from osd.models import load_causal_lm, load_tokenizer
 
-__all__ = ["attach_lora_adapters", "load_draft", "load_model_pair"]
+__all__ = [
+    "attach_lora_adapters",
+    "find_demo_models",
+    "load_draft",
+    "load_model_pair",
+    "uses_demo_models",
+]
 
 
 def _toy_pair() -> tuple[PreTrainedModel, PreTrainedModel, Any]:
@@ -27,27 +33,39 @@ def _toy_pair() -> tuple[PreTrainedModel, PreTrainedModel, Any]:
 
 
 def _demo_paths() -> Any:
-    from osd.demo import find_demo_models  # type: ignore[attr-defined]
+    """The demo pair's paths, building it first if this machine has not yet (minutes)."""
+    from osd.demo import build_demo_models
 
-    paths = find_demo_models()
-    if paths is None:
-        raise ValueError("demo models are not built yet: run `osd demo-models build` first")
-    return paths
+    return build_demo_models(progress=True)
+
+
+def find_demo_models() -> Any:
+    """The demo pair's paths if it is already built for the current recipe, else None."""
+    from osd.demo import build_demo_models, demo_models_root
+
+    if not (demo_models_root() / "draft" / "config.json").exists():
+        return None
+    return build_demo_models(progress=False)  # built: only checks the recipe's manifests
 
 
 def _is_toy(config: ModelConfig) -> bool:
     return config.target.startswith("toy:") or config.draft.startswith("toy:")
 
 
+def uses_demo_models(config: ModelConfig) -> bool:
+    return config.target.startswith("demo:") or config.draft.startswith("demo:")
+
+
 def _sources(config: ModelConfig) -> dict[str, str]:
-    """Paths or hub ids of target and draft, with ``demo:`` names resolved."""
-    sources = {"target": config.target, "draft": config.draft}
-    if config.target.startswith("demo:") or config.draft.startswith("demo:"):
+    """Paths or hub ids of target, draft and tokenizer, with ``demo:`` names resolved."""
+    sources = {"target": config.target, "draft": config.draft, "tokenizer": config.target}
+    if uses_demo_models(config):
         paths = _demo_paths()
         sources = {
             k: str(getattr(paths, v.split(":", 1)[1], v)) if v.startswith("demo:") else v
             for k, v in sources.items()
         }
+        sources["tokenizer"] = str(paths.tokenizer)
     return sources
 
 
@@ -62,7 +80,7 @@ def load_model_pair(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedMod
     else:
         sources = _sources(config)
         target, draft = sources["target"], sources["draft"]
-        tokenizer = load_tokenizer(config.tokenizer or target)
+        tokenizer = load_tokenizer(config.tokenizer or sources["tokenizer"])
     return (
         load_causal_lm(target, device=device, dtype=dtype),
         load_causal_lm(draft, device=device, dtype=dtype),

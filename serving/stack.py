@@ -26,6 +26,8 @@ import yaml
 
 from osd.closing import Closeable
 from osd.config import OSDConfig
+from osd.model_sources import uses_demo_models
+from osd.process import die_with_parent
 from osd.redis_server import LocalRedis
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
@@ -90,6 +92,10 @@ class LocalStack(Closeable):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
         try:
+            if uses_demo_models(self.config.model):  # build once here, not in each replica
+                from osd.demo import build_demo_models
+
+                build_demo_models(progress=True)
             if not self.redis_url:
                 self.redis = LocalRedis(data_dir=str(self.run_dir / "redis")).start()
                 self.redis_url = self.redis.url
@@ -137,6 +143,7 @@ class LocalStack(Closeable):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=die_with_parent,  # no orphaned trainer if this process is killed
             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
         )
 
