@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from osd.record import MAX_ID_BYTES
+
 __all__ = [
     "APIError",
     "ChatMessage",
@@ -60,6 +62,17 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+_GREEDY_BELOW = 1e-5  # temperatures under this decode greedily
+
+
+def _check_unicode(text: str) -> None:
+    # JSON may escape lone surrogates ("\ud800"), which no tokenizer can encode.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid unicode: {exc.reason} at {exc.start}") from None
+
+
 class SpecOptions(BaseModel):
     """osd's speculative decoding options for one request."""
 
@@ -86,9 +99,9 @@ class _Common(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # the record stores it as int32
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,6 +110,21 @@ class _Common(BaseModel):
     domain: str | None = Field(default=None, max_length=128)
     spec: SpecOptions | None = None
     log: bool = True
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
+        # Dividing logits by a subnormal temperature overflows to NaN; this close to 0 the
+        # distribution is the argmax anyway (vLLM draws the same line).
+        return 0.0 if temperature < _GREEDY_BELOW else temperature
+
+    @field_validator("domain")
+    @classmethod
+    def _domain_is_a_label(cls, domain: str | None) -> str | None:
+        # The domain goes into the request's record, which holds short printable labels only.
+        if domain is not None and (not domain.isprintable() or len(domain.encode()) > MAX_ID_BYTES):
+            raise ValueError(f"domain must be a printable label of at most {MAX_ID_BYTES} bytes")
+        return domain
 
     @field_validator("n")
     @classmethod
@@ -134,6 +162,8 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if isinstance(prompt, str):
+            _check_unicode(prompt)
         return prompt  # type: ignore[return-value]
 
 
@@ -142,6 +172,12 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+
+    @field_validator("content")
+    @classmethod
+    def _unicode_content(cls, content: str) -> str:
+        _check_unicode(content)
+        return content
 
 
 class ChatRequest(_Common):

@@ -1,0 +1,159 @@
+"""Fixtures for the reliability tests: toy replicas, real redis-servers, and helpers to read them.
+
+Most tests drive a Ray-free replica: a `ReplicaRuntime` with its FastAPI app behind Starlette's
+`TestClient`, plus the same `LogWriter` and `AdapterWatcher` the Ray Serve replica builds
+(`serving.app.OSDReplica`). Only the tests about Ray Serve itself start the Serve app, once per
+module. Faults are real: redis-server processes are SIGKILLed and restarted, stored bytes are
+edited in Redis or on disk, replica processes are SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from osd.adapter_lora import adapter_spec, lora_state_dict
+from osd.adapter_store import AdapterStore
+from osd.config import OSDConfig, load_config
+from osd.log_writer import LogWriter
+from osd.redis_server import LocalRedis
+from serving.api import create_api
+from serving.runtime import ReplicaRuntime
+from serving.watcher import AdapterWatcher
+
+TOY = [
+    "model.target=toy:target",
+    "model.draft=toy:draft",
+    "model.adapters=[general,code]",
+    "serve.max_tokens_limit=8",
+]
+STREAM = "osd:records"  # the default log stream; each test has its own redis-server or reads ids
+
+
+def toy_config(*overrides: str) -> OSDConfig:
+    """The toy deployment (tiny random target and draft, adapters general and code)."""
+    return load_config(None, [*TOY, *overrides])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.02) -> float:
+    """Polls until `predicate()` is truthy; returns the seconds it took, or fails the test."""
+    start = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - start > timeout_s:
+            pytest.fail(f"condition not met within {timeout_s} s: {predicate}")
+        time.sleep(interval_s)
+    return time.perf_counter() - start
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process (this one by default), from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc status")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition; 0 if it is absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def completion(**fields: Any) -> dict[str, Any]:
+    """A small valid /v1/completions body; `fields` override or add."""
+    return {"model": "osd", "prompt": "the cat", "max_tokens": 8, "temperature": 0.7, **fields}
+
+
+@dataclass
+class Replica:
+    """One Ray-free replica: runtime, HTTP client on its app, log writer and adapter watcher."""
+
+    runtime: ReplicaRuntime
+    client: TestClient
+    writer: LogWriter | None
+    watcher: AdapterWatcher | None
+
+    def complete(self, **fields: Any) -> Any:
+        return self.client.post("/v1/completions", json=completion(**fields))
+
+    def health(self) -> dict[str, Any]:
+        response = self.client.get("/health")
+        assert response.status_code == 200
+        return response.json()
+
+    def metrics(self) -> str:
+        return self.client.get("/metrics").text
+
+    def current(self, adapter: str = "general") -> int:
+        return self.health()["adapters"][adapter]
+
+
+@contextmanager
+def running_replica(
+    config: OSDConfig,
+    *,
+    redis_url: str | None = None,
+    store: AdapterStore | None = None,
+    reconcile_interval_s: float = 0.2,
+) -> Iterator[Replica]:
+    """A replica wired as `serving.app.OSDReplica` wires one: a log writer on `redis_url` (if
+    given) and an adapter watcher on `store` (if given), started before the first request."""
+    writer = None
+    if redis_url is not None:
+        log = config.log
+        writer = LogWriter(redis_url, log.stream, maxlen=log.maxlen, queue_size=log.queue_size)
+    runtime = ReplicaRuntime(config, log_writer=writer)
+    watcher = None
+    if store is not None:
+        watcher = AdapterWatcher(runtime, store, reconcile_interval_s=reconcile_interval_s)
+        watcher.start()
+    try:
+        with TestClient(create_api(runtime), raise_server_exceptions=False) as client:
+            yield Replica(runtime, client, writer, watcher)
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        runtime.close()
+
+
+def replica_adapter(model: Any, adapter: str = "general") -> tuple[Any, dict[str, Any]]:
+    """(spec, identity weights) shaped like a replica's `adapter`, from its peft draft."""
+    spec = adapter_spec(model, f"{adapter}@0", base_model_id="toy:draft")
+    return spec, lora_state_dict(model, f"{adapter}@0")  # B = 0: the base draft exactly
+
+
+@pytest.fixture
+def redis_server() -> Iterator[LocalRedis]:
+    """A redis-server of the test's own (AOF on), for tests that kill or restart it."""
+    with LocalRedis() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_redis() -> Iterator[LocalRedis]:
+    """A redis-server shared by one module's tests."""
+    with LocalRedis() as server:
+        yield server
