@@ -175,15 +175,21 @@ def poll_health(
 
 
 def demo_workload(schedule: str, max_tokens: int, seed: int) -> list[Any]:
-    from osd.demo import build_demo_models, make_workload, parse_schedule
-    from osd.demo.workload import held_out_prompts  # type: ignore[attr-defined]
+    """The demo's traffic: held-out prompts of each domain, in the order of ``schedule``."""
+    from osd.demo import (
+        DOMAINS,
+        build_demo_models,
+        load_corpus_split,
+        make_workload,
+        parse_schedule,
+    )
 
     paths = build_demo_models(progress=True)
-    return list(
-        make_workload(
-            held_out_prompts(paths), parse_schedule(schedule), max_tokens=max_tokens, seed=seed
-        )
-    )
+    prompts = {
+        d: [doc.prompt for doc in load_corpus_split(paths.corpus, d, "heldout")] for d in DOMAINS
+    }
+    items = make_workload(prompts, parse_schedule(schedule), max_tokens=max_tokens, seed=seed)
+    return list(items)
 
 
 def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]:
@@ -248,7 +254,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument(
         "--schedule",
-        default="prose:60,code:160,sql:160,mixed:120",
+        default="prose:40,code:280,sql:280,mixed:100",
         help="domain:requests phases of the traffic",
     )
     parser.add_argument("--max-tokens", type=int, default=48)
