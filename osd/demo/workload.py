@@ -1,0 +1,217 @@
+"""Prompt streams with domain labels: the traffic of the demo, the benchmarks and the tests.
+
+A workload is a JSONL file, one request per line::
+
+    {"prompt": "SELECT", "domain": "sql", "max_tokens": 64}
+
+Required: ``prompt`` (non-empty string), ``domain`` (non-empty string; the route key), and
+``max_tokens`` (integer >= 1). Optional: ``temperature`` (>= 0), ``top_p`` (in (0, 1]),
+``seed`` (integer), ``adapter`` (string), ``id`` (string), ``phase`` (string: which part of a
+schedule the request belongs to) and ``metadata`` (an object kept as is). Other keys are
+rejected, so a misspelt option never silently does nothing. Users can replace the demo traffic
+with their own file in this format.
+
+The demo schedule shifts topics: e.g. ``prose:200,code:200,sql:200,mixed:200`` is 200 prose
+prompts, then 200 code, then 200 SQL, then 200 drawn from all domains at random; prompts are
+held-out corpus prompts, never seen in training.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MIXED",
+    "WorkloadItem",
+    "load_workload",
+    "make_workload",
+    "parse_schedule",
+    "parse_workload_line",
+    "write_workload",
+]
+
+MIXED = "mixed"
+_REQUIRED = ("prompt", "domain", "max_tokens")
+_OPTIONAL = ("temperature", "top_p", "seed", "adapter", "id", "phase", "metadata")
+
+
+@dataclass(frozen=True)
+class WorkloadItem:
+    """One request of a workload; see the module docstring for the fields."""
+
+    prompt: str
+    domain: str
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    adapter: str | None = None
+    id: str | None = None
+    phase: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """One JSONL line without the unset optional fields."""
+        row = {k: v for k, v in asdict(self).items() if k in _REQUIRED or v not in (None, {})}
+        return json.dumps(row, ensure_ascii=False)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_fields(row: Mapping[str, Any]) -> str | None:
+    """What is wrong with a parsed line, or None."""
+    unknown = sorted(set(row) - set(_REQUIRED) - set(_OPTIONAL))
+    if unknown:
+        return f"unknown keys {unknown}; allowed: {list(_REQUIRED + _OPTIONAL)}"
+    missing = [key for key in _REQUIRED if key not in row]
+    if missing:
+        return f"missing required keys {missing}"
+    for key in ("prompt", "domain"):
+        if not isinstance(row[key], str) or not row[key]:
+            return f"{key!r} must be a non-empty string, got {row[key]!r}"
+    if not _is_int(row["max_tokens"]) or row["max_tokens"] < 1:
+        return f"'max_tokens' must be an integer >= 1, got {row['max_tokens']!r}"
+    temperature, top_p = row.get("temperature"), row.get("top_p")
+    if temperature is not None and (not _is_number(temperature) or temperature < 0):
+        return f"'temperature' must be a number >= 0, got {temperature!r}"
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        return f"'top_p' must be a number in (0, 1], got {top_p!r}"
+    if row.get("seed") is not None and not _is_int(row["seed"]):
+        return f"'seed' must be an integer, got {row['seed']!r}"
+    for key in ("adapter", "id", "phase"):
+        if row.get(key) is not None and not isinstance(row[key], str):
+            return f"{key!r} must be a string, got {row[key]!r}"
+    if not isinstance(row.get("metadata", {}), dict):
+        return f"'metadata' must be an object, got {row['metadata']!r}"
+    return None
+
+
+def parse_workload_line(text: str, line_number: int, source: str = "<workload>") -> WorkloadItem:
+    """Parses one JSONL line.
+
+    Raises:
+        ValueError: naming ``source:line_number`` and what is wrong.
+    """
+    where = f"{source}:{line_number}"
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    problem = _check_fields(row)
+    if problem:
+        raise ValueError(f"{where}: {problem}")
+    number_fields = {k: float(row[k]) for k in ("temperature", "top_p") if row.get(k) is not None}
+    return WorkloadItem(**(dict(row) | number_fields))
+
+
+def load_workload(path: Path | str) -> list[WorkloadItem]:
+    """Reads a JSONL workload; blank lines are skipped.
+
+    Raises:
+        ValueError: on the first bad line, naming its line number; or if the file is empty.
+    """
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                items.append(parse_workload_line(line, line_number, str(path)))
+    if not items:
+        raise ValueError(f"{path}: the workload has no requests")
+    return items
+
+
+def write_workload(items: Iterable[WorkloadItem], path: Path | str) -> int:
+    """Writes items as JSONL; returns how many."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for item in items:
+            f.write(item.to_json() + "\n")
+            count += 1
+    return count
+
+
+def parse_schedule(text: str) -> list[tuple[str, int]]:
+    """Parses ``"prose:200,code:200,mixed:100"`` into ``[("prose", 200), ...]``.
+
+    Raises:
+        ValueError: on a malformed part or a count below 1.
+    """
+    phases = []
+    for part in text.split(","):
+        name, sep, count = part.strip().partition(":")
+        if not sep or not name or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(
+                f"schedule parts must look like 'domain:count' (count >= 1), got {part!r}"
+            )
+        phases.append((name.strip(), int(count)))
+    return phases
+
+
+class _PromptPool:
+    """Hands out a domain's prompts in a seeded order, reshuffling when they run out."""
+
+    def __init__(self, prompts: Sequence[str], rng: random.Random) -> None:
+        self.prompts = list(prompts)
+        self.rng = rng
+        self.queue: list[str] = []
+
+    def next(self) -> str:
+        if not self.queue:
+            self.queue = list(self.prompts)
+            self.rng.shuffle(self.queue)
+        return self.queue.pop()
+
+
+def make_workload(
+    prompts: Mapping[str, Sequence[str]],
+    schedule: Sequence[tuple[str, int]],
+    *,
+    max_tokens: int = 64,
+    seed: int = 0,
+) -> list[WorkloadItem]:
+    """Builds a shifting-topic workload from held-out prompts.
+
+    Args:
+        prompts: domain -> held-out prompts.
+        schedule: (phase, count) pairs in order; a phase is a domain or ``"mixed"`` (each
+            request from a domain drawn uniformly at random).
+        max_tokens: tokens to generate per request.
+        seed: seed of the prompt order and of the mixed phases' domain draws.
+
+    Raises:
+        ValueError: if a phase names a domain without prompts.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    domains = sorted(d for d, p in prompts.items() if p)
+    rng = random.Random(seed)
+    pools = {d: _PromptPool(prompts[d], random.Random(f"{seed}:{d}")) for d in domains}
+    items: list[WorkloadItem] = []
+    for phase, count in schedule:
+        if phase != MIXED and phase not in pools:
+            raise ValueError(f"schedule phase {phase!r} is not {MIXED!r} or one of {domains}")
+        for _ in range(count):
+            domain = rng.choice(domains) if phase == MIXED else phase
+            items.append(
+                WorkloadItem(
+                    prompt=pools[domain].next(),
+                    domain=domain,
+                    max_tokens=max_tokens,
+                    id=f"{len(items):06d}",
+                    phase=phase,
+                )
+            )
+    return items
