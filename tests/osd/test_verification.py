@@ -302,3 +302,20 @@ def test_greedy_one_hot_accepts_exactly_the_matching_prefix():
     )
     assert int(tree.num_accepted) == 2
     assert int(tree.next_token_ids) == 3
+
+
+def test_spectr_with_four_drafts_accepts_at_least_as_many_as_one():
+    """Same tables, same first draft and uniforms: K = 4 keeps at least as much as K = 1."""
+    ids, q, p, gen = random_batch(20000, 4, 3, 6, seed=2)
+    # All drafts share the first position's distributions, as drafts from one prefix do.
+    q[:, :, 0] = q[:, :1, 0]
+    p[:, :, 0] = p[:, :1, 0]
+    first = torch.multinomial(q[:, 0, 0], 4, replacement=True, generator=gen)  # i.i.d. from q
+    ids[:, :, 0] = first
+    uniforms = torch.rand(20000, 4, 3, generator=gen)
+    sample_u = torch.rand(20000, generator=gen)
+    one = spectr_verify(ids[:, :1], q[:, :1], p[:, :1], uniforms[:, :1], sample_u)
+    four = spectr_verify(ids, q, p, uniforms, sample_u)
+    mean_one = one.num_accepted.double().mean()
+    mean_four = four.num_accepted.double().mean()
+    assert mean_four >= mean_one + 0.05, (float(mean_one), float(mean_four))
