@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from osd.closing import Closeable
-from osd.process import die_with_parent
+from osd.process import die_with_parent_preexec
 
 __all__ = ["LocalRedis", "RedisServerError", "check_credentials", "connect", "redact_url"]
 
@@ -195,7 +195,7 @@ class LocalRedis(Closeable):
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,  # no orphaned server if the parent is killed
+                preexec_fn=die_with_parent_preexec(),  # no orphaned server if the parent is killed
             )
         deadline = time.monotonic() + self.start_timeout_s
         client = connect(self.url, socket_timeout_s=1.0, connect_timeout_s=0.5)

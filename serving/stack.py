@@ -27,7 +27,7 @@ import yaml
 from osd.closing import Closeable
 from osd.config import OSDConfig
 from osd.model_sources import uses_demo_models
-from osd.process import die_with_parent
+from osd.process import die_with_parent_preexec
 from osd.redis_server import LocalRedis
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
@@ -143,7 +143,7 @@ class LocalStack(Closeable):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=die_with_parent,  # no orphaned trainer if this process is killed
+            preexec_fn=die_with_parent_preexec(),  # no orphaned trainer if this process is killed
             env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
         )
 

@@ -171,9 +171,13 @@ def test_reader_waits_out_a_redis_restart_without_raising(
     assert not m.connected and m.stream_length is None
     private_redis.restart()
     write_records(url, stream, 2, prefix="second")
-    assert [r.request_id for _, r in reader.read(block_ms=0)] == ["second-0", "second-1"]
+    ids = [r.request_id for _, r in reader.read(block_ms=0)]
+    # AOF fsyncs every second, so a SIGKILL may forget the last deliveries: "first" entries
+    # may come again (at least once), never a "second" one lost.
+    assert ids[-2:] == ["second-0", "second-1"]
+    assert set(ids[:-2]) <= {"first-0", "first-1", "first-2"}
     m = reader.metrics()
-    assert m.connected and m.acked == 3 and m.pending == 2
+    assert m.connected and m.acked >= 3
 
 
 def test_reader_recreates_a_group_that_redis_lost(redis_url: str, stream: str) -> None:
