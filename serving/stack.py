@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -89,23 +89,36 @@ class LocalStack(Closeable):
         return f"http://{self.config.serve.host}:{self.config.serve.port}"
 
     def start(self) -> LocalStack:
+        """Starts every part. Ctrl-C during start-up is held until the part being started is
+        up (an interrupt inside Ray's or subprocess's own bookkeeping can hang them), then
+        everything started so far is stopped."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
+        self._build_models()  # interruptible as usual: a build resumes where it stopped
+        steps = [self._start_redis, self._start_serve]
+        if self.with_trainer:
+            steps.append(self._start_trainer)
         try:
-            if uses_demo_models(self.config.model):  # build once here, not in each replica
-                from osd.demo import build_demo_models
-
-                build_demo_models(progress=True)
-            if not self.redis_url:
-                self.redis = LocalRedis(data_dir=str(self.run_dir / "redis")).start()
-                self.redis_url = self.redis.url
-            self._start_serve()
-            if self.with_trainer:
-                self._start_trainer()
+            with _interrupts_deferred() as interrupted:
+                for step in steps:
+                    step()
+                    if interrupted():
+                        raise KeyboardInterrupt("interrupted during start-up")
         except BaseException:
             self.close()
             raise
         return self
+
+    def _build_models(self) -> None:
+        if uses_demo_models(self.config.model):  # build once here, not in each replica
+            from osd.demo import build_demo_models
+
+            build_demo_models(progress=True)
+
+    def _start_redis(self) -> None:
+        if not self.redis_url:
+            self.redis = LocalRedis(data_dir=str(self.run_dir / "redis")).start()
+            self.redis_url = self.redis.url
 
     def _start_serve(self) -> None:
         import ray
@@ -183,6 +196,24 @@ class LocalStack(Closeable):
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[Callable[[], bool]]:
+    """Within the block SIGINT/SIGTERM only set a flag; the caller checks it at safe points."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    received: list[int] = []
+    saved = {
+        sig: signal.signal(sig, lambda signum, _frame: received.append(signum))
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield lambda: bool(received)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager
