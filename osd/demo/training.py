@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, load_model, save_file, save_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from osd.demo.progress import Progress
@@ -53,7 +53,7 @@ class TrainResult:
 def new_model(
     recipe: ModelRecipe, vocab_size: int, special_ids: Mapping[str, int], seed: int
 ) -> LlamaForCausalLM:
-    """A freshly initialised ``LlamaForCausalLM`` (seeded, untied embeddings)."""
+    """A freshly initialised ``LlamaForCausalLM`` (seeded)."""
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=recipe.hidden_size,
@@ -62,7 +62,7 @@ def new_model(
         num_attention_heads=recipe.num_heads,
         num_key_value_heads=recipe.num_heads,
         max_position_embeddings=recipe.max_positions,
-        tie_word_embeddings=False,
+        tie_word_embeddings=recipe.tie_embeddings,
         bos_token_id=special_ids["bos"],
         eos_token_id=special_ids["eos"],
         pad_token_id=special_ids["pad"],
@@ -151,7 +151,7 @@ def _save_checkpoint(
         for param, state in opt.state.items()
         for field, value in state.items()
     }
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / _WEIGHTS)
+    save_model(model, str(tmp / _WEIGHTS))  # handles tied embeddings
     save_file(moments, tmp / _OPTIMIZER)
     (tmp / _STATE).write_text(json.dumps({"key": key, "step": len(losses), "losses": losses}))
     if directory.exists():
@@ -171,7 +171,7 @@ def _load_checkpoint(
         return []
     if state.get("key") != key:
         return []
-    model.load_state_dict(load_file(directory / _WEIGHTS))
+    load_model(model, str(directory / _WEIGHTS))
     moments = load_file(directory / _OPTIMIZER)
     for name, param in model.named_parameters():
         fields = {k.rsplit(".", 1)[1]: v for k, v in moments.items() if k.rsplit(".", 1)[0] == name}
