@@ -50,6 +50,7 @@ class TrafficDriver:
         self.items, self.model, self.concurrency = items, model, concurrency
         self.samples: list[Sample] = []
         self.failures = 0
+        self.errors: list[str] = []  # the first few failures, for the report
         self.start_time = time.monotonic()
         self._next = 0
         self._lock = threading.Lock()
@@ -96,13 +97,11 @@ class TrafficDriver:
         try:
             response = client.post(self.url, json=body)
             data = response.json()
-        except (httpx.HTTPError, ValueError):
-            with self._lock:
-                self.failures += 1
+        except (httpx.HTTPError, ValueError) as e:
+            self._failed(f"request {item.id}: {type(e).__name__}: {e}")
             return
         if response.status_code != 200:
-            with self._lock:
-                self.failures += 1
+            self._failed(f"request {item.id}: HTTP {response.status_code}: {response.text[:300]}")
             return
         stats = data["osd"]
         sample = Sample(
@@ -118,6 +117,12 @@ class TrafficDriver:
         )
         with self._lock:
             self.samples.append(sample)
+
+    def _failed(self, reason: str) -> None:
+        with self._lock:
+            self.failures += 1
+            if len(self.errors) < 20:
+                self.errors.append(reason)
 
 
 def recent_by_domain(samples: list[Sample], window: int = 20) -> dict[str, float]:
@@ -179,15 +184,13 @@ def demo_workload(schedule: str, max_tokens: int, seed: int) -> list[Any]:
     from osd.demo import (
         DOMAINS,
         build_demo_models,
-        load_corpus_split,
+        heldout_prompts,
         make_workload,
         parse_schedule,
     )
 
     paths = build_demo_models(progress=True)
-    prompts = {
-        d: [doc.prompt for doc in load_corpus_split(paths.corpus, d, "heldout")] for d in DOMAINS
-    }
+    prompts = heldout_prompts(paths.corpus, DOMAINS)
     items = make_workload(prompts, parse_schedule(schedule), max_tokens=max_tokens, seed=seed)
     return list(items)
 
@@ -223,6 +226,7 @@ def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]
     return {
         "samples": driver.samples,
         "failures": driver.failures,
+        "failure_reasons": driver.errors,
         "wall_start": wall_start,
         "events": sorted(events.values(), key=lambda e: e["time"]),
         "published": published,

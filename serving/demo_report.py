@@ -69,6 +69,7 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
     report = {
         "requests": len(samples),
         "failures": result["failures"],
+        "failure_reasons": result.get("failure_reasons", []),
         "domains": domain_summary(samples),
         "tokens_per_second": throughput_series(samples),
         "published": published,

@@ -17,7 +17,7 @@ from osd.demo.build import (
     default_cache_dir,
     demo_models_root,
 )
-from osd.demo.corpus import load_corpus_split
+from osd.demo.corpus import heldout_prompts, load_corpus_split
 from osd.demo.recipe import DOMAINS, Recipe, recipe_for
 from osd.demo.workload import (
     WorkloadItem,
@@ -35,6 +35,7 @@ __all__ = [
     "build_demo_models",
     "default_cache_dir",
     "demo_models_root",
+    "heldout_prompts",
     "load_corpus_split",
     "load_workload",
     "make_workload",

@@ -119,7 +119,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> int:
-    from osd.demo.corpus import load_corpus_split
+    from osd.demo.corpus import heldout_prompts
     from osd.demo.workload import make_workload, parse_schedule, write_workload
 
     try:
@@ -128,9 +128,7 @@ def _workload(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     paths = build_demo_models(args.cache_dir, args.scale, stop_after_stage="corpus")
-    prompts = {
-        d: [doc.prompt for doc in load_corpus_split(paths.corpus, d, "heldout")] for d in DOMAINS
-    }
+    prompts = heldout_prompts(paths.corpus, DOMAINS)
     try:
         items = make_workload(prompts, schedule, max_tokens=args.max_tokens, seed=args.seed)
     except ValueError as e:

@@ -22,7 +22,7 @@ import random
 import re
 import sysconfig
 import tokenize
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from osd.demo.recipe import DOMAINS, CorpusRecipe
@@ -31,6 +31,7 @@ from osd.demo.synthetic import Document, json_document, math_document, sql_docum
 __all__ = [
     "Corpus",
     "build_corpus",
+    "heldout_prompts",
     "load_corpus_split",
     "save_corpus",
     "stdlib_files",
@@ -261,3 +262,22 @@ def load_corpus_split(directory: Path | str, domain: str, split: str) -> list[Do
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return [Document(row["text"], int(row["prompt_chars"])) for row in rows]
+
+
+# Longest prompt the demo traffic uses: a few code prompts are one very long line, and with the
+# demo's 64 new tokens they would not fit the models' 256 positions (a 400, not a request).
+MAX_PROMPT_CHARS = 400
+
+
+def heldout_prompts(
+    directory: Path | str, domains: Iterable[str], max_chars: int = MAX_PROMPT_CHARS
+) -> dict[str, list[str]]:
+    """Domain -> the prompts of its held-out documents, those over `max_chars` left out."""
+    return {
+        domain: [
+            doc.prompt
+            for doc in load_corpus_split(directory, domain, "heldout")
+            if len(doc.prompt) <= max_chars
+        ]
+        for domain in domains
+    }
