@@ -142,13 +142,15 @@ class TrainerConfig:
     learning_rate: float = 1e-3
     batch_records: int = 16
     steps_per_round: int = 20
-    replay_size: int = 2_000
+    replay_size: int = 500  # records replayed per domain (at most max_domains domains)
     holdout_fraction: float = 0.2
     publish_margin: float = 0.01
     min_records: int = 32
     group: str = "trainer"
     device: str = "auto"
-    holdout_size: int = 256  # held-out records per adapter the judge estimates on (newest kept)
+    holdout_size: int = 256  # held-out records per adapter and domain the judge estimates on
+    max_domains: int = 8  # domains with their own replay and hold-out windows (least recent out)
+    max_domain_regression: float = 0.01  # refuse a candidate worse than this on any one domain
     min_holdout_records: int = 8  # no judging (and no publishing) with fewer held-out records
     max_record_wait_s: float = 30.0  # start a round with < min_records once one waited this long
     consumer: str = ""  # consumer name in the group; empty: <hostname>-<pid>
@@ -166,6 +168,13 @@ class TrainerConfig:
         for name in ("batch_records", "steps_per_round", "replay_size", "min_records"):
             _require(getattr(self, name) >= 1, f"trainer.{name}", getattr(self, name), ">= 1")
         _require(self.holdout_size >= 1, "trainer.holdout_size", self.holdout_size, ">= 1")
+        _require(self.max_domains >= 1, "trainer.max_domains", self.max_domains, ">= 1")
+        _require(
+            0 <= self.max_domain_regression < 1,
+            "trainer.max_domain_regression",
+            self.max_domain_regression,
+            "in [0, 1)",
+        )
         _require(
             self.min_holdout_records >= 1,
             "trainer.min_holdout_records",

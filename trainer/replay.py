@@ -4,42 +4,100 @@ stream entries may be acknowledged.
 Pure (the standard library and numpy): the worker feeds records in and takes batches out.
 
 Each training step of an adapter takes about half its batch from **fresh** records (read, never
-trained on, oldest first) and the rest sampled uniformly from its **replay window** (the last
-`replay_size` records it trained on), so an adapter follows the traffic without lag yet keeps
-seeing what it learnt before. A fresh record joins the window once a step has used it. When the
-window is short, more fresh records fill the batch; when no fresh record is left, steps replay
-only. The **hold-out window** keeps the last `holdout_size` held-out records; the judge
+trained on, oldest first) and the rest from its **replay window** (the last `replay_size` records
+it trained on *per domain*), so an adapter follows the traffic without lag yet keeps seeing what
+it learnt before. A fresh record joins the window once a step has used it. When the window is
+short, more fresh records fill the batch; when no fresh record is left, steps replay only. The
+**hold-out window** keeps the last `holdout_size` held-out records per domain; the judge
 estimates acceptance on them and they are never trained on.
+
+Windows are kept per domain (`DomainWindows`) and replay draws the domains in equal shares: the
+general adapter learns from every domain, and a flood of one domain (code after prose) must
+neither push the others out of its memory nor out of its judge's sight, or it would forget them.
+At most `max_domains` domains are kept (labels come from requests); the one fed least recently
+is dropped first.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
 from trainer.examples import Example
 
-__all__ = ["AckTracker", "AdapterData"]
+__all__ = ["AckTracker", "AdapterData", "DomainWindows"]
+
+
+class DomainWindows:
+    """The newest `size` examples of each domain, for at most `max_domains` domains.
+
+    Iterating yields every kept example, domain by domain, oldest first within a domain.
+    """
+
+    def __init__(self, size: int, max_domains: int) -> None:
+        if size < 1 or max_domains < 1:
+            raise ValueError(f"size and max_domains must be >= 1, got {size}, {max_domains}")
+        self.size, self.max_domains = size, max_domains
+        self._windows: OrderedDict[str, deque[Example]] = OrderedDict()  # least recently fed first
+
+    def append(self, example: Example) -> None:
+        domain = example.record.domain
+        window = self._windows.get(domain)
+        if window is None:
+            if len(self._windows) >= self.max_domains:
+                self._windows.popitem(last=False)
+            window = self._windows[domain] = deque(maxlen=self.size)
+        else:
+            self._windows.move_to_end(domain)
+        window.append(example)
+
+    def extend(self, examples: Iterable[Example]) -> None:
+        for example in examples:
+            self.append(example)
+
+    def __len__(self) -> int:
+        return sum(len(w) for w in self._windows.values())
+
+    def __iter__(self) -> Iterator[Example]:
+        for window in self._windows.values():
+            yield from window
+
+    def by_domain(self) -> dict[str, list[Example]]:
+        """Domain -> its kept examples, oldest first."""
+        return {domain: list(window) for domain, window in self._windows.items()}
+
+    def sample(self, count: int, rng: np.random.Generator) -> list[Example]:
+        """Up to `count` distinct examples, the domains in equal shares as far as they last."""
+        windows = [w for w in self._windows.values() if w]
+        pools = [[int(i) for i in rng.permutation(len(w))] for w in windows]
+        order = [int(i) for i in rng.permutation(len(windows))]
+        picks: list[Example] = []
+        while len(picks) < count and any(pools):
+            for d in order:
+                if pools[d] and len(picks) < count:
+                    picks.append(windows[d][pools[d].pop()])
+        return picks
 
 
 class AdapterData:
     """The records one adapter trains and is judged on.
 
     Args:
-        replay_size: records kept in the replay window (>= 1).
-        holdout_size: records kept in the hold-out window (>= 1).
+        replay_size: records kept in the replay window, per domain (>= 1).
+        holdout_size: records kept in the hold-out window, per domain (>= 1).
+        max_domains: domains kept in each window (>= 1).
     """
 
-    def __init__(self, replay_size: int, holdout_size: int) -> None:
+    def __init__(self, replay_size: int, holdout_size: int, max_domains: int = 8) -> None:
         if replay_size < 1 or holdout_size < 1:
             raise ValueError(
                 f"replay_size and holdout_size must be >= 1, got {replay_size}, {holdout_size}"
             )
         self.fresh: deque[Example] = deque()
-        self.replay: deque[Example] = deque(maxlen=replay_size)
-        self.holdout: deque[Example] = deque(maxlen=holdout_size)
+        self.replay = DomainWindows(replay_size, max_domains)
+        self.holdout = DomainWindows(holdout_size, max_domains)
 
     def add_fresh(self, example: Example) -> None:
         self.fresh.append(example)
@@ -71,9 +129,7 @@ class AdapterData:
         num_replay = min(len(self.replay), batch_records - num_fresh)
         num_fresh = min(len(self.fresh), batch_records - num_replay)  # fill a short window
         fresh = [self.fresh.popleft() for _ in range(num_fresh)]
-        picks = rng.choice(len(self.replay), size=num_replay, replace=False)  # (num_replay,)
-        replayed = [self.replay[int(i)] for i in picks]
-        return fresh + replayed, fresh
+        return fresh + self.replay.sample(num_replay, rng), fresh
 
     def trained(self, fresh: Iterable[Example]) -> None:
         """Moves fresh records a step has used into the replay window."""

@@ -40,7 +40,7 @@ from osd.model_sources import load_draft
 from osd.record import Record
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import Example, adapters_for, is_held_out
-from trainer.judge import judge
+from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData
 from trainer.tracking import NullTracker, Tracker
@@ -51,6 +51,11 @@ __all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
 _MAX_CLAIM = 100_000
+
+
+# Held-out positions a domain needs before the judge weighs it and guards it against regression
+# (fewer: too noisy to tell a 0.01 loss). Below it everywhere, all domains count.
+MIN_DOMAIN_POSITIONS = 128
 
 
 def _entry_time(entry_id: str) -> float:
@@ -93,7 +98,10 @@ class TrainerWorker:
         self.reader = LogReader(
             redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
         )
-        self.data = {a: AdapterData(cfg.replay_size, cfg.holdout_size) for a in self.adapters}
+        self.data = {
+            a: AdapterData(cfg.replay_size, cfg.holdout_size, cfg.max_domains)
+            for a in self.adapters
+        }
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -230,14 +238,17 @@ class TrainerWorker:
             `report` (a new one if None) with the verdict and outcome filled in.
         """
         report = report or RoundReport(adapter=adapter)
-        holdout = [e.record for e in self.data[adapter].holdout]
+        holdout = self.data[adapter].holdout
         if len(holdout) < self.cfg.min_holdout_records:
             report.outcome = "waiting"
             return report
-        verdict = judge(
-            self.trainer.estimate(adapter, "candidate", holdout),
-            self.trainer.estimate(adapter, "current", holdout),
+        by_domain = {d: [e.record for e in ex] for d, ex in holdout.by_domain().items()}
+        verdict = judge_domains(
+            {d: self.trainer.estimate(adapter, "candidate", r) for d, r in by_domain.items()},
+            {d: self.trainer.estimate(adapter, "current", r) for d, r in by_domain.items()},
             margin=self.cfg.publish_margin,
+            max_regression=self.cfg.max_domain_regression,
+            min_positions=MIN_DOMAIN_POSITIONS,
         )
         report.verdict = verdict
         if not verdict.publish:

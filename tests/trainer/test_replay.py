@@ -8,7 +8,7 @@ import pytest
 
 from osd.record import Record
 from trainer.examples import Example
-from trainer.replay import AckTracker, AdapterData
+from trainer.replay import AckTracker, AdapterData, DomainWindows
 
 _RECORD = Record.make_dummy(num_generated=4, vocab_size=32, m=4)
 
@@ -72,3 +72,35 @@ def test_entry_is_acknowledged_after_every_routed_adapter_used_it():
     assert len(acks) == 0
     with pytest.raises(ValueError, match="num_adapters"):
         acks.expect("3-0", 0)
+
+
+def domain_examples(domain: str, n: int) -> list[Example]:
+    record = Record.make_dummy(num_generated=4, vocab_size=32, m=4, domain=domain)
+    return [Example(f"{domain}-{i}", record, float(i)) for i in range(n)]
+
+
+def test_a_flood_of_one_domain_keeps_the_others_in_replay_and_replays_them_in_equal_shares():
+    data = AdapterData(replay_size=10, holdout_size=10)
+    data.trained(domain_examples("prose", 10))
+    data.trained(domain_examples("code", 500))  # the flood
+    assert len(data.replay) == 20
+    assert [e.entry_id for e in data.replay.by_domain()["prose"]] == [
+        f"prose-{i}" for i in range(10)
+    ]
+    batch, _ = data.next_batch(8, np.random.default_rng(0))
+    domains = [e.record.domain for e in batch]
+    assert domains.count("prose") == domains.count("code") == 4
+    assert len({e.entry_id for e in batch}) == 8
+
+
+def test_domain_windows_drop_the_least_recently_fed_domain_beyond_the_cap():
+    windows = DomainWindows(size=3, max_domains=2)
+    windows.extend(domain_examples("a", 2))
+    windows.extend(domain_examples("b", 2))
+    windows.append(domain_examples("a", 3)[2])  # a is fed again: b is now the least recent
+    windows.extend(domain_examples("c", 1))
+    assert sorted(windows.by_domain()) == ["a", "c"]
+    assert len(windows) == 4
+    assert len(windows.sample(10, np.random.default_rng(0))) == 4  # no more than there is
+    with pytest.raises(ValueError, match="max_domains"):
+        DomainWindows(size=3, max_domains=0)
