@@ -24,6 +24,7 @@ __all__ = [
     "AdapterNotFound",
     "AdapterSpec",
     "AdapterStoreError",
+    "AdapterStoreUnavailable",
     "AdapterTooLarge",
     "PublishConflict",
     "check_adapter_name",
@@ -39,6 +40,11 @@ _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 class AdapterStoreError(RuntimeError):
     """Base of the adapter store's errors; also raised for backend I/O failures."""
+
+
+class AdapterStoreUnavailable(AdapterStoreError):
+    """The store could not be reached (Redis down, restarting or timing out). Nothing is known
+    about the outcome of a write that raised it: retry later, after re-reading `current`."""
 
 
 class PublishConflict(AdapterStoreError):

@@ -41,6 +41,7 @@ from osd.adapter_manifest import (
     AdapterNotFound,
     AdapterSpec,
     AdapterStoreError,
+    AdapterStoreUnavailable,
     AdapterTooLarge,
     PublishConflict,
     check_adapter_name,
@@ -57,6 +58,7 @@ __all__ = [
     "AdapterSpec",
     "AdapterStore",
     "AdapterStoreError",
+    "AdapterStoreUnavailable",
     "AdapterSubscription",
     "AdapterTooLarge",
     "PointerPollSubscription",
@@ -163,6 +165,8 @@ class AdapterStore(abc.ABC):
 
         Raises:
             PublishConflict: the pointer had moved; the new version is stored but not current.
+            AdapterStoreUnavailable: the store could not be reached; the version may be stored,
+                and (rarely: the reply was lost) may even be current.
             AdapterTooLarge: weights over `max_bytes`.
             AdapterIntegrityError: weights empty, non-finite, or not of rank `spec.rank`.
         """

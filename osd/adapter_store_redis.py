@@ -32,6 +32,7 @@ from osd.adapter_manifest import (
     AdapterManifest,
     AdapterNotFound,
     AdapterStoreError,
+    AdapterStoreUnavailable,
     PublishConflict,
     check_adapter_name,
 )
@@ -87,6 +88,10 @@ def _as_text(raw: Any) -> str:
 def _redis_errors(what: str) -> Iterator[None]:
     try:
         yield
+    except redis.AuthenticationError as exc:  # a ConnectionError, but retrying cannot help
+        raise AdapterStoreError(f"Redis rejected the credentials while {what}: {exc}") from exc
+    except (redis.ConnectionError, redis.TimeoutError) as exc:  # also BusyLoadingError
+        raise AdapterStoreUnavailable(f"Redis unreachable while {what}: {exc}") from exc
     except redis.RedisError as exc:
         raise AdapterStoreError(f"Redis failed while {what}: {exc}") from exc
 

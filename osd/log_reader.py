@@ -14,8 +14,15 @@ dead-letter stream ``<stream>:dead`` with the error, then acknowledged:
   pending, so a consumer that knows that version can claim them.
 
 Connection errors never escape: the call waits out a capped exponential backoff and returns
-nothing (`read`, `claim_stale`) or zero, so the trainer's loop simply calls again. Rejected
-credentials are a configuration error and raise `ValueError`, at construction or later.
+nothing (`read`, `claim_stale`) or zero, so the trainer's loop simply calls again; `ack` never
+waits (it keeps the ids and sends them once Redis is back). Rejected credentials are a
+configuration error and raise `ValueError`, at construction or later.
+
+An entry this reader acknowledged, or is still to acknowledge, is never handed out again:
+`claim_stale` would otherwise take back entries whose acknowledgement is still waiting for Redis
+to return, and a Redis restarted after a SIGKILL may have forgotten its last writes (AOF fsyncs
+every second), acknowledgements and deliveries included. Such an entry is acknowledged again and
+counted (`redelivered`); the reader remembers its last `remember_acks` acknowledged ids.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import logging
 import os
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -39,6 +47,7 @@ __all__ = ["LogReader", "ReaderMetrics"]
 _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _DEAD_MAXLEN = 10_000
+_REMEMBER_ACKS = 65_536
 _Entry = tuple[bytes, dict[bytes, bytes] | None]
 
 
@@ -58,6 +67,8 @@ class ReaderMetrics:
         claimed: entries this reader took over from other consumers.
         acked: entries this reader acknowledged.
         dead_lettered: entries this reader moved to the dead-letter stream.
+        redelivered: entries delivered again after this reader had acknowledged them (or while
+            their acknowledgement waited for Redis); not returned, acknowledged again.
         connected: whether the last call to Redis succeeded.
     """
 
@@ -70,6 +81,7 @@ class ReaderMetrics:
     claimed: int
     acked: int
     dead_lettered: int
+    redelivered: int
     connected: bool
 
 
@@ -89,6 +101,8 @@ class LogReader:
         socket_timeout_s: bound on one Redis call; must exceed the `block_ms` given to `read`.
         backoff_initial_s: first wait after a connection error; doubles per failure.
         backoff_max_s: cap on that wait.
+        remember_acks: how many of its latest acknowledged entry ids the reader remembers, to
+            recognise them if Redis delivers them again.
 
     Raises:
         ValueError: a bad argument, or Redis rejected the credentials. Redis being down at
@@ -108,11 +122,14 @@ class LogReader:
         socket_timeout_s: float = 5.0,
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
+        remember_acks: int = _REMEMBER_ACKS,
     ) -> None:
         if not stream or not group:
             raise ValueError(f"stream and group must not be empty, got {stream!r}, {group!r}")
         if max_deliveries < 1:
             raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+        if remember_acks < 0:
+            raise ValueError(f"remember_acks must be >= 0, got {remember_acks}")
         if not 0 < backoff_initial_s <= backoff_max_s:
             raise ValueError(
                 f"need 0 < backoff_initial_s <= backoff_max_s, got {backoff_initial_s}, "
@@ -126,10 +143,15 @@ class LogReader:
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self._client = connect(url, socket_timeout_s=socket_timeout_s)
         self._backoff_s = 0.0
+        self._retry_at = 0.0  # monotonic time before which acks are not sent (Redis failed)
         self._connected = True
         self._group_ready = False
         self._ack_backlog: list[str] = []
-        self._counts = dict.fromkeys(("read", "claimed", "acked", "dead_lettered"), 0)
+        self._acked: OrderedDict[str, None] = OrderedDict()  # the latest acknowledged ids
+        self._remember_acks = remember_acks
+        self._counts = dict.fromkeys(
+            ("read", "claimed", "acked", "dead_lettered", "redelivered"), 0
+        )
         try:
             reachable = check_credentials(self._client, url)
         except ValueError:
@@ -161,7 +183,7 @@ class LogReader:
         self._flush_acks()
         response = self._call(partial(self._read_new, count, block_ms))
         entries: list[_Entry] = response[0][1] if response else []
-        return self._decode(entries, fresh=True)
+        return self._decode(self._drop_known(entries), fresh=True)
 
     def claim_stale(self, min_idle_ms: int, count: int = 256) -> list[tuple[str, Record]]:
         """Takes over entries other consumers left pending for at least `min_idle_ms`.
@@ -171,6 +193,7 @@ class LogReader:
         """
         if min_idle_ms < 0 or count < 1:
             raise ValueError(f"need min_idle_ms >= 0 and count >= 1, got {min_idle_ms}, {count}")
+        self._flush_acks()
         entries: list[_Entry] = []
         cursor = "0-0"
         while len(entries) < count:
@@ -183,8 +206,24 @@ class LogReader:
             entries.extend(e for e in response[1] if e[0] is not None)  # None: deleted (Redis 6)
             if cursor == "0-0":
                 break
+        entries = self._drop_known(entries)
         self._counts["claimed"] += len(entries)
         return self._decode(entries, fresh=False)
+
+    def _drop_known(self, entries: list[_Entry]) -> list[_Entry]:
+        """Leaves out entries acknowledged already or waiting to be; re-acks the former."""
+        waiting = set(self._ack_backlog)
+        out = []
+        for entry in entries:
+            entry_id = _text(entry[0])
+            if entry_id in waiting:
+                self._counts["redelivered"] += 1
+            elif entry_id in self._acked:
+                self._counts["redelivered"] += 1
+                self._ack_backlog.append(entry_id)  # Redis forgot the ack: send it again
+            else:
+                out.append(entry)
+        return out
 
     def _read_new(self, count: int, block_ms: int) -> Any:
         return self._client.xreadgroup(
@@ -198,6 +237,9 @@ class LogReader:
 
     def ack(self, ids: Iterable[str]) -> int:
         """Acknowledges processed entries; ids that cannot be sent now are retried later.
+
+        Never waits: while Redis is away (within the backoff after a failure) the ids are kept
+        without trying, so a trainer acknowledging after every step trains on at full speed.
 
         Returns:
             How many entries Redis acknowledged in this call (including earlier leftovers).
@@ -314,14 +356,19 @@ class LogReader:
             self._counts["dead_lettered"] += 1
 
     def _flush_acks(self) -> int:
-        if not self._ack_backlog:
+        if not self._ack_backlog or time.monotonic() < self._retry_at:
             return 0
         backlog = list(self._ack_backlog)
-        acked = self._call(lambda: self._client.xack(self.stream, self.group, *backlog))
+        acked = self._call(lambda: self._client.xack(self.stream, self.group, *backlog), wait=False)
         if acked is None:
             return 0
         del self._ack_backlog[: len(backlog)]
         self._counts["acked"] += int(acked)
+        for entry_id in backlog:
+            self._acked[entry_id] = None
+            self._acked.move_to_end(entry_id)
+        while len(self._acked) > self._remember_acks:
+            self._acked.popitem(last=False)
         return int(acked)
 
     def _ensure_group(self) -> None:
@@ -332,10 +379,11 @@ class LogReader:
                 raise
         self._group_ready = True
 
-    def _call(self, fn: Callable[[], _T]) -> _T | None:
+    def _call(self, fn: Callable[[], _T], *, wait: bool = True) -> _T | None:
         """Runs one Redis call, creating the group first if needed (again if Redis lost it).
 
-        Connection errors become a backoff wait and None; rejected credentials a ValueError.
+        Connection errors become None after a backoff wait (with `wait`; else the wait is only
+        noted, in `_retry_at`); rejected credentials a ValueError.
         """
         try:
             if not self._group_ready:
@@ -352,21 +400,23 @@ class LogReader:
                 f"Redis at {redact_url(self.url)} rejected the credentials in the URL: {exc}"
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            self._on_connection_error(exc)
+            self._on_connection_error(exc, wait)
             return None
         if not self._connected:
             _log.info("log reader: Redis at %s is back", redact_url(self.url))
-        self._connected, self._backoff_s = True, 0.0
+        self._connected, self._backoff_s, self._retry_at = True, 0.0, 0.0
         return result
 
-    def _on_connection_error(self, exc: Exception) -> None:
+    def _on_connection_error(self, exc: Exception, wait: bool) -> None:
         if self._connected:
             _log.warning(
                 "log reader: Redis at %s failed (%s); backing off", redact_url(self.url), exc
             )
         self._connected = False
         self._backoff_s = min(self.backoff_max_s, max(self.backoff_initial_s, 2 * self._backoff_s))
-        time.sleep(self._backoff_s)
+        self._retry_at = time.monotonic() + self._backoff_s
+        if wait:
+            time.sleep(self._backoff_s)
 
 
 def _text(value: bytes | str) -> str:

@@ -16,7 +16,12 @@ from collections import defaultdict, deque
 from typing import Any
 
 from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes
-from osd.adapter_manifest import AdapterEvent, AdapterStoreError, PublishConflict
+from osd.adapter_manifest import (
+    AdapterEvent,
+    AdapterStoreError,
+    AdapterStoreUnavailable,
+    PublishConflict,
+)
 from osd.adapter_store import AdapterStore, open_adapter_store
 from osd.config import OSDConfig
 from serving.adapter_slots import peft_adapter_name
@@ -178,6 +183,10 @@ class AdapterWatcher:
                 version,
                 lambda model, peft_name: install_adapter(model, peft_name, manifest, weights),
             )
+        except AdapterStoreUnavailable as exc:
+            # Says nothing about the version: the next reconciliation fetches it again.
+            logger.warning("cannot fetch %s v%s now: %s", name, version, exc)
+            return
         except (AdapterStoreError, ValueError, OSError) as exc:
             self._refused.add((name, version))
             self.runtime.metrics.refused.labels(name, refusal_reason(exc)).inc()
@@ -193,12 +202,17 @@ class AdapterWatcher:
             current, previous = slots.current(name), slots.previous(name)
             if previous is None or not self.monitor.is_worse(name, current, previous):
                 continue
-            try:
-                self.store.rollback(name, previous, expected_current=current)
-            except PublishConflict:
-                pass  # another replica or the trainer moved the pointer first
-            except AdapterStoreError as exc:
-                logger.warning("rollback of %s v%s failed: %s", name, current, exc)
+            if previous == 0:
+                # The base draft is no stored version, so the pointer cannot be moved back to
+                # it: it keeps naming the loser, which this replica now refuses.
+                logger.warning("%s v%s: rolling back to the base draft", name, current)
+            else:
+                try:
+                    self.store.rollback(name, previous, expected_current=current)
+                except PublishConflict:
+                    pass  # another replica or the trainer moved the pointer first
+                except AdapterStoreError as exc:
+                    logger.warning("rollback of %s v%s failed: %s", name, current, exc)
             self._refused.add((name, current))
             slots.roll_back(name, previous)
             self.runtime.metrics.rollbacks.labels(name).inc()

@@ -29,11 +29,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from osd.adapter_store import AdapterStore, adapter_store_location, open_adapter_store
+from osd.adapter_store import (
+    AdapterStore,
+    AdapterStoreUnavailable,
+    adapter_store_location,
+    open_adapter_store,
+)
 from osd.config import OSDConfig, resolve_device
 from osd.log_reader import LogReader
 from osd.model_sources import load_draft
@@ -109,6 +115,9 @@ class TrainerWorker:
         self._unpublished: dict[str, list[float]] = {a: [] for a in self.adapters}
         self._last_claim = time.monotonic()
         self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
+        # Audit hook: called after each step with the adapter and the stream entry ids it
+        # trained on for the first time (the reliability tests count trainings per entry).
+        self.on_trained: Callable[[str, list[str]], None] | None = None
         self._resume()
 
     def _build_trainer(self, draft: Any, base_model_id: str | None) -> DraftTrainer:
@@ -132,9 +141,17 @@ class TrainerWorker:
 
     def _resume(self) -> None:
         """Loads the published versions, then claims every entry the group left pending (a
-        crashed predecessor's records, read but not trained on)."""
+        crashed predecessor's records, read but not trained on).
+
+        A store that cannot be reached now is no reason to stop: the adapter then trains from
+        the base draft, and its first publish (compare-and-set against "no version") conflicts
+        and loads the current version (`Publisher.publish`).
+        """
         for adapter in self.adapters:
-            self.publisher.restore(adapter)
+            try:
+                self.publisher.restore(adapter)
+            except AdapterStoreUnavailable as exc:
+                _log.warning("%s: adapter store unreachable (%s); resuming later", adapter, exc)
         self.stats.claimed += self._accept(self.reader.claim_stale(0, count=_MAX_CLAIM))
 
     # Reading.
@@ -222,6 +239,8 @@ class TrainerWorker:
                 data.requeue(fresh)
                 raise
             data.trained(fresh)
+            if self.on_trained is not None:
+                self.on_trained(adapter, [e.entry_id for e in fresh])
             self._unpublished[adapter].extend(e.arrived_at for e in fresh)
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
@@ -255,7 +274,15 @@ class TrainerWorker:
             report.outcome = "refused"
             self.stats.refused += 1
             return report
-        manifest = self.publisher.publish(adapter, verdict.candidate.lower)
+        try:
+            manifest = self.publisher.publish(adapter, verdict.candidate.lower)
+        except AdapterStoreUnavailable as exc:
+            # Redis is down or restarting: keep training; the next round judges and publishes
+            # again (a version this attempt stored but did not make current stays a gap).
+            _log.warning("%s: adapter store unreachable (%s); publishing later", adapter, exc)
+            report.outcome = "unavailable"
+            self.stats.store_errors += 1
+            return report
         if manifest is None:
             report.outcome = "conflict"
             self.stats.conflicts += 1

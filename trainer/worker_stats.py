@@ -30,7 +30,8 @@ class RoundReport:
         num_positions: positions the losses counted.
         train_s: seconds spent in the steps.
         verdict: the judge's verdict; None while there were too few held-out records.
-        outcome: "published", "refused", "conflict" or "waiting" (too few held-out records).
+        outcome: "published", "refused", "conflict", "unavailable" (the adapter store could not
+            be reached) or "waiting" (too few held-out records).
         version: the version published, if any.
         record_to_version_s: for each record first included by this published version, seconds
             from its arrival in the log to the publication.
@@ -104,6 +105,7 @@ class WorkerStats:
         trained_records: (record, adapter) pairs trained on for the first time.
         num_tokens: input tokens through the draft in training steps; train_s: their seconds.
         published, refused, conflicts: the judge's and the store's outcomes.
+        store_errors: publishes that failed because the adapter store could not be reached.
         by_domain: training records per domain ("-" for none).
         latencies: record-to-version seconds of the most recent published records.
     """
@@ -120,6 +122,7 @@ class WorkerStats:
     published: int = 0
     refused: int = 0
     conflicts: int = 0
+    store_errors: int = 0
     by_domain: Counter[str] = field(default_factory=Counter)
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
@@ -134,7 +137,7 @@ class WorkerStats:
         return (
             f"records read {self.read} claimed {self.claimed} held out {self.held_out} "
             f"trained {self.trained_records}; published {self.published} refused "
-            f"{self.refused} conflicts {self.conflicts}"
+            f"{self.refused} conflicts {self.conflicts} store errors {self.store_errors}"
         )
 
     def metrics(self) -> dict[str, float]:
@@ -147,6 +150,7 @@ class WorkerStats:
             "publishes": float(self.published),
             "refusals": float(self.refused),
             "conflicts": float(self.conflicts),
+            "store_errors": float(self.store_errors),
             "throughput/tokens_per_s": self.num_tokens / self.train_s if self.train_s else 0.0,
         }
         out.update({f"records/domain/{d}": float(n) for d, n in self.by_domain.items()})
@@ -158,7 +162,7 @@ class WorkerStats:
             k: getattr(self, k)
             for k in (
                 "read", "claimed", "held_out", "skipped", "rounds", "steps", "trained_records",
-                "num_tokens", "train_s", "published", "refused", "conflicts",
+                "num_tokens", "train_s", "published", "refused", "conflicts", "store_errors",
             )
         }  # fmt: skip
         out["by_domain"] = dict(self.by_domain)

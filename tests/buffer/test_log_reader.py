@@ -180,6 +180,32 @@ def test_reader_waits_out_a_redis_restart_without_raising(
     assert m.connected and m.acked >= 3
 
 
+def test_acks_never_wait_and_entries_acked_or_waiting_to_be_are_never_handed_out_again(
+    private_redis: LocalRedis, stream: str
+) -> None:
+    url = private_redis.url
+    write_records(url, stream, 4)
+    reader = LogReader(url, stream, consumer="c1", backoff_initial_s=5.0, backoff_max_s=5.0)
+    ids = [entry_id for entry_id, _ in reader.read(block_ms=0)]
+    private_redis.kill()
+    started = time.monotonic()
+    assert reader.ack(ids) == 0  # one failed attempt, no backoff wait
+    assert reader.ack([]) == 0  # within the backoff: not even tried
+    assert time.monotonic() - started < 1.0
+    private_redis.restart()
+    # Still within the backoff, the claim runs before the acks are sent: it must not take back
+    # the entries whose acknowledgement is waiting (a trainer would train on them again).
+    assert reader.claim_stale(min_idle_ms=0) == []
+    assert reader.ack([]) == 4  # Redis answered the claim: the waiting acks go out
+    # A Redis that lost its last writes (AOF) delivers acknowledged entries again.
+    connect(url).xgroup_setid(stream, "trainer", id="0")
+    assert reader.read(block_ms=0) == []
+    assert reader.ack([]) == 4  # acknowledged again
+    m = reader.metrics()
+    assert (m.redelivered, m.pending, m.acked) == (8, 0, 8)
+    reader.close()
+
+
 def test_reader_recreates_a_group_that_redis_lost(redis_url: str, stream: str) -> None:
     reader = LogReader(redis_url, stream, consumer="c1")
     client = connect(redis_url)

@@ -118,9 +118,11 @@ def running_replica(
     redis_url: str | None = None,
     store: AdapterStore | None = None,
     reconcile_interval_s: float = 0.2,
+    rollback_window: int = 64,
 ) -> Iterator[Replica]:
     """A replica wired as `serving.app.OSDReplica` wires one: a log writer on `redis_url` (if
-    given) and an adapter watcher on `store` (if given), started before the first request."""
+    given) and an adapter watcher on `store` (if given, its live monitor judging versions over
+    `rollback_window` drafted tokens), started before the first request."""
     writer = None
     if redis_url is not None:
         log = config.log
@@ -128,7 +130,9 @@ def running_replica(
     runtime = ReplicaRuntime(config, log_writer=writer)
     watcher = None
     if store is not None:
-        watcher = AdapterWatcher(runtime, store, reconcile_interval_s=reconcile_interval_s)
+        watcher = AdapterWatcher(
+            runtime, store, reconcile_interval_s=reconcile_interval_s, window=rollback_window
+        )
         watcher.start()
     try:
         with TestClient(create_api(runtime), raise_server_exceptions=False) as client:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 
+from osd.adapter_manifest import AdapterEvent
 from osd.adapter_store import open_adapter_store
 from osd.log_writer import LogWriter
 from osd.record import Record
@@ -171,3 +172,25 @@ def test_frozen_redis_delays_no_request_and_its_records_are_written_or_counted(r
     assert final.written + final.dropped == final.logged == len(traffic.outcomes)
     assert stored["after"] >= traffic.count("after")
     assert sum(stored.values()) >= final.written  # timed-out batches may still have landed
+
+
+def test_a_version_fetched_while_redis_is_down_is_not_refused_and_swaps_in_once_it_is_back(
+    redis_server,
+):
+    """A fetch that fails because Redis is away says nothing about the version: the watcher
+    must try it again, not refuse it for good as it refuses a tampered one."""
+    store = open_adapter_store(redis_server.url)
+    with running_replica(toy_config(), store=store) as replica:
+        replica.watcher.stop()  # the test drives the watcher's steps itself
+        wait_for(lambda: not replica.watcher.alive, 10)
+        spec, identity = replica_adapter(replica.runtime.slots.model)
+        version = store.publish("general", identity, spec, expected_current=None).version
+        redis_server.kill()
+        replica.watcher.handle(AdapterEvent("general", version))  # the fetch fails
+        failed_metrics = replica.metrics()
+        redis_server.restart()
+        replica.watcher.reconcile()
+        current = replica.current()
+    print(f"\n[fetch while down] after the restart the replica runs v{current}")
+    assert metric(failed_metrics, "osd_adapter_refusals_total") == 0
+    assert current == version
