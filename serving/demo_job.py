@@ -258,7 +258,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument(
         "--schedule",
-        default="prose:40,code:280,sql:280,mixed:100",
+        default="prose:40,code:200,sql:200,mixed:80",
         help="domain:requests phases of the traffic",
     )
     parser.add_argument("--max-tokens", type=int, default=48)

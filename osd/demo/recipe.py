@@ -212,7 +212,7 @@ def _full() -> Recipe:
             hidden_size=96, num_layers=1, num_heads=3, intermediate_size=256, max_positions=256
         ),
         target_train=TrainRecipe(
-            domains=mixture, steps=1000, batch_size=8, seq_len=256, lr=5e-3, warmup_steps=40
+            domains=mixture, steps=800, batch_size=8, seq_len=256, lr=5e-3, warmup_steps=40
         ),
         draft_train=TrainRecipe(
             domains={"prose": 1.0}, steps=100, batch_size=16, seq_len=256, lr=3e-3, warmup_steps=10
