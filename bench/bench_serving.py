@@ -30,6 +30,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def demo_prompts(domain: str, count: int) -> list[str]:
+    """Held-out prompts of one domain of the demo corpus (the demo pair must be built)."""
+    from osd.demo import build_demo_models, load_corpus_split
+
+    docs = load_corpus_split(build_demo_models().corpus, domain, "heldout")[:count]
+    return [doc.text[: doc.prompt_chars] for doc in docs]
+
+
 def one_request(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
     """(time to first token, latency, completion tokens) of one streamed completion."""
     start = time.perf_counter()
@@ -48,7 +56,9 @@ def one_request(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - start, tokens
 
 
-def run_load(url: str, body: dict[str, Any], concurrency: int, requests: int) -> dict[str, float]:
+def run_load(
+    url: str, body: dict[str, Any], concurrency: int, requests: int, prompts: list[str]
+) -> dict[str, float]:
     results: list[tuple[float, float, int]] = []
     lock = threading.Lock()
     counter = iter(range(requests))
@@ -56,9 +66,10 @@ def run_load(url: str, body: dict[str, Any], concurrency: int, requests: int) ->
     def worker() -> None:
         while True:
             with lock:
-                if next(counter, None) is None:
-                    return
-            outcome = one_request(url, body)
+                i = next(counter, None)
+            if i is None:
+                return
+            outcome = one_request(url, {**body, "prompt": prompts[i % len(prompts)]})
             with lock:
                 results.append(outcome)
 
@@ -91,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--domain",
+        default="prose",
+        help="with the demo pair: held-out prompts of this domain (the base draft's is prose)",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = args.overrides or ["model.target=toy:target", "model.draft=toy:draft"]
@@ -114,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config, redis_server.url), name="osd", route_prefix="/")
         url = f"http://127.0.0.1:{port}/v1/completions"
+        demo = config.model.target.startswith("demo:")
+        prompts = demo_prompts(args.domain, 64) if demo else ["the cat sat on the mat and"]
         base = {
             "model": config.serve.model_name,
-            "prompt": "the cat sat on the mat and",
             "max_tokens": args.max_tokens,
             "temperature": 0,
             "stream": True,
@@ -130,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "speculation off (target only), logging on": {"spec": {"method": "none"}},
         }
-        run_load(url, base, 1, 2)  # warm-up
+        run_load(url, base, 1, 2, prompts)  # warm-up
         print(
             f"{'variant':<40}{'conc':>5}"
             + "".join(
@@ -139,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             for name, extra in variants.items():
-                row = run_load(url, {**base, **extra}, concurrency, args.requests)
+                row = run_load(url, {**base, **extra}, concurrency, args.requests, prompts)
                 print(f"{name:<40}{concurrency:>5}" + "".join(f"{v:>10.3f}" for v in row.values()))
         serve.shutdown()
         ray.shutdown()
