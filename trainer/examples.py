@@ -37,6 +37,7 @@ __all__ = [
     "is_held_out",
     "rejected_positions",
     "train_positions",
+    "window_key",
 ]
 
 PositionMode = Literal["all", "rejected"]
@@ -55,6 +56,13 @@ def is_held_out(request_id: str, fraction: float) -> bool:
         raise ValueError(f"holdout fraction must be in [0, 1), got {fraction}")
     digest = hashlib.blake2b(request_id.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64 < fraction
+
+
+def window_key(record: Record, adapter_names: Sequence[str]) -> str:
+    """The replay and hold-out window a record belongs to: its domain when that domain has its
+    own adapter, else ``""``, one bucket for every other label (prose in the demo, and any label
+    a client made up), so requests cannot multiply the windows."""
+    return record.domain if record.domain in adapter_names[1:] else ""
 
 
 def adapters_for(record: Record, adapter_names: Sequence[str]) -> list[str]:

@@ -37,7 +37,8 @@ class Verdict:
         domains: domain -> (candidate, current) estimates on that domain's held-out records,
             when judged per domain.
         max_regression: how much worse than the current version the candidate may be on one
-            domain with at least `min_positions` positions.
+            domain with at least `domain_min_positions` positions.
+        domain_min_positions: positions a domain needs to be weighed and guarded.
     """
 
     candidate: AcceptanceEstimate
@@ -48,6 +49,7 @@ class Verdict:
         default_factory=dict
     )
     max_regression: float = 1.0
+    domain_min_positions: int = 1
 
     @property
     def enough_data(self) -> bool:
@@ -59,7 +61,7 @@ class Verdict:
         return {
             domain: cand.lower - cur.lower
             for domain, (cand, cur) in self.domains.items()
-            if min(cand.num_positions, cur.num_positions) >= self.min_positions
+            if min(cand.num_positions, cur.num_positions) >= self.domain_min_positions
             and cand.lower < cur.lower - self.max_regression
         }
 
@@ -130,9 +132,12 @@ def judge_domains(
     margin: float,
     max_regression: float,
     min_positions: int = 1,
+    domain_min_positions: int = 1,
 ) -> Verdict:
     """Judges per domain: the domains' mean must gain `margin`, no domain may lose more than
-    `max_regression` (see the module's docstring).
+    `max_regression` (see the module's docstring). Nothing is judged with fewer than
+    `min_positions` positions in all; a domain with fewer than `domain_min_positions` is neither
+    weighed nor guarded (unless no domain has that many: then all are weighed).
 
     Raises:
         ValueError: the two sides name different domains, or a bad margin or threshold.
@@ -141,13 +146,21 @@ def judge_domains(
         raise ValueError(f"domains differ: {sorted(candidate)} vs {sorted(current)}")
     if not 0.0 <= max_regression < 1.0:
         raise ValueError(f"max_regression must be in [0, 1), got {max_regression}")
+    if domain_min_positions < 1:
+        raise ValueError(f"domain_min_positions must be >= 1, got {domain_min_positions}")
     verdict = judge(
-        balanced(candidate, min_positions),
-        balanced(current, min_positions),
+        balanced(candidate, domain_min_positions),
+        balanced(current, domain_min_positions),
         margin=margin,
         min_positions=min_positions,
     )
     domains = {d: (candidate[d], current[d]) for d in sorted(candidate)}
     return Verdict(
-        verdict.candidate, verdict.current, margin, min_positions, domains, max_regression
+        verdict.candidate,
+        verdict.current,
+        margin,
+        min_positions,
+        domains,
+        max_regression,
+        domain_min_positions,
     )

@@ -13,7 +13,12 @@ from __future__ import annotations
 import logging
 
 from osd.adapter_lora import base_model_hash
-from osd.adapter_manifest import AdapterManifest, AdapterStoreError, PublishConflict
+from osd.adapter_manifest import (
+    AdapterManifest,
+    AdapterStoreError,
+    AdapterStoreUnavailable,
+    PublishConflict,
+)
 from osd.adapter_store import AdapterStore
 from trainer.draft_trainer import DraftTrainer
 
@@ -44,10 +49,15 @@ class Publisher:
 
         Returns:
             The current version (None when none was published), now the expected one.
+
+        Raises:
+            AdapterStoreUnavailable: the store cannot be reached; nothing changed, so the next
+                publish still expects the version these weights really descend from (and
+                conflicts, and restores again, if the pointer moved).
         """
         version = self.store.current(adapter)
-        self.versions[adapter] = version
         if version is None:
+            self.versions[adapter] = None
             return None
         try:
             manifest, weights = self.store.load(
@@ -56,10 +66,14 @@ class Publisher:
                 expected_base_model_hash=self.base_hash,
                 expected_shapes=self.trainer.shapes(adapter),
             )
+        except AdapterStoreUnavailable:
+            raise
         except (AdapterStoreError, ValueError) as exc:
             _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
+            self.versions[adapter] = version
             return version
         self.trainer.set_weights(adapter, weights, ["candidate", "current"])
+        self.versions[adapter] = version
         _log.info(
             "%s: resuming from v%d (acceptance estimate %s)",
             adapter,

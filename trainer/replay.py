@@ -14,14 +14,16 @@ estimates acceptance on them and they are never trained on.
 Windows are kept per domain (`DomainWindows`) and replay draws the domains in equal shares: the
 general adapter learns from every domain, and a flood of one domain (code after prose) must
 neither push the others out of its memory nor out of its judge's sight, or it would forget them.
-At most `max_domains` domains are kept (labels come from requests); the one fed least recently
-is dropped first.
+Domain labels come from requests, so the worker keys windows by the configured domain adapters
+plus one bucket for every other label (`trainer.examples.window_key`): a client inventing labels
+cannot push the real domains out. At most `max_domains` windows are kept; the one fed least
+recently is dropped first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -30,20 +32,28 @@ from trainer.examples import Example
 __all__ = ["AckTracker", "AdapterData", "DomainWindows"]
 
 
+def record_domain(example: Example) -> str:
+    """The window an example goes to by default: its record's domain label."""
+    return example.record.domain
+
+
 class DomainWindows:
     """The newest `size` examples of each domain, for at most `max_domains` domains.
 
     Iterating yields every kept example, domain by domain, oldest first within a domain.
+    `key` names an example's window (default: its record's domain label).
     """
 
-    def __init__(self, size: int, max_domains: int) -> None:
+    def __init__(
+        self, size: int, max_domains: int, key: Callable[[Example], str] = record_domain
+    ) -> None:
         if size < 1 or max_domains < 1:
             raise ValueError(f"size and max_domains must be >= 1, got {size}, {max_domains}")
-        self.size, self.max_domains = size, max_domains
+        self.size, self.max_domains, self.key = size, max_domains, key
         self._windows: OrderedDict[str, deque[Example]] = OrderedDict()  # least recently fed first
 
     def append(self, example: Example) -> None:
-        domain = example.record.domain
+        domain = self.key(example)
         window = self._windows.get(domain)
         if window is None:
             if len(self._windows) >= self.max_domains:
@@ -88,16 +98,23 @@ class AdapterData:
         replay_size: records kept in the replay window, per domain (>= 1).
         holdout_size: records kept in the hold-out window, per domain (>= 1).
         max_domains: domains kept in each window (>= 1).
+        key: which domain window an example goes to (default: its record's domain label).
     """
 
-    def __init__(self, replay_size: int, holdout_size: int, max_domains: int = 8) -> None:
+    def __init__(
+        self,
+        replay_size: int,
+        holdout_size: int,
+        max_domains: int = 8,
+        key: Callable[[Example], str] = record_domain,
+    ) -> None:
         if replay_size < 1 or holdout_size < 1:
             raise ValueError(
                 f"replay_size and holdout_size must be >= 1, got {replay_size}, {holdout_size}"
             )
         self.fresh: deque[Example] = deque()
-        self.replay = DomainWindows(replay_size, max_domains)
-        self.holdout = DomainWindows(holdout_size, max_domains)
+        self.replay = DomainWindows(replay_size, max_domains, key)
+        self.holdout = DomainWindows(holdout_size, max_domains, key)
 
     def add_fresh(self, example: Example) -> None:
         self.fresh.append(example)

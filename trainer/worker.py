@@ -26,6 +26,7 @@ One trainer per consumer group: at start-up it claims all of the group's pending
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -45,7 +46,7 @@ from osd.log_reader import LogReader
 from osd.model_sources import load_draft
 from osd.record import Record
 from trainer.draft_trainer import DraftTrainer
-from trainer.examples import Example, adapters_for, is_held_out
+from trainer.examples import Example, adapters_for, is_held_out, window_key
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData
@@ -60,8 +61,12 @@ _MAX_CLAIM = 100_000
 
 
 # Held-out positions a domain needs before the judge weighs it and guards it against regression
-# (fewer: too noisy to tell a 0.01 loss). Below it everywhere, all domains count.
+# (fewer: too noisy to tell a 0.01 loss). When no domain has that many, all domains are weighed.
 MIN_DOMAIN_POSITIONS = 128
+
+
+def _window_of(example: Example, adapters: tuple[str, ...]) -> str:
+    return window_key(example.record, adapters)
 
 
 def _entry_time(entry_id: str) -> float:
@@ -104,8 +109,9 @@ class TrainerWorker:
         self.reader = LogReader(
             redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
         )
+        key = functools.partial(_window_of, adapters=tuple(self.adapters))
         self.data = {
-            a: AdapterData(cfg.replay_size, cfg.holdout_size, cfg.max_domains)
+            a: AdapterData(cfg.replay_size, cfg.holdout_size, cfg.max_domains, key)
             for a in self.adapters
         }
         self.acks = AckTracker()
@@ -267,9 +273,12 @@ class TrainerWorker:
             {d: self.trainer.estimate(adapter, "current", r) for d, r in by_domain.items()},
             margin=self.cfg.publish_margin,
             max_regression=self.cfg.max_domain_regression,
-            min_positions=MIN_DOMAIN_POSITIONS,
+            domain_min_positions=MIN_DOMAIN_POSITIONS,
         )
         report.verdict = verdict
+        if not verdict.enough_data:
+            report.outcome = "waiting"
+            return report
         if not verdict.publish:
             report.outcome = "refused"
             self.stats.refused += 1

@@ -13,6 +13,7 @@ from trainer.examples import (
     is_held_out,
     rejected_positions,
     train_positions,
+    window_key,
 )
 
 
@@ -130,3 +131,10 @@ def test_collate_refuses_records_without_prompt_or_generated_tokens():
         collate([], "all")
     with pytest.raises(ValueError, match="prompt_len=0"):
         collate([record_with_steps([1], [0], prompt_len=0)], "all")
+
+
+def test_windows_are_the_domain_adapters_plus_one_bucket_for_any_other_label():
+    adapters = ["general", "code", "sql"]
+    labels = ["code", "sql", "prose", "", "general", "made-up-1", "made-up-2"]
+    keys = [window_key(Record.make_dummy(domain=label), adapters) for label in labels]
+    assert keys == ["code", "sql", "", "", "", "", ""]

@@ -39,7 +39,9 @@ def test_judge_per_domain_refuses_a_candidate_that_forgets_one_domain():
     # a domain with too few positions is neither weighed nor guarded
     tiny = {"prose": est(0.50), "code": est(0.40), "json": est(0.0, n=5)}
     tiny_current = {**current, "json": est(0.9, n=5)}
-    noisy = judge_domains(tiny, tiny_current, margin=0.01, max_regression=0.01, min_positions=100)
+    noisy = judge_domains(
+        tiny, tiny_current, margin=0.01, max_regression=0.01, domain_min_positions=100
+    )
     assert noisy.publish and noisy.gain == pytest.approx(0.15)
     with pytest.raises(ValueError, match="domains differ"):
         judge_domains(learns_code, {"prose": est(0.5)}, margin=0.0, max_regression=0.01)
