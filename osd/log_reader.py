@@ -269,7 +269,7 @@ class LogReader:
 
     def metrics(self) -> ReaderMetrics:
         """Stream length, group pending/lag and this reader's counters."""
-        info = self._call(self._read_stream_info) or {}
+        info = self._call(self._read_stream_info, wait=False) or {}
         return ReaderMetrics(
             stream_length=info.get("stream_length"),
             pending=info.get("pending"),
@@ -281,8 +281,15 @@ class LogReader:
         )
 
     def close(self) -> None:
-        """Sends leftover acks if it can and closes the connection."""
+        """Sends leftover acks (one attempt, even within a backoff) and closes the connection.
+
+        Acks that still cannot be sent are logged: their entries stay pending in the group and
+        will be delivered again to the next reader of the group.
+        """
+        self._retry_at = 0.0
         self._flush_acks()
+        if self._ack_backlog:
+            _log.warning("closing with %d unsent acknowledgements", len(self._ack_backlog))
         self._client.close()
 
     def _read_stream_info(self) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def test_acks_never_wait_and_entries_acked_or_waiting_to_be_are_never_handed_out
 ) -> None:
     url = private_redis.url
     write_records(url, stream, 4)
-    reader = LogReader(url, stream, consumer="c1", backoff_initial_s=5.0, backoff_max_s=5.0)
+    reader = LogReader(url, stream, consumer="c1", backoff_initial_s=60.0, backoff_max_s=60.0)
     ids = [entry_id for entry_id, _ in reader.read(block_ms=0)]
     private_redis.kill()
     started = time.monotonic()
