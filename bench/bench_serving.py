@@ -32,10 +32,9 @@ def free_port() -> int:
 
 def demo_prompts(domain: str, count: int) -> list[str]:
     """Held-out prompts of one domain of the demo corpus (the demo pair must be built)."""
-    from osd.demo import build_demo_models, load_corpus_split
+    from osd.demo import build_demo_models, heldout_prompts
 
-    docs = load_corpus_split(build_demo_models().corpus, domain, "heldout")[:count]
-    return [doc.text[: doc.prompt_chars] for doc in docs]
+    return heldout_prompts(build_demo_models().corpus, [domain])[domain][:count]
 
 
 def one_request(url: str, body: dict[str, Any]) -> tuple[float, float, int]:
@@ -60,6 +59,7 @@ def run_load(
     url: str, body: dict[str, Any], concurrency: int, requests: int, prompts: list[str]
 ) -> dict[str, float]:
     results: list[tuple[float, float, int]] = []
+    errors: list[str] = []
     lock = threading.Lock()
     counter = iter(range(requests))
 
@@ -69,7 +69,12 @@ def run_load(
                 i = next(counter, None)
             if i is None:
                 return
-            outcome = one_request(url, {**body, "prompt": prompts[i % len(prompts)]})
+            try:
+                outcome = one_request(url, {**body, "prompt": prompts[i % len(prompts)]})
+            except httpx.HTTPError as e:
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
             with lock:
                 results.append(outcome)
 
@@ -80,6 +85,10 @@ def run_load(
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - start
+    if errors:
+        print(f"  {len(errors)} of {requests} requests failed, e.g. {errors[0]}")
+    if not results:
+        raise RuntimeError(f"every request failed: {errors[:3]}")
     ttft = sorted(r[0] for r in results)
     latency = sorted(r[1] for r in results)
 

@@ -129,7 +129,7 @@ class AdapterConfig:
     store: Literal["directory", "redis"] = "redis"
     root: str = ""  # directory store: shared folder; empty: a folder under the run directory
     reconcile_interval_s: float = 1.0
-    rollback_window: int = 64  # generated positions per version before judging it live
+    rollback_window: int = 1024  # drafted tokens (~20 requests) per version before judging it
     rollback_margin: float = 0.05  # roll back when acceptance drops by more than this
 
 

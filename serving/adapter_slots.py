@@ -107,9 +107,17 @@ class AdapterSlots:
             self._leases[lease.peft_name] -= 1
             self._collect()
 
-    def swap_in(self, adapter: str, version: int, install: Callable[[Any, str], None]) -> None:
+    def swap_in(
+        self,
+        adapter: str,
+        version: int,
+        install: Callable[[Any, str], None],
+        *,
+        keep_previous: bool = False,
+    ) -> None:
         """Loads ``version`` (``install(model, peft_name)``, off the decode path), makes it
-        current and keeps the old current as previous."""
+        current and keeps the old current as previous (with ``keep_previous``, the previous
+        stays and the old current is dropped: it was never proven, so it is no baseline)."""
         name = peft_adapter_name(adapter, version)
         with self._lock:
             self._installing.add(name)
@@ -119,7 +127,8 @@ class AdapterSlots:
                     install(self.model, name)
             with self._lock:
                 if self._current[adapter] != version:
-                    self._previous[adapter] = self._current[adapter]
+                    if not (keep_previous and self._previous[adapter] is not None):
+                        self._previous[adapter] = self._current[adapter]
                     self._current[adapter] = version
         finally:
             with self._lock:

@@ -64,7 +64,9 @@ class LiveMonitor:
     prompt to the next, so without the second test a window of a few requests rolls back good
     versions on noise (seen in the demo: versions the judge found better were rolled back after
     5 requests). The standard error is the ratio estimator's: with per-request rates ``r_i``
-    over ``d_i`` drafted tokens, ``var = sum d_i^2 (r_i - r)^2 / (sum d_i)^2``.
+    over ``d_i`` drafted tokens, ``var = n / (n - 1) * sum d_i^2 (r_i - r)^2 / (sum d_i)^2``. Keep
+    the window at a few dozen requests (``adapters.rollback_window``, drafted tokens): with only
+    a few the estimate of the error is itself noisy.
     """
 
     def __init__(self, window: int, margin: float, z: float = 2.0) -> None:
@@ -88,6 +90,8 @@ class LiveMonitor:
             return None
         rate = sum(a for a, _ in history) / drafted
         variance = sum((a - rate * d) ** 2 for a, d in history) / drafted**2
+        if len(history) > 1:  # Bessel's correction; one request alone leaves the margin rule
+            variance *= len(history) / (len(history) - 1)
         return rate, variance
 
     def rate(self, adapter: str, version: int) -> float | None:
@@ -182,6 +186,7 @@ class AdapterWatcher:
                 name,
                 version,
                 lambda model, peft_name: install_adapter(model, peft_name, manifest, weights),
+                keep_previous=self._unproven(name),
             )
         except AdapterStoreUnavailable as exc:
             # Says nothing about the version: the next reconciliation fetches it again.
@@ -194,6 +199,18 @@ class AdapterWatcher:
             return
         self.runtime.metrics.swaps.labels(name).inc()
         self._report("swap", name, version)
+
+    def _unproven(self, name: str) -> bool:
+        """Whether the current version never served a full window while its predecessor did:
+        it is replaced before it could be judged, so the predecessor stays the baseline (else a
+        quick succession of versions would never be compared with anything)."""
+        slots = self.runtime.slots
+        previous = slots.previous(name)
+        return (
+            previous is not None
+            and self.monitor.rate(name, slots.current(name)) is None
+            and self.monitor.rate(name, previous) is not None
+        )
 
     def check_rollbacks(self) -> None:
         """Rolls back a current version whose live acceptance is worse than its predecessor's."""
