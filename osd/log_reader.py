@@ -20,8 +20,9 @@ configuration error and raise `ValueError`, at construction or later.
 
 An entry this reader acknowledged, or is still to acknowledge, is never handed out again:
 `claim_stale` would otherwise take back entries whose acknowledgement is still waiting for Redis
-to return, and a Redis restarted after a SIGKILL may have forgotten its last writes (AOF fsyncs
-every second), acknowledgements and deliveries included. Such an entry is acknowledged again and
+to return, and a Redis that lost its last writes (with AOF `everysec`: after a crash of the
+machine, or of the process while Redis was holding writes back behind a slow fsync) forgets
+acknowledgements and deliveries. Such an entry is acknowledged again and
 counted (`redelivered`); the reader remembers its last `remember_acks` acknowledged ids.
 """
 
