@@ -32,6 +32,8 @@ from osd.redis_server import LocalRedis
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
 
+_SERVE_SHUTDOWN_S = 45.0  # longest wait for Serve's graceful shutdown before stopping Ray
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -189,7 +191,17 @@ class LocalStack(Closeable):
             from ray import serve
 
             try:
-                serve.shutdown()
+                # Bounded: on a loaded machine Serve's graceful shutdown can retry for minutes;
+                # ray.shutdown() below stops every process of the local cluster anyway.
+                stopper = threading.Thread(target=serve.shutdown, daemon=True)
+                stopper.start()
+                stopper.join(_SERVE_SHUTDOWN_S)
+                if stopper.is_alive():
+                    print(
+                        f"[osd] Serve did not shut down in {_SERVE_SHUTDOWN_S:.0f}s; "
+                        "stopping Ray anyway",
+                        flush=True,
+                    )
             finally:
                 ray.shutdown()
                 self._ray_started = False

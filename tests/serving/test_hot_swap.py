@@ -79,7 +79,12 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
             delays.append(wait_for_version(base_url, current, timeout_s=10))
             time.sleep(0.5)
         good = current
-        time.sleep(2.0)  # a window of live acceptance for the last good version
+        # A full window of live acceptance for the last good version (40 drafted tokens; a
+        # request drafts about 24): otherwise it is unproven and no baseline for the next one.
+        served_before = len(completed)
+        deadline = time.perf_counter() + 60
+        while len(completed) < served_before + 4 and time.perf_counter() < deadline:
+            time.sleep(0.1)
         bad = store.publish("general", harmful, spec, expected_current=good).version
         rolled_back = None
         for _ in range(600):  # it may be swapped in and rolled back between two looks

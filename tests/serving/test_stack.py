@@ -63,7 +63,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
         stderr=subprocess.STDOUT,
         text=True,
     )
-    session, trainer = "", ""
+    session, trainer, output = "", "", []
     try:
         if when == "while-serving":
             lines = "".join(wait_for_line(process, r"Ctrl-C stops", timeout_s=240))
@@ -71,11 +71,15 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
             trainer = re.search(r"trainer pid: (\d+)", lines).group(1)
             models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
             assert models["data"][0]["id"] == "osd"
-        else:
-            threading.Thread(target=process.stdout.read, daemon=True).start()  # drain output
+        # Keep reading its output: a full pipe would block the shutdown it prints about.
+        threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
+        if when == "during-start":
             time.sleep(8)  # redis-server is up, Ray is starting
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=120)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("no exit 120 s after Ctrl-C:\n" + "".join(output[-40:])) from None
     finally:
         if process.poll() is None:
             process.kill()
