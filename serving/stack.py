@@ -42,13 +42,16 @@ def free_port() -> int:
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM (and SIGHUP) end the run like Ctrl-C, so ``finally`` blocks clean up."""
+    """SIGINT, SIGTERM (and SIGHUP) end the run like Ctrl-C, so ``finally`` blocks clean up."""
 
     def interrupt(signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
+    # A process started in the background by a non-interactive shell inherits SIGINT ignored
+    # (and Python then installs no KeyboardInterrupt handler): make Ctrl-C work regardless.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def config_to_yaml(config: OSDConfig) -> str:
