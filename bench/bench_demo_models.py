@@ -24,26 +24,13 @@ from typing import Any
 
 import torch
 
+from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.demo import DOMAINS, build_demo_models, load_corpus_split
 from osd.demo.distill import DistillRecipe, distill_adapter
 from osd.demo.evaluation import measure_acceptance, measure_throughput
 from osd.demo.report import format_report, load_pair, measure_report
 from osd.demo.training import encode_streams
-
-
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for i, row in enumerate(cells):
-        padded = [
-            c.ljust(w) if j == 0 else c.rjust(w)
-            for j, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        print("  " + "  ".join(padded))
-        if i == 0:
-            print("  " + "  ".join("-" * w for w in widths))
 
 
 def _prompts(corpus: Any, domain: str, count: int) -> list[str]:
@@ -137,7 +124,7 @@ def _print_summary(report: dict[str, Any], distilled: dict[str, Any]) -> None:
         "spec+adapter tok/s",
     ]
     cost = report["decode_ms"]
-    _table(
+    print_table(
         f"demo pair {report['scale']}-{report['recipe_hash']}: decode step target "
         f"{cost['target']:.2f} ms / draft {cost['draft']:.2f} ms = {cost['ratio']:.1f}x",
         header,

@@ -20,26 +20,13 @@ from functools import partial
 
 import numpy as np
 
+from bench.tables import print_table
 from osd.log_reader import LogReader
 from osd.log_writer import LogWriter, WriterMetrics
 from osd.record import Record
 from osd.redis_server import LocalRedis, connect
 
 NUM_GENERATED, TOP_M, PROMPT_LEN, VOCAB_SIZE = 256, 32, 128, 32_000
-
-
-def _table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for i, row in enumerate(cells):
-        padded = [
-            c.ljust(w) if j == 0 else c.rjust(w)
-            for j, (c, w) in enumerate(zip(row, widths, strict=True))
-        ]
-        print("  " + "  ".join(padded))
-        if i == 0:
-            print("  " + "  ".join("-" * w for w in widths))
 
 
 def _time_us(fn: Callable[[], object], repeats: int = 200) -> float:
@@ -75,7 +62,7 @@ def bench_sizes() -> None:
             ]
         )
     header = ["record", "bytes", "zlib-1 bytes", "zlib-1 us", "pack us", "unpack us"]
-    _table("Packed record size (dummy data, vocab 32000)", header, rows)
+    print_table("Packed record size (dummy data, vocab 32000)", header, rows)
 
 
 def _log_all(writer: LogWriter, records: Sequence[Record], num: int, pace_s: float) -> list[int]:
@@ -152,7 +139,7 @@ def bench_log_buffer(url: str, num: int, decode_step_ms: float | None) -> None:
         ["write (log -> XADD pipeline)", num, f"{write_rate:,.0f}"],
         ["read (XREADGROUP + unpack + XACK)", num_read, f"{read_rate:,.0f}"],
     ]
-    _table("Throughput through local redis", ["path", "records", "records/s"], rates)
+    print_table("Throughput through local redis", ["path", "records", "records/s"], rates)
     calls = [
         ("log(), burst", burst),
         ("log(), paced 1 ms", paced),
@@ -168,7 +155,7 @@ def bench_log_buffer(url: str, num: int, decode_step_ms: float | None) -> None:
         if decode_step_ms:
             row += [f"{p50 / decode_step_ms:.3%}", f"{p99 / decode_step_ms:.3%}"]
         rows.append(row)
-    _table("Time on the caller thread", header, rows)
+    print_table("Time on the caller thread", header, rows)
     print(f"\n  writer: written {m.written}, dropped {m.dropped} {dict(m.dropped_by_reason)}")
 
 
