@@ -169,7 +169,8 @@ class CausalLM:
             kwargs["logits_to_keep"] = num_logits
         selection: AbstractContextManager[Any] = contextlib.nullcontext()
         if self.adapter_names:
-            _hook_lora_layers(self.model)
+            if not getattr(self.model, "_osd_adapter_hooks", False):  # once per model
+                _hook_lora_layers(self.model)
             selection = _adapters_for_this_thread([adapter or BASE_ADAPTER] * input_ids.shape[0])
         with self.guard(), selection:
             logits = self.model(input_ids=input_ids, **kwargs).logits
