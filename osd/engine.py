@@ -218,11 +218,15 @@ class GenerationStream:
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._finish_reason: FinishReason = "length"
+        self._cancelled = False
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> StreamChunk:
+        if self._cancelled:
+            self._steps.close()  # in the iterating thread: the generator may not be running
+            raise StopIteration
         chunk = next(self._steps)
         self._token_ids.extend(chunk.token_ids)
         self._text.append(chunk.text)
@@ -230,8 +234,9 @@ class GenerationStream:
         return chunk
 
     def cancel(self) -> None:
-        """Stops generating after the step in progress (e.g. the client went away)."""
-        self._steps.close()
+        """Stops generating after the step in progress (e.g. the client went away); safe to
+        call from any thread, also while another thread iterates."""
+        self._cancelled = True
 
     def result(self) -> GenerationResult:
         """The finished generation; drains the stream first if it is not exhausted."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -199,3 +202,24 @@ def test_method_none_is_plain_target_decoding(engine, greedy_references):
     assert result.stats.drafted == 0 and result.stats.steps == 100
     record = result.log.to_record(request_id="plain")
     assert record.method == "none" and record.num_generated == 100
+
+
+def test_cancel_from_another_thread_while_decoding_stops_the_stream(engine):
+    stream = engine.stream(PROMPTS[0], max_tokens=400, seed=5, stop_token_ids=[])
+    outcome: dict = {}
+
+    def decode() -> None:
+        try:
+            outcome["result"] = stream.result()
+        except Exception as exc:  # noqa: BLE001 - asserted on below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    while not stream._token_ids and thread.is_alive():
+        time.sleep(0.001)
+    for _ in range(50):  # e.g. the event loop, when the client goes away mid-step
+        stream.cancel()
+    thread.join(timeout=60)
+    assert "error" not in outcome, outcome.get("error")
+    assert 0 < len(outcome["result"].token_ids) < 400
