@@ -7,10 +7,11 @@ request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -103,10 +104,32 @@ async def _handle(
     request = parse_request(kind, data)
     job = runtime.admit(request)
     if request.stream:
-        return StreamingResponse(_sse(runtime, job, kind), media_type="text/event-stream")
+        return _JobStream(runtime, job, _sse(runtime, job, kind))
     result = await runtime.complete(job)
     body = _response(job, kind, result, runtime.config.serve.model_name)
     return JSONResponse(body)
+
+
+class _JobStream(StreamingResponse):
+    """An event stream that gives its job back however the response ends.
+
+    When the client disconnects, the server stops sending and drops the body generator, maybe
+    before it ever ran (then no ``finally`` of it runs at all): without this, each such request
+    kept its admission slot and adapter lease forever, and the replica ended up refusing
+    everything with 429.
+    """
+
+    def __init__(self, runtime: ReplicaRuntime, job: Job, body: AsyncGenerator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._runtime, self._job, self._body = runtime, job, body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(RuntimeError):  # "already running": it ends by itself
+                await self._body.aclose()  # never suspends: runs the stream's own clean-up
+            self._runtime.abandon(self._job)
 
 
 def _usage(job: Job, result: GenerationResult) -> dict[str, Any]:
@@ -158,7 +181,7 @@ def _response(job: Job, kind: str, result: GenerationResult, model: str) -> dict
     }
 
 
-async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncIterator[bytes]:
+async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[bytes]:
     chat = isinstance(job.request, ChatRequest)
     ident = new_id("chatcmpl" if chat else "cmpl")
     head = {
@@ -179,11 +202,13 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncIterator[by
 
     first = True
     try:
-        async for chunk in runtime.stream(job):
-            if chunk.text or chunk.finish_reason or first:
-                yield event([choice(chunk.text, chunk.finish_reason, first)])
-                first = False
+        async with contextlib.aclosing(runtime.stream(job)) as chunks:
+            async for chunk in chunks:
+                if chunk.text or chunk.finish_reason or first:
+                    yield event([choice(chunk.text, chunk.finish_reason, first)])
+                    first = False
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
+        logger.exception("stream failed after its first byte: %s", exc)
         yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n".encode()
         return
     result = job.stream.result()

@@ -39,6 +39,8 @@ class Job:
     request_id: str = field(default_factory=lambda: new_id("req"))
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    decoding: bool = False  # a thread of the pool has started on it
+    finished: bool = False  # lease and admission slot given back (exactly once)
 
 
 class ReplicaRuntime:
@@ -69,6 +71,9 @@ class ReplicaRuntime:
         limit = config.serve.max_ongoing_requests
         self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="decode")
         self._admission = threading.BoundedSemaphore(limit)
+        self._finish_lock = threading.Lock()
+        # Unloads adapter versions a finished request was the last to use, off the event loop.
+        self._housekeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapters")
 
     @property
     def tokenizer(self) -> Any:
@@ -151,8 +156,16 @@ class ReplicaRuntime:
     async def complete(self, job: Job) -> GenerationResult:
         """Runs a request to the end in the thread pool."""
         loop = asyncio.get_running_loop()
+        job.decoding = True
+        future = loop.run_in_executor(self._executor, job.stream.result)
         try:
-            result = await loop.run_in_executor(self._executor, job.stream.result)
+            result = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # The client went away: stop decoding; the lease and the admission slot go back
+            # when the thread lets go of the draft, not before.
+            job.stream.cancel()
+            self._finish_when_done(job, future)
+            raise
         except BaseException:
             self._finish(job, None)
             raise
@@ -161,24 +174,34 @@ class ReplicaRuntime:
         return result
 
     async def stream(self, job: Job) -> AsyncIterator[StreamChunk]:
-        """Yields chunks as the thread pool verifies them; cancels if the consumer stops."""
+        """Yields chunks as the thread pool verifies them; cancels if the consumer stops.
+
+        The clean-up never awaits: a consumer that is cancelled (the client disconnected) may
+        not wait for anything, so the thread that decodes accounts for the request when it
+        stops, after its current step.
+        """
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         stop = threading.Event()
 
-        def pump() -> None:
+        def pump() -> GenerationResult | None:
             try:
+                if stop.is_set():  # gone while this waited for a thread
+                    job.stream.cancel()
                 for chunk in job.stream:
                     loop.call_soon_threadsafe(queue.put_nowait, ("chunk", chunk))
                     if stop.is_set():
                         job.stream.cancel()
                         break
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", job.stream.result()))
+                result = job.stream.result()
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
+                return result
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
+                return None
 
-        loop.run_in_executor(self._executor, pump)
-        result, ended = None, False
+        job.decoding = True
+        self._finish_when_done(job, loop.run_in_executor(self._executor, pump))
         try:
             while True:
                 kind, item = await queue.get()
@@ -186,26 +209,43 @@ class ReplicaRuntime:
                     job.first_token_at = job.first_token_at or time.perf_counter()
                     yield item
                     continue
-                ended = True
+                self._finish(job, item if kind == "done" else None)  # the pump is done
                 if kind == "error":
                     raise item
-                result = item
                 return
         finally:
-            stop.set()
-            while not ended:  # the consumer went away: let the pump stop, then account
-                kind, item = await queue.get()
-                if kind != "chunk":
-                    ended, result = True, item if kind == "done" else None
-            self._finish(job, result)
+            stop.set()  # the consumer went away (or the stream ended): the pump stops
+
+    def _finish_when_done(self, job: Job, decoding: asyncio.Future[Any]) -> None:
+        """Finishes ``job`` once its thread returns (a no-op if it was finished before)."""
+
+        def done(future: asyncio.Future[Any]) -> None:
+            ended = not future.cancelled() and future.exception() is None
+            result = future.result() if ended else None
+            self._finish(job, result if isinstance(result, GenerationResult) else None)
+
+        decoding.add_done_callback(done)
+
+    def abandon(self, job: Job) -> None:
+        """Gives back a job whose response ended before it started decoding (the client went
+        away first); a job already decoding is accounted for by its thread."""
+        if not job.decoding:
+            job.stream.cancel()
+            self._finish(job, None)
 
     def _finish(self, job: Job, result: GenerationResult | None) -> None:
-        """Metrics, router feedback, live monitor and the log record, off the decode path."""
+        """Metrics, router feedback, live monitor and the log record, off the decode path.
+        Runs once per job, whoever calls it first."""
+        with self._finish_lock:
+            if job.finished:
+                return
+            job.finished = True
         try:
             if result is not None:
                 self._account(job, result)
         finally:
-            self.slots.release(job.lease)
+            if self.slots.release(job.lease, collect=False):  # unloading waits for forwards
+                self._housekeeping.submit(self.slots.collect)
             self._admission.release()
             self.metrics.in_flight.dec()
 
@@ -255,6 +295,7 @@ class ReplicaRuntime:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._housekeeping.shutdown(wait=False)
         if self.log_writer is not None:
             self.log_writer.close()
 

@@ -1,0 +1,91 @@
+"""Clients that go away mid-request, against a replica behind a real HTTP server (uvicorn, as in
+production; Starlette's TestClient never disconnects). Each abandoned request must give back its
+admission slot and adapter lease once its thread has stopped decoding. Before the fix, every
+stream abandoned before its first chunk kept its slot forever, and a replica ended up refusing
+everything with 429. docs/reliability.md, row "clients disconnect".
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from serving.api import create_api
+from serving.runtime import ReplicaRuntime
+
+from .conftest import completion, free_port, metric, running_replica, toy_config, wait_for
+
+CAPACITY = 4  # serve.max_ongoing_requests
+
+
+@contextmanager
+def http_server(runtime: ReplicaRuntime) -> Iterator[str]:
+    """The replica's app on a free local port (uvicorn in a thread); yields the base URL."""
+    port = free_port()
+    config = uvicorn.Config(create_api(runtime), host="127.0.0.1", port=port, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, timeout_s=30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def send_and_hang_up(base_url: str, body: dict, read_bytes: int = 0) -> None:
+    """POSTs a completion over a raw socket and closes it after reading `read_bytes`."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + payload)
+        if read_bytes:
+            sock.recv(read_bytes)
+
+
+def test_abandoned_requests_give_back_their_slots_and_leases():
+    config = toy_config(f"serve.max_ongoing_requests={CAPACITY}", "serve.max_tokens_limit=200")
+    with running_replica(config) as replica, http_server(replica.runtime) as base_url:
+        runtime = replica.runtime
+        long = completion(max_tokens=200, temperature=0)
+        kinds = [
+            ({**long, "stream": True}, 0),  # gone before the first chunk
+            ({**long, "stream": True}, 64),  # gone after the first bytes
+            ({**long, "stream": False}, 0),  # gone while it decodes
+        ]
+        for _ in range(3):  # 9 abandoned requests: more than the 4 slots there are
+            for body, read_bytes in kinds:
+                send_and_hang_up(base_url, body, read_bytes)
+
+        def all_given_back() -> bool:
+            text = runtime.metrics_text().decode()
+            return metric(text, "osd_requests_in_flight") == 0
+
+        wait_for(all_given_back, timeout_s=60, interval_s=0.1)
+        assert all(count == 0 for count in runtime.slots._leases.values()), runtime.slots._leases
+
+        # Every slot is free again: CAPACITY requests at once are all served.
+        with httpx.Client(base_url=base_url, timeout=60) as client:
+            statuses: list[int] = []
+
+            def one() -> None:
+                response = client.post("/v1/completions", json=completion(max_tokens=4))
+                statuses.append(response.status_code)
+
+            threads = [threading.Thread(target=one) for _ in range(CAPACITY)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=60)
+        assert statuses == [200] * CAPACITY, statuses
