@@ -173,7 +173,10 @@ class CausalLM:
                 _hook_lora_layers(self.model)
             selection = _adapters_for_this_thread([adapter or BASE_ADAPTER] * input_ids.shape[0])
         with self.guard(), selection:
-            logits = self.model(input_ids=input_ids, **kwargs).logits
+            # The wrapped HF model runs the LoRA layers (their hooks choose the adapter); peft's
+            # own forward would also look up its "active adapter", which a replica deletes and
+            # replaces while serving, so it is left out of the decode path.
+            logits = _base_model(self.model)(input_ids=input_ids, **kwargs).logits
         return logits[:, -num_logits:, : self.vocab_size]
 
 

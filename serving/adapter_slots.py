@@ -102,9 +102,20 @@ class AdapterSlots:
             self._leases[lease.peft_name] += 1
         return lease
 
-    def release(self, lease: AdapterLease) -> None:
+    def release(self, lease: AdapterLease, *, collect: bool = True) -> bool:
+        """Ends a lease and unloads the versions no longer used; that waits for the forwards
+        in progress, so a server's event loop passes ``collect=False`` and, when this returns
+        True (the version just became unused), calls :meth:`collect` from another thread."""
         with self._lock:
             self._leases[lease.peft_name] -= 1
+            if collect:
+                self._collect()
+                return False
+            return self._leases[lease.peft_name] <= 0 and lease.peft_name not in self._kept()
+
+    def collect(self) -> None:
+        """Unloads loaded versions that are neither current, previous nor leased."""
+        with self._lock:
             self._collect()
 
     def swap_in(
@@ -145,18 +156,24 @@ class AdapterSlots:
             self._collect()
             return target
 
-    def _collect(self) -> None:
-        """Deletes loaded versions that are neither current, previous nor leased."""
+    def _kept(self) -> set[str]:
         keep = {peft_adapter_name(a, v) for a, v in self._current.items()}
         keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
-        keep |= self._installing
-        unused = [
-            name
-            for name in self.model.peft_config
-            if name not in keep and self._leases[name] <= 0 and "@" in name
-        ]
-        if unused:
+        return keep | self._installing
+
+    def _collect(self) -> None:
+        """Deletes loaded versions that are neither current, previous nor leased."""
+        keep = self._kept()
+
+        def unused() -> list[str]:
+            return [
+                name
+                for name in list(self.model.peft_config)  # one atomic copy under the GIL
+                if name not in keep and self._leases[name] <= 0 and "@" in name
+            ]
+
+        if unused():  # a first look without blocking decode; an install may be changing the dict
             with self.model_lock.writing():
-                for name in unused:
+                for name in unused():
                     self.model.delete_adapter(name)
                     self._leases.pop(name, None)

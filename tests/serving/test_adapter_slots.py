@@ -53,3 +53,15 @@ def test_a_version_being_installed_is_never_collected_by_a_concurrent_release():
     slots.swap_in("general", 1, slow_install)
     finisher.join()
     assert slots.current("general") == 1 and "general@1" in slots.model.peft_config
+
+
+def test_release_without_collecting_says_when_a_version_is_left_to_unload():
+    slots, _ = make_slots()
+    first, second = slots.acquire("general"), slots.acquire("general")
+    slots.swap_in("general", 1, install_copy)
+    slots.swap_in("general", 2, install_copy)
+    assert slots.release(first, collect=False) is False  # still leased by the second
+    assert slots.release(second, collect=False) is True
+    assert "general@0" in slots.model.peft_config  # the caller's thread did not unload it
+    slots.collect()
+    assert sorted(slots.model.peft_config) == ["general@1", "general@2"]
