@@ -120,6 +120,7 @@ class TrainerWorker:
         self.fresh_limit = max(cfg.min_records, cfg.steps_per_round * cfg.batch_records)
         self._unpublished: dict[str, list[float]] = {a: [] for a in self.adapters}
         self._last_claim = time.monotonic()
+        self._claim_all_due = False  # the start-up claim found Redis down: claim all again
         self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
         # Audit hook: called after each step with the adapter and the stream entry ids it
         # trained on for the first time (the reliability tests count trainings per entry).
@@ -158,7 +159,16 @@ class TrainerWorker:
                 self.publisher.restore(adapter)
             except AdapterStoreUnavailable as exc:
                 _log.warning("%s: adapter store unreachable (%s); resuming later", adapter, exc)
-        self.stats.claimed += self._accept(self.reader.claim_stale(0, count=_MAX_CLAIM))
+        self.stats.claimed += self._claim(0, _MAX_CLAIM)
+
+    def _claim(self, min_idle_ms: int, count: int) -> int:
+        """Claims entries pending for ``min_idle_ms`` (0: all, as at start-up); returns how
+        many. If Redis did not answer the start-up claim, `ingest` asks again each time until it
+        does, rather than leaving those entries to the periodic claim ``claim_idle_ms`` later."""
+        accepted = self._accept(self.reader.claim_stale(min_idle_ms, count=count))
+        if min_idle_ms == 0:
+            self._claim_all_due = not self.reader.metrics().connected
+        return accepted
 
     # Reading.
 
@@ -204,9 +214,11 @@ class TrainerWorker:
         """
         claimed = read = 0
         idle_ms = self.cfg.claim_idle_ms
-        if idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
+        if self._claim_all_due:
+            claimed = self._claim(0, _MAX_CLAIM)
+        elif idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
             self._last_claim = time.monotonic()
-            claimed = self._accept(self.reader.claim_stale(idle_ms, count=_MAX_READ))
+            claimed = self._claim(idle_ms, _MAX_READ)
         room = self.fresh_limit - max(len(d.fresh) for d in self.data.values())
         if room > 0:
             read = self._accept(self.reader.read(count=min(room, _MAX_READ), block_ms=block_ms))

@@ -408,3 +408,32 @@ def test_trainer_sigkilled_while_publishing_never_leaves_the_pointer_on_a_broken
     # temp dir holds a number that never became a version.
     assert stored == set(versions) <= set(range(1, allocated + 1))
     assert not {int(name.split("-")[1][1:]) for name in leftovers} & stored
+
+
+def test_trainer_started_while_redis_is_down_claims_the_pending_entries_once_it_is_back(
+    redis_server: LocalRedis, tmp_path: Path, logged_records: list[Record]
+) -> None:
+    url = redis_server.url
+    # claim_idle_ms of an hour: without the retried start-up claim these entries would wait.
+    config = make_config(tmp_path, STREAM, min_records=10_000, claim_idle_ms=3_600_000)
+    push(url, STREAM, relabelled(logged_records, 24, "pending"))
+    crashed = TrainerWorker(config, url, draft=headroom_draft(), consumer="crashed")
+    read = crashed.ingest()
+    assert read == 24  # read, never acknowledged (the held-out ones were): then the crash
+    client = connect(url)
+    pending = int(client.xpending(STREAM, config.trainer.group)["pending"])
+    client.close()
+    assert pending > 0
+
+    redis_server.kill()
+    worker = TrainerWorker(config, url, draft=headroom_draft(), consumer="restarted")
+    assert worker.stats.claimed == 0  # Redis did not answer the start-up claim
+    redis_server.restart()
+    claimed = 0
+    deadline = time.monotonic() + 60
+    while claimed < pending and time.monotonic() < deadline:  # the reader's backoff passes
+        worker.ingest()
+        claimed = worker.stats.claimed
+    worker.close()
+    print(f"\n[trainer-start-redis-down] {pending} pending, {claimed} claimed after the restart")
+    assert claimed == pending
