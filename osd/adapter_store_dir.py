@@ -7,21 +7,29 @@ Layout under `root`::
     <name>/CURRENT                          the pointer: the current version number
     <name>/LAST_VERSION                     the last version number handed out
     <name>/.lock                            `flock`ed around allocation and pointer moves
-    <name>/.tmp-*                           versions being written; never read
+    <name>/.tmp-*                           versions being written; never read (removed
+                                            by a later publish once an hour old)
 
 A version is written into a fresh `.tmp-*` directory (files and directory fsynced) and renamed to
 `v<version>` in one `os.rename`, so `v<version>` either does not exist or is complete. The pointer
 is replaced with `os.replace` under the lock, after checking that it still names the expected
 version (compare-and-set). There is no message channel: `subscribe` polls the pointers.
+
+Filesystem errors that may pass by themselves (disk full, over quota, I/O or network-filesystem
+trouble) raise `AdapterStoreUnavailable`, like a Redis outage: a trainer keeps training and
+publishes later, a replica fetches again. Others (permissions, a read-only mount) raise
+`AdapterStoreError`: a deployment to fix.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +38,7 @@ from osd.adapter_manifest import (
     AdapterManifest,
     AdapterNotFound,
     AdapterStoreError,
+    AdapterStoreUnavailable,
     PublishConflict,
     check_adapter_name,
 )
@@ -40,6 +49,35 @@ __all__ = ["DirectoryAdapterStore"]
 WEIGHTS_FILE = "adapter.safetensors"
 MANIFEST_FILE = "manifest.json"
 _VERSION_DIR_RE = re.compile(r"v([1-9][0-9]*)")
+
+
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN}
+    | {errno.EBUSY, errno.ENOMEM, errno.EINTR}
+)
+_STALE_TEMP_S = 3600.0  # a `.tmp-*` this old was left by a killed publish
+
+
+@contextlib.contextmanager
+def _os_errors(what: str) -> Iterator[None]:
+    """Raises the store's error for an `OSError` while doing `what`."""
+    try:
+        yield
+    except OSError as exc:
+        kind = AdapterStoreUnavailable if exc.errno in _TRANSIENT_ERRNOS else AdapterStoreError
+        raise kind(f"could not {what}: {exc}") from exc
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Removes what killed publishes left behind; a publish in progress is far younger."""
+    cutoff = time.time() - _STALE_TEMP_S
+    for entry in directory.glob(".*tmp-*"):
+        with contextlib.suppress(OSError):
+            if entry.lstat().st_mtime < cutoff:
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -123,17 +161,19 @@ class DirectoryAdapterStore(AdapterStore):
                 fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
     def current(self, name: str) -> int | None:
-        return _read_int(self._dir(name) / "CURRENT")
+        with _os_errors(f"read the pointer of {name!r}"):
+            return _read_int(self._dir(name) / "CURRENT")
 
     def list_versions(self, name: str) -> list[int]:
         directory = self._dir(name)
-        if not directory.is_dir():
-            return []
         versions = []
-        for entry in directory.iterdir():
-            match = _VERSION_DIR_RE.fullmatch(entry.name)
-            if match and (entry / MANIFEST_FILE).is_file():
-                versions.append(int(match.group(1)))
+        with _os_errors(f"list the versions of {name!r}"):
+            if not directory.is_dir():
+                return []
+            for entry in directory.iterdir():
+                match = _VERSION_DIR_RE.fullmatch(entry.name)
+                if match and (entry / MANIFEST_FILE).is_file():
+                    versions.append(int(match.group(1)))
         return sorted(versions)
 
     def names(self) -> list[str]:
@@ -149,7 +189,7 @@ class DirectoryAdapterStore(AdapterStore):
         return PointerPollSubscription(self, self.poll_interval_s)
 
     def _allocate_version(self, name: str) -> int:
-        with self._locked(name) as directory:
+        with _os_errors(f"allocate a version of {name!r}"), self._locked(name) as directory:
             last = max([_read_int(directory / "LAST_VERSION") or 0, *self.list_versions(name)])
             _replace_durably(directory / "LAST_VERSION", f"{last + 1}\n".encode())
         return last + 1
@@ -157,30 +197,34 @@ class DirectoryAdapterStore(AdapterStore):
     def _write_version(self, manifest: AdapterManifest, payload: bytes) -> None:
         directory = self._dir(manifest.name)
         tmp = directory / f".tmp-v{manifest.version}-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            _write_durably(tmp / WEIGHTS_FILE, payload, mode=0o444)
-            _write_durably(tmp / MANIFEST_FILE, manifest.to_json(), mode=0o444)
-            _fsync_dir(tmp)
-            # Fails if the version exists (a non-empty directory): versions are never rewritten.
-            os.rename(tmp, directory / f"v{manifest.version}")
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise AdapterStoreError(f"could not store {manifest.ref} under {directory}") from exc
-        _fsync_dir(directory)
+        with _os_errors(f"store {manifest.ref} under {directory}"):
+            _remove_stale_temps(directory)
+            tmp.mkdir()
+            try:
+                _write_durably(tmp / WEIGHTS_FILE, payload, mode=0o444)
+                _write_durably(tmp / MANIFEST_FILE, manifest.to_json(), mode=0o444)
+                _fsync_dir(tmp)
+                # Fails if the version exists (a non-empty directory): never rewritten.
+                os.rename(tmp, directory / f"v{manifest.version}")
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _fsync_dir(directory)
 
     def _read_manifest(self, name: str, version: int) -> bytes | None:
-        with contextlib.suppress(FileNotFoundError):
-            return (self._version_dir(name, version) / MANIFEST_FILE).read_bytes()
-        return None
+        return self._read_file(name, version, MANIFEST_FILE)
 
     def _read_weights(self, name: str, version: int) -> bytes | None:
-        with contextlib.suppress(FileNotFoundError):
-            return (self._version_dir(name, version) / WEIGHTS_FILE).read_bytes()
+        return self._read_file(name, version, WEIGHTS_FILE)
+
+    def _read_file(self, name: str, version: int, file: str) -> bytes | None:
+        path = self._version_dir(name, version) / file
+        with _os_errors(f"read {path}"), contextlib.suppress(FileNotFoundError):
+            return path.read_bytes()
         return None
 
     def _compare_and_set(self, name: str, expected: int | None, new: int) -> None:
-        with self._locked(name) as directory:
+        with _os_errors(f"move the pointer of {name!r}"), self._locked(name) as directory:
             actual = _read_int(directory / "CURRENT")
             if actual != expected:
                 raise PublishConflict(name, expected, actual, new)

@@ -3,10 +3,13 @@ refusals on load, rollback and notifications. Redis tests run against a real red
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from osd.adapter_manifest import (
     AdapterEvent,
     AdapterIntegrityError,
     AdapterNotFound,
+    AdapterStoreError,
+    AdapterStoreUnavailable,
     AdapterTooLarge,
     PublishConflict,
 )
@@ -76,6 +81,57 @@ def test_directory_versions_are_read_only_files(tmp_path, adapter_name, spec, co
     version_dir = tmp_path / adapter_name / "v1"
     assert sorted(p.name for p in version_dir.iterdir()) == ["adapter.safetensors", "manifest.json"]
     assert all(p.stat().st_mode & 0o222 == 0 for p in version_dir.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("code", "raised"),
+    [(errno.ENOSPC, AdapterStoreUnavailable), (errno.EACCES, AdapterStoreError)],
+)
+def test_directory_write_errors_leave_the_pointer_and_say_whether_to_retry(
+    tmp_path, monkeypatch, adapter_name, spec, code_weights, sql_weights, code, raised
+):
+    """A full disk passes (the trainer publishes later, as after a Redis outage); a permission
+    error is a deployment to fix. Either way nothing half-written is left or pointed to."""
+    import osd.adapter_store_dir as store_dir
+
+    store = DirectoryAdapterStore(tmp_path)
+    store.publish(adapter_name, code_weights, spec, expected_current=None)
+    write = store_dir._write_durably
+
+    def failing_write(path, data, mode=0o644):
+        if path.name == "adapter.safetensors":
+            raise OSError(code, os.strerror(code), str(path))
+        write(path, data, mode)
+
+    monkeypatch.setattr(store_dir, "_write_durably", failing_write)
+    with pytest.raises(raised) as caught:
+        store.publish(adapter_name, sql_weights, spec, expected_current=1)
+    assert isinstance(caught.value, AdapterStoreUnavailable) == (code == errno.ENOSPC)
+    assert store.current(adapter_name) == 1 and store.list_versions(adapter_name) == [1]
+    assert not list((tmp_path / adapter_name).glob(".tmp-*"))
+    monkeypatch.setattr(store_dir, "_write_durably", write)
+    assert store.publish(adapter_name, sql_weights, spec, expected_current=1).version == 3
+
+
+def test_directory_publish_removes_what_killed_publishes_left_behind(
+    tmp_path, adapter_name, spec, code_weights
+):
+    store = DirectoryAdapterStore(tmp_path)
+    store.publish(adapter_name, code_weights, spec, expected_current=None)
+    directory = tmp_path / adapter_name
+    old_dir, old_file = directory / ".tmp-v7-dead", directory / ".CURRENT.tmp-dead"
+    new_dir = directory / ".tmp-v8-in-progress"  # another publisher's, still being written
+    for path in (old_dir, new_dir):
+        path.mkdir()
+        (path / "adapter.safetensors").write_bytes(b"partial")
+    old_file.write_bytes(b"7\n")
+    two_hours_ago = time.time() - 7200
+    for path in (old_dir, old_file):
+        os.utime(path, (two_hours_ago, two_hours_ago))
+    store.publish(adapter_name, code_weights, spec, expected_current=1)
+    assert not old_dir.exists() and not old_file.exists()
+    assert new_dir.is_dir()
+    assert store.list_versions(adapter_name) == [1, 2]
 
 
 def test_stale_publisher_gets_conflict_and_pointer_keeps_a_valid_version(
