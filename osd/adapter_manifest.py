@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 __all__ = [
+    "BASE_VERSION",
     "MANIFEST_FORMAT_VERSION",
     "AdapterEvent",
     "AdapterIntegrityError",
@@ -32,6 +33,10 @@ __all__ = [
 ]
 
 MANIFEST_FORMAT_VERSION = 1
+
+# What a pointer names after a rollback past the first published version: the base draft
+# itself (no LoRA weights). Never a stored version; stored versions start at 1.
+BASE_VERSION = 0
 
 # Safe as a directory name, a Redis key part (no ':') and a JSON string.
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -81,10 +86,11 @@ def check_adapter_name(name: Any) -> None:
         )
 
 
-def check_version(field: str, value: Any) -> None:
-    """Raises ValueError unless `value` is an int >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field} must be an int >= 1, got {value!r:.80}")
+def check_version(field: str, value: Any, *, base: bool = False) -> None:
+    """Raises ValueError unless `value` is an int >= 1 (or `BASE_VERSION`, with `base`)."""
+    least = BASE_VERSION if base else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{field} must be an int >= {least}, got {value!r:.80}")
 
 
 def _check_sha256(field: str, value: Any) -> None:

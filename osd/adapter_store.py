@@ -35,6 +35,7 @@ from torch import Tensor
 
 from osd.adapter_lora import decode_weights, encode_weights
 from osd.adapter_manifest import (
+    BASE_VERSION,
     AdapterEvent,
     AdapterIntegrityError,
     AdapterManifest,
@@ -50,6 +51,7 @@ from osd.adapter_manifest import (
 from osd.closing import Closeable
 
 __all__ = [
+    "BASE_VERSION",
     "DEFAULT_MAX_BYTES",
     "AdapterEvent",
     "AdapterIntegrityError",
@@ -101,7 +103,8 @@ class AdapterStore(abc.ABC):
 
     @abc.abstractmethod
     def current(self, name: str) -> int | None:
-        """The version the pointer of `name` names, or None if none was ever published."""
+        """The version the pointer of `name` names, or None if none was ever published
+        (`BASE_VERSION`, 0: rolled back to the base draft)."""
 
     @abc.abstractmethod
     def list_versions(self, name: str) -> list[int]:
@@ -172,7 +175,9 @@ class AdapterStore(abc.ABC):
         """
         check_adapter_name(name)
         if expected_current is not None:
-            check_version("expected_current", expected_current)
+            check_version("expected_current", expected_current, base=True)
+        if parent_version is None and expected_current != BASE_VERSION:
+            parent_version = expected_current  # trained from the base draft: no parent
         payload = encode_weights(weights, spec.rank)
         if len(payload) > self.max_bytes:
             raise AdapterTooLarge(
@@ -187,7 +192,7 @@ class AdapterStore(abc.ABC):
             num_weight_bytes=len(payload),
             created_at=time.time(),
             acceptance_estimate=acceptance_estimate,
-            parent_version=expected_current if parent_version is None else parent_version,
+            parent_version=parent_version,
         )
         self._write_version(manifest, payload)
         self._compare_and_set(name, expected_current, manifest.version)
@@ -262,10 +267,16 @@ class AdapterStore(abc.ABC):
         Raises:
             AdapterNotFound: `to_version` is not a stored version of `name`.
             PublishConflict: the pointer did not name `expected_current`.
+        `BASE_VERSION` (0) points it at the base draft itself: a rollback past the first
+        published version, so that replicas started later and the trainer (whose next publish
+        then conflicts) leave the rolled-back version too.
         """
-        self.manifest(name, to_version)
+        if to_version == BASE_VERSION:
+            check_adapter_name(name)
+        else:
+            self.manifest(name, to_version)
         if expected_current is not None:
-            check_version("expected_current", expected_current)
+            check_version("expected_current", expected_current, base=True)
         self._compare_and_set(name, expected_current, to_version)
 
     def changed_pointers(self, known: Mapping[str, int | None]) -> list[AdapterEvent]:

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from osd.adapter_manifest import (
+    BASE_VERSION,
     AdapterManifest,
     AdapterNotFound,
     AdapterStoreError,
@@ -228,6 +229,6 @@ class DirectoryAdapterStore(AdapterStore):
             actual = _read_int(directory / "CURRENT")
             if actual != expected:
                 raise PublishConflict(name, expected, actual, new)
-            if not (self._version_dir(name, new) / MANIFEST_FILE).is_file():
+            if new != BASE_VERSION and not (self._version_dir(name, new) / MANIFEST_FILE).is_file():
                 raise AdapterNotFound(f"adapter {name!r} has no version {new}")
             _replace_durably(directory / "CURRENT", f"{new}\n".encode())

@@ -52,7 +52,7 @@ DEFAULT_REDIS_MAX_BYTES = 64 * 2**20  # Redis strings are capped at 512 MiB; sta
 _CAS_SCRIPT = """
 local actual = redis.call('GET', KEYS[1]) or ''
 if actual ~= ARGV[1] then return {0, actual} end
-if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, actual} end
+if ARGV[2] ~= '0' and redis.call('EXISTS', KEYS[2]) == 0 then return {-1, actual} end
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1, actual}

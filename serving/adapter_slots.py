@@ -3,7 +3,8 @@
 Every loaded version is its own peft adapter named ``<adapter>@<version>``. A request leases the
 current version when it starts and keeps it to the end, so a swap never changes the draft under
 a running request (and verification keeps outputs exact whatever the draft). The previous
-version stays loaded for rollback; older ones are deleted once no request uses them.
+version and version 0 (the base draft) stay loaded for rollback; others are deleted once no
+request uses them.
 """
 
 from __future__ import annotations
@@ -157,7 +158,8 @@ class AdapterSlots:
             return target
 
     def _kept(self) -> set[str]:
-        keep = {peft_adapter_name(a, v) for a, v in self._current.items()}
+        # Version 0, the base draft (an identity adapter), stays for rollbacks to it.
+        keep = {peft_adapter_name(a, v) for a in self._current for v in (0, self._current[a])}
         keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
         return keep | self._installing
 

@@ -9,6 +9,7 @@ each version's acceptance with its predecessor's over a window and rolls back a 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes
 from osd.adapter_manifest import (
+    BASE_VERSION,
     AdapterEvent,
     AdapterStoreError,
     AdapterStoreUnavailable,
@@ -54,6 +56,10 @@ def refusal_reason(exc: Exception) -> str:
         if phrase in message:
             return reason
     return type(exc).__name__
+
+
+def _base_draft_stays_loaded(model: Any, peft_name: str) -> None:
+    raise RuntimeError(f"{peft_name} (the base draft) should never have been unloaded")
 
 
 class LiveMonitor:
@@ -176,18 +182,16 @@ class AdapterWatcher:
         if (name, version) in self._refused:
             return
         try:
-            manifest, weights = self.store.load(
-                name,
-                version,
-                expected_base_model_hash=self.base_hash,
-                expected_shapes=self.shapes[name],
-            )
-            slots.swap_in(
-                name,
-                version,
-                lambda model, peft_name: install_adapter(model, peft_name, manifest, weights),
-                keep_previous=self._unproven(name),
-            )
+            install = _base_draft_stays_loaded
+            if version != BASE_VERSION:  # a rollback to the base draft loads nothing
+                manifest, weights = self.store.load(
+                    name,
+                    version,
+                    expected_base_model_hash=self.base_hash,
+                    expected_shapes=self.shapes[name],
+                )
+                install = functools.partial(install_adapter, manifest=manifest, weights=weights)
+            slots.swap_in(name, version, install, keep_previous=self._unproven(name))
         except AdapterStoreUnavailable as exc:
             # Says nothing about the version: the next reconciliation fetches it again.
             logger.warning("cannot fetch %s v%s now: %s", name, version, exc)
@@ -219,17 +223,12 @@ class AdapterWatcher:
             current, previous = slots.current(name), slots.previous(name)
             if previous is None or not self.monitor.is_worse(name, current, previous):
                 continue
-            if previous == 0:
-                # The base draft is no stored version, so the pointer cannot be moved back to
-                # it: it keeps naming the loser, which this replica now refuses.
-                logger.warning("%s v%s: rolling back to the base draft", name, current)
-            else:
-                try:
-                    self.store.rollback(name, previous, expected_current=current)
-                except PublishConflict:
-                    pass  # another replica or the trainer moved the pointer first
-                except AdapterStoreError as exc:
-                    logger.warning("rollback of %s v%s failed: %s", name, current, exc)
+            try:  # previous may be the base draft (BASE_VERSION): the pointer can name it
+                self.store.rollback(name, previous, expected_current=current)
+            except PublishConflict:
+                pass  # another replica or the trainer moved the pointer first
+            except AdapterStoreError as exc:
+                logger.warning("rollback of %s v%s failed: %s", name, current, exc)
             self._refused.add((name, current))
             slots.roll_back(name, previous)
             self.runtime.metrics.rollbacks.labels(name).inc()

@@ -200,6 +200,17 @@ class DraftTrainer:
             state = {k: v.to(self.device) for k, v in weights.items()}
             set_peft_model_state_dict(self.model, state, adapter_name=name)
 
+    def reset_to_base(self, adapter: str) -> None:
+        """Makes both slots of `adapter` the base draft again (LoRA B = 0) and forgets the
+        optimizer's moments: after a rollback past the first version, training starts over."""
+        base = {
+            key: torch.zeros_like(value) if "lora_B" in key else value
+            for key, value in self.weights(adapter, "current").items()
+        }
+        self.set_weights(adapter, base, ["candidate", "current"])
+        optimizer = self._optimizers[adapter]
+        getattr(optimizer, "optimizer", optimizer).state.clear()
+
     def promote(self, adapter: str) -> None:
         """Makes the candidate the current version (after it was published)."""
         self.set_weights(adapter, self.weights(adapter, "candidate"), ["current"])

@@ -4,8 +4,9 @@ Each adapter remembers the store version its weights descend from (`versions`). 
 the store's pointer only if it still names that version (`AdapterStore.publish(...,
 expected_current=...)`); if another trainer, or a replica's rollback, moved it meanwhile, the
 store raises `PublishConflict`, the new version stays stored but not current, and the trainer
-reloads the version that is current into both slots and goes on training from it. Nothing is
-ever clobbered.
+reloads the version that is current into both slots and goes on training from it (after a
+rollback to the base draft, `BASE_VERSION`, it starts over from the base draft). Nothing is ever
+clobbered.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 
 from osd.adapter_lora import base_model_hash
 from osd.adapter_manifest import (
+    BASE_VERSION,
     AdapterManifest,
     AdapterStoreError,
     AdapterStoreUnavailable,
@@ -59,6 +61,11 @@ class Publisher:
         if version is None:
             self.versions[adapter] = None
             return None
+        if version == BASE_VERSION:  # a replica rolled the adapter back to the base draft
+            self.trainer.reset_to_base(adapter)
+            self.versions[adapter] = version
+            _log.warning("%s: rolled back to the base draft; training from it again", adapter)
+            return version
         try:
             manifest, weights = self.store.load(
                 adapter,

@@ -217,6 +217,14 @@ def test_a_version_that_fools_the_judge_is_rolled_back_by_the_live_monitor(
         events = [e for e in replica.runtime.adapter_events if e["event"] == "rollback"]
         after = serve(replica, probe_requests(PROBES, seed=1))
         version_after = replica.current()
+    # The rollback moved the store's pointer too (to the base draft, BASE_VERSION = 0, when
+    # the poisoned version was the first): replicas started later and the trainer follow it.
+    pointer_after = store.current("general")
+    with running_replica(serving_config(), redis_url=url, store=store) as fresh:
+        fresh_version = fresh.current()
+    restarted = trainer_for(tmp_path, url)
+    trainer_version = restarted.publisher.versions["general"]
+    restarted.close()
 
     served_poisoned = [s for s in during if s["adapter_version"] == poisoned]
     outcomes = Counter(r.outcome for r in reports)
@@ -226,7 +234,9 @@ def test_a_version_that_fools_the_judge_is_rolled_back_by_the_live_monitor(
         f"fooled), served {len(served_poisoned)} requests at acceptance "
         f"{acceptance(served_poisoned):.3f} before the rollback {events}; serving acceptance "
         f"on {PROBES} real requests before {acceptance(before):.3f} after "
-        f"{acceptance(after):.3f} (v{version_after})"
+        f"{acceptance(after):.3f} (v{version_after}); pointer v{pointer_after}, a replica "
+        f"started afterwards serves v{fresh_version}, a restarted trainer resumes from "
+        f"v{trainer_version}"
     )
     # The judge did not catch it: it published a version that is worse on real requests.
     assert outcomes["published"] >= 1
@@ -236,4 +246,5 @@ def test_a_version_that_fools_the_judge_is_rolled_back_by_the_live_monitor(
     assert events and events[0]["version"] == poisoned
     assert len(served_poisoned) <= 64  # about 4 windows; 18-28 measured
     assert version_after != poisoned
+    assert pointer_after == version_after == fresh_version == trainer_version
     assert acceptance(after) >= acceptance(before) - 0.02

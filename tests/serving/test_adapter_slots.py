@@ -24,13 +24,15 @@ def install_copy(model, name):
 
 def test_leased_version_survives_two_swaps_and_is_collected_after_release():
     slots, _ = make_slots()
-    lease = slots.acquire("general")
     slots.swap_in("general", 1, install_copy)
+    lease = slots.acquire("general")
     slots.swap_in("general", 2, install_copy)
-    assert "general@0" in slots.model.peft_config  # still leased
+    slots.swap_in("general", 3, install_copy)
+    assert "general@1" in slots.model.peft_config  # still leased
     slots.release(lease)
-    assert sorted(slots.model.peft_config) == ["general@1", "general@2"]
-    assert (slots.current("general"), slots.previous("general")) == (2, 1)
+    # Version 0, the base draft, always stays: a rollback to it needs nothing loaded.
+    assert sorted(slots.model.peft_config) == ["general@0", "general@2", "general@3"]
+    assert (slots.current("general"), slots.previous("general")) == (3, 2)
 
 
 def test_roll_back_restores_previous_and_unloads_the_loser():
@@ -57,11 +59,21 @@ def test_a_version_being_installed_is_never_collected_by_a_concurrent_release():
 
 def test_release_without_collecting_says_when_a_version_is_left_to_unload():
     slots, _ = make_slots()
-    first, second = slots.acquire("general"), slots.acquire("general")
     slots.swap_in("general", 1, install_copy)
+    first, second = slots.acquire("general"), slots.acquire("general")
     slots.swap_in("general", 2, install_copy)
+    slots.swap_in("general", 3, install_copy)
     assert slots.release(first, collect=False) is False  # still leased by the second
     assert slots.release(second, collect=False) is True
-    assert "general@0" in slots.model.peft_config  # the caller's thread did not unload it
+    assert "general@1" in slots.model.peft_config  # the caller's thread did not unload it
     slots.collect()
-    assert sorted(slots.model.peft_config) == ["general@1", "general@2"]
+    assert sorted(slots.model.peft_config) == ["general@0", "general@2", "general@3"]
+
+
+def test_base_draft_stays_loaded_for_a_rollback_to_it_after_many_versions():
+    slots, _ = make_slots()
+    for version in range(1, 5):
+        slots.swap_in("general", version, install_copy)
+    assert sorted(slots.model.peft_config) == ["general@0", "general@3", "general@4"]
+    assert slots.roll_back("general", 0) == 0
+    assert slots.current("general") == 0 and "general@4" not in slots.model.peft_config

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes, lora_state_dict
+from osd.adapter_manifest import BASE_VERSION
 from osd.adapter_store import open_adapter_store
 from osd.model_sources import attach_lora_adapters
 from osd.redis_server import connect
@@ -101,16 +102,23 @@ def test_degraded_candidate_is_refused_and_not_published(tmp_path, redis_url, st
     assert open_adapter_store(tmp_path / "adapters").current("general") is None
 
 
-def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
-    tmp_path, redis_url, stream, records
-):
-    name = f"general-{uuid.uuid4().hex[:8]}"  # the Redis store is shared by the session
+def worker_on_the_shared_redis_store(tmp_path, redis_url, stream, records):
+    """(adapter name, worker holding 96 records): an adapter of its own on the session's Redis
+    store, which other tests share."""
+    name = f"general-{uuid.uuid4().hex[:8]}"
     config = make_config(tmp_path, stream, "adapters.store=redis", f"model.adapters=[{name}]")
     push(redis_url, stream, records[:96])
     worker = new_worker(config, redis_url)
     worker.ingest()
+    return name, worker
+
+
+def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
+    tmp_path, redis_url, stream, records
+):
+    name, worker = worker_on_the_shared_redis_store(tmp_path, redis_url, stream, records)
     store = open_adapter_store(redis_url)
-    other = attach_lora_adapters(headroom_draft(), config.model, [f"{name}@0"])
+    other = attach_lora_adapters(headroom_draft(), worker.config.model, [f"{name}@0"])
     rival = store.publish(
         name,
         lora_state_dict(other, f"{name}@0"),
@@ -134,6 +142,31 @@ def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
     worker.close()
     assert report.outcome == "published", report.describe()
     assert store.manifest(name, report.version).parent_version == rival.version
+    store.close()
+
+
+def test_after_a_rollback_to_the_base_draft_training_starts_over_from_it(
+    tmp_path, redis_url, stream, records
+):
+    name, worker = worker_on_the_shared_redis_store(tmp_path, redis_url, stream, records)
+    assert worker.train_round(name).outcome == "published"
+    store = open_adapter_store(redis_url)
+    store.rollback(name, BASE_VERSION, expected_current=1)  # a replica's live monitor
+
+    report = worker.train_round(name)  # its publish conflicts: it learns of the rollback
+
+    assert report.outcome == "conflict", report.describe()
+    assert worker.publisher.versions[name] == BASE_VERSION
+    for slot in ("candidate", "current"):
+        weights = worker.trainer.weights(name, slot)
+        assert all(not v.any() for k, v in weights.items() if "lora_B" in k)  # the base draft
+    push(redis_url, stream, records[96:192])
+    worker.ingest()
+    report = worker.train_round(name)
+    worker.close()
+    assert report.outcome == "published", report.describe()
+    assert store.current(name) == report.version
+    assert store.manifest(name, report.version).parent_version is None
     store.close()
 
 

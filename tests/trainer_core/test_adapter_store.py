@@ -16,6 +16,7 @@ import torch
 
 from osd.adapter_lora import lora_shapes
 from osd.adapter_manifest import (
+    BASE_VERSION,
     AdapterEvent,
     AdapterIntegrityError,
     AdapterNotFound,
@@ -323,6 +324,26 @@ def test_rollback_moves_the_pointer_back_with_compare_and_set(
     # A trainer that still believes version 2 is current cannot publish over the rollback.
     with pytest.raises(PublishConflict):
         store.publish(adapter_name, code_weights, spec, expected_current=2)
+
+
+def test_rollback_to_the_base_draft_points_at_version_0_and_publishing_goes_on_from_it(
+    store, other_store, adapter_name, spec, code_weights
+):
+    store.publish(adapter_name, code_weights, spec, expected_current=None)
+    with other_store.subscribe() as subscription:
+        store.rollback(adapter_name, BASE_VERSION, expected_current=1)
+        assert _next_event_for(subscription, adapter_name) == AdapterEvent(adapter_name, 0)
+    assert store.current(adapter_name) == BASE_VERSION
+    assert store.list_versions(adapter_name) == [1]  # nothing stored for the base draft
+    with pytest.raises(PublishConflict):  # a trainer still on v1 learns of the rollback
+        store.publish(adapter_name, code_weights, spec, expected_current=1)
+    manifest = store.publish(adapter_name, code_weights, spec, expected_current=BASE_VERSION)
+    assert store.current(adapter_name) == manifest.version == 3
+    assert manifest.parent_version is None  # trained from the base draft
+    with pytest.raises(PublishConflict):
+        store.rollback(adapter_name, BASE_VERSION, expected_current=1)
+    with pytest.raises(ValueError):
+        store.rollback(adapter_name, -1, expected_current=3)
 
 
 def test_subscriber_hears_publish_and_rollback(
