@@ -48,7 +48,7 @@ from osd.record import Record
 from osd.redis_server import LocalRedis
 from trainer.draft_trainer import DraftTrainer, peft_name
 from trainer.examples import is_held_out
-from trainer.worker import TrainerWorker
+from trainer.worker import TrainerWorker, build_draft_trainer
 
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 
@@ -206,13 +206,8 @@ def run_offline(
     holdout = load_config(_CONFIG, []).trainer.holdout_fraction
     records = [r for r in records if not is_held_out(r.request_id, args.holdout or holdout)]
     config = load_config(_CONFIG, ["wandb.mode=disabled"])
-    trainer = DraftTrainer(
-        draft,
-        config.model,
-        [args.domain],
-        base_model_id="demo:draft",
-        learning_rate=config.trainer.learning_rate,
-    )
+    # Built as the online worker builds its own: same loss, learning rate, device and seed.
+    trainer = build_draft_trainer(config, [args.domain], draft, base_model_id="demo:draft")
     rng = np.random.default_rng(0)
     batch = config.trainer.batch_records
     steps = args.offline_epochs * max(1, len(records) // batch)

@@ -30,7 +30,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -53,7 +53,7 @@ from trainer.replay import AckTracker, AdapterData
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
 
-__all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
+__all__ = ["RoundReport", "TrainerWorker", "WorkerStats", "build_draft_trainer"]
 
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
@@ -73,6 +73,30 @@ def _entry_time(entry_id: str) -> float:
     """Unix seconds from a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
     head = entry_id.partition("-")[0]
     return int(head) / 1e3 if head.isdigit() else 0.0
+
+
+def build_draft_trainer(
+    config: OSDConfig, adapters: Sequence[str], draft: Any = None, base_model_id: str | None = None
+) -> DraftTrainer:
+    """The trainer's draft in fp32 (bf16 autocast on CUDA) with `adapters`, set up as the
+    `trainer` section says (loss, learning rate, device, seed); `draft` defaults to the
+    configured base draft."""
+    cfg = config.trainer
+    device = resolve_device(cfg.device)
+    if draft is None:
+        draft, source = load_draft(config.model, device=device, dtype="float32")
+        base_model_id = base_model_id or source
+    return DraftTrainer(
+        draft.float(),
+        config.model,
+        adapters,
+        base_model_id=base_model_id or config.model.draft,
+        loss=cfg.loss,
+        learning_rate=cfg.learning_rate,
+        device=device,
+        eval_batch_records=cfg.batch_records,
+        seed=cfg.seed,
+    )
 
 
 class TrainerWorker:
@@ -101,7 +125,7 @@ class TrainerWorker:
     ) -> None:
         cfg = self.cfg = config.trainer
         self.config, self.adapters = config, list(config.model.adapters)
-        self.trainer = self._build_trainer(draft, base_model_id)
+        self.trainer = build_draft_trainer(config, self.adapters, draft, base_model_id)
         self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
         self.store = store or open_adapter_store(adapter_store_location(config, redis_url))
         self.publisher = Publisher(self.store, self.trainer)
@@ -126,25 +150,6 @@ class TrainerWorker:
         # trained on for the first time (the reliability tests count trainings per entry).
         self.on_trained: Callable[[str, list[str]], None] | None = None
         self._resume()
-
-    def _build_trainer(self, draft: Any, base_model_id: str | None) -> DraftTrainer:
-        """The draft in fp32 (bf16 autocast on CUDA) with the configured adapters."""
-        cfg = self.cfg
-        device = resolve_device(cfg.device)
-        if draft is None:
-            draft, source = load_draft(self.config.model, device=device, dtype="float32")
-            base_model_id = base_model_id or source
-        return DraftTrainer(
-            draft.float(),
-            self.config.model,
-            self.adapters,
-            base_model_id=base_model_id or self.config.model.draft,
-            loss=cfg.loss,
-            learning_rate=cfg.learning_rate,
-            device=device,
-            eval_batch_records=cfg.batch_records,
-            seed=cfg.seed,
-        )
 
     def _resume(self) -> None:
         """Loads the published versions, then claims every entry the group left pending (a
