@@ -9,6 +9,7 @@ edited in Redis or on disk, replica processes are SIGKILLed.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -85,6 +86,20 @@ def metric(text: str, name: str, **labels: str) -> float:
 def completion(**fields: Any) -> dict[str, Any]:
     """A small valid /v1/completions body; `fields` override or add."""
     return {"model": "osd", "prompt": "the cat", "max_tokens": 8, "temperature": 0.7, **fields}
+
+
+def send_and_hang_up(base_url: str, body: dict, read_bytes: int = 0) -> None:
+    """POSTs a completion over a raw socket and closes it after reading `read_bytes`."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + payload)
+        if read_bytes:
+            sock.recv(read_bytes)
 
 
 @dataclass

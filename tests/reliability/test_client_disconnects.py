@@ -7,8 +7,6 @@ everything with 429. docs/reliability.md, row "clients disconnect".
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +17,15 @@ import uvicorn
 from serving.api import create_api
 from serving.runtime import ReplicaRuntime
 
-from .conftest import completion, free_port, metric, running_replica, toy_config, wait_for
+from .conftest import (
+    completion,
+    free_port,
+    metric,
+    running_replica,
+    send_and_hang_up,
+    toy_config,
+    wait_for,
+)
 
 CAPACITY = 4  # serve.max_ongoing_requests
 
@@ -38,20 +44,6 @@ def http_server(runtime: ReplicaRuntime) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-
-
-def send_and_hang_up(base_url: str, body: dict, read_bytes: int = 0) -> None:
-    """POSTs a completion over a raw socket and closes it after reading `read_bytes`."""
-    host, port = base_url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    ).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(head + payload)
-        if read_bytes:
-            sock.recv(read_bytes)
 
 
 def test_abandoned_requests_give_back_their_slots_and_leases():

@@ -23,9 +23,11 @@ from osd.model_sources import attach_lora_adapters, load_model_pair
 from .conftest import (
     completion,
     free_port,
+    metric,
     percentile,
     replica_adapter,
     rss_bytes,
+    send_and_hang_up,
     toy_config,
     wait_for,
 )
@@ -47,6 +49,7 @@ def serve_app(module_redis) -> Iterator[tuple[str, object]]:
         f"serve.max_ongoing_requests={ONGOING}",
         f"serve.max_queued_requests={QUEUED}",
         "adapters.reconcile_interval_s=0.5",
+        "serve.max_tokens_limit=200",  # long enough to hang up on mid-request
     )
     ray.init(
         num_cpus=2,
@@ -108,6 +111,30 @@ def test_overload_through_ray_serve_is_refused_with_503_and_replica_memory_stays
     assert percentile(served, 0.99) < 15.0
     assert health(base_url)["pid"] == pid  # overload did not cost the replica
     assert growth < 0.15
+
+
+def test_clients_that_hang_up_through_ray_serve_leave_no_request_in_flight(serve_app):
+    """Disconnects through Ray's proxy (which cancels the replica's request) give every slot
+    back, as `test_client_disconnects.py` checks behind uvicorn."""
+    base_url, _ = serve_app
+    long = completion(max_tokens=200, temperature=0)
+    for _ in range(3):
+        for body, read_bytes in [({**long, "stream": True}, 0), ({**long, "stream": True}, 64)]:
+            send_and_hang_up(base_url, body, read_bytes)
+        send_and_hang_up(base_url, {**long, "stream": False})
+
+    def in_flight() -> float | None:
+        try:
+            text = httpx.get(f"{base_url}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return None
+        return metric(text, "osd_requests_in_flight")
+
+    wait_for(lambda: in_flight() == 0, timeout_s=60, interval_s=0.2)
+    with ThreadPoolExecutor(ONGOING) as pool:
+        outcomes = list(pool.map(lambda _: post(base_url)[0], range(ONGOING)))
+    print(f"\n[ray-disconnects] 9 abandoned, in flight 0 after; then {outcomes}")
+    assert outcomes == [200] * ONGOING
 
 
 def test_replica_killed_right_after_publish_comes_back_on_the_published_version(
