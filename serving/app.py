@@ -8,6 +8,7 @@ from the config; Ray Serve answers 503 when a replica's queue is full.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -74,10 +75,11 @@ def build_app(config: OSDConfig, redis_url: str = "") -> Any:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """Entry point for ``serve run``: ``args`` holds ``config`` (a path) and ``overrides``."""
+    """Entry point for ``serve run``: ``args`` holds ``config`` (a path), ``overrides`` and
+    ``redis_url`` (default: the ``REDIS_URL`` environment variable, else the config's)."""
     overrides = args.get("overrides") or []
     config = load_config(args.get("config"), list(overrides))
-    return build_app(config, args.get("redis_url", ""))
+    return build_app(config, args.get("redis_url") or os.environ.get("REDIS_URL", ""))
 
 
 def _as_dict(config: OSDConfig) -> dict[str, Any]:
