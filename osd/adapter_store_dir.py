@@ -29,7 +29,6 @@ import fcntl
 import os
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,12 +68,13 @@ def _os_errors(what: str) -> Iterator[None]:
         raise kind(f"could not {what}: {exc}") from exc
 
 
-def _remove_stale_temps(directory: Path) -> None:
-    """Removes what killed publishes left behind; a publish in progress is far younger."""
-    cutoff = time.time() - _STALE_TEMP_S
+def _remove_stale_temps(directory: Path, fresh: Path) -> None:
+    """Removes what killed publishes left behind; a publish in progress is far younger. Ages
+    are measured against `fresh`, just created, so by the file server's clock, not ours."""
+    cutoff = fresh.stat().st_mtime - _STALE_TEMP_S
     for entry in directory.glob(".*tmp-*"):
         with contextlib.suppress(OSError):
-            if entry.lstat().st_mtime < cutoff:
+            if entry != fresh and entry.lstat().st_mtime < cutoff:
                 if entry.is_dir():
                     shutil.rmtree(entry, ignore_errors=True)
                 else:
@@ -179,10 +179,11 @@ class DirectoryAdapterStore(AdapterStore):
 
     def names(self) -> list[str]:
         found = []
-        for entry in self.root.iterdir():
-            with contextlib.suppress(ValueError):
-                if entry.is_dir() and self.list_versions(entry.name):
-                    found.append(entry.name)
+        with _os_errors(f"list the adapters under {self.root}"):
+            for entry in self.root.iterdir():
+                with contextlib.suppress(ValueError):
+                    if entry.is_dir() and self.list_versions(entry.name):
+                        found.append(entry.name)
         return sorted(found)
 
     def subscribe(self) -> PointerPollSubscription:
@@ -199,8 +200,8 @@ class DirectoryAdapterStore(AdapterStore):
         directory = self._dir(manifest.name)
         tmp = directory / f".tmp-v{manifest.version}-{uuid.uuid4().hex}"
         with _os_errors(f"store {manifest.ref} under {directory}"):
-            _remove_stale_temps(directory)
             tmp.mkdir()
+            _remove_stale_temps(directory, tmp)
             try:
                 _write_durably(tmp / WEIGHTS_FILE, payload, mode=0o444)
                 _write_durably(tmp / MANIFEST_FILE, manifest.to_json(), mode=0o444)

@@ -268,6 +268,11 @@ class LogReader:
         )
         return int(deleted or 0)
 
+    @property
+    def connected(self) -> bool:
+        """Whether the last Redis call succeeded (asks Redis nothing)."""
+        return self._connected
+
     def metrics(self) -> ReaderMetrics:
         """Stream length, group pending/lag and this reader's counters."""
         info = self._call(self._read_stream_info, wait=False) or {}

@@ -109,15 +109,26 @@ class AdapterSlots:
         True (the version just became unused), calls :meth:`collect` from another thread."""
         with self._lock:
             self._leases[lease.peft_name] -= 1
-            if collect:
-                self._collect()
-                return False
-            return self._leases[lease.peft_name] <= 0 and lease.peft_name not in self._kept()
+            unused = lease.peft_name in self._unused()
+        if collect:
+            self.collect()
+            return False
+        return unused
 
     def collect(self) -> None:
-        """Unloads loaded versions that are neither current, previous nor leased."""
+        """Unloads loaded versions that are neither current, previous, version 0 nor leased.
+
+        Never waits for the forwards in progress while holding the slots' lock (which
+        `acquire` and `release` take on a server's event loop): it looks first, then takes
+        the model's write lock, then decides again under both.
+        """
         with self._lock:
-            self._collect()
+            if not self._unused():
+                return
+        with self.model_lock.writing(), self._lock:
+            for name in self._unused():
+                self.model.delete_adapter(name)
+                self._leases.pop(name, None)
 
     def swap_in(
         self,
@@ -134,8 +145,8 @@ class AdapterSlots:
         with self._lock:
             self._installing.add(name)
         try:
-            if name not in getattr(self.model, "peft_config", {}):
-                with self.model_lock.writing():
+            with self.model_lock.writing():
+                if name not in self.model.peft_config:
                     install(self.model, name)
             with self._lock:
                 if self._current[adapter] != version:
@@ -145,37 +156,28 @@ class AdapterSlots:
         finally:
             with self._lock:
                 self._installing.discard(name)
-                self._collect()
+            self.collect()
 
     def roll_back(self, adapter: str, to_version: int | None = None) -> int | None:
-        """Makes the previous (or the given loaded) version current again; returns it."""
+        """Makes the previous (or the given loaded) version current again, with no previous
+        version (what it replaces was judged worse, or the pointer moved back); returns it."""
         with self._lock:
             target = self._previous[adapter] if to_version is None else to_version
             if target is None or peft_adapter_name(adapter, target) not in self.model.peft_config:
                 return None
             self._previous[adapter], self._current[adapter] = None, target
-            self._collect()
-            return target
+        self.collect()
+        return target
 
-    def _kept(self) -> set[str]:
+    def _unused(self) -> list[str]:
+        """Loaded versions that are neither current, previous, version 0, installing nor
+        leased (call with ``self._lock`` held)."""
         # Version 0, the base draft (an identity adapter), stays for rollbacks to it.
         keep = {peft_adapter_name(a, v) for a in self._current for v in (0, self._current[a])}
         keep |= {peft_adapter_name(a, v) for a, v in self._previous.items() if v is not None}
-        return keep | self._installing
-
-    def _collect(self) -> None:
-        """Deletes loaded versions that are neither current, previous nor leased."""
-        keep = self._kept()
-
-        def unused() -> list[str]:
-            return [
-                name
-                for name in list(self.model.peft_config)  # one atomic copy under the GIL
-                if name not in keep and self._leases[name] <= 0 and "@" in name
-            ]
-
-        if unused():  # a first look without blocking decode; an install may be changing the dict
-            with self.model_lock.writing():
-                for name in unused():
-                    self.model.delete_adapter(name)
-                    self._leases.pop(name, None)
+        keep |= self._installing
+        return [
+            name
+            for name in list(self.model.peft_config)  # one atomic copy under the GIL
+            if name not in keep and self._leases[name] <= 0 and "@" in name
+        ]

@@ -8,6 +8,7 @@ request, its record goes to the log writer's queue (never blocking) unless it op
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -123,7 +124,7 @@ class ReplicaRuntime:
             try:
                 stream = self._start(request, lease, max_tokens)
             except BaseException:
-                self.slots.release(lease)
+                self._give_back(lease)
                 raise
         except ValueError as exc:
             self._admission.release()
@@ -156,8 +157,12 @@ class ReplicaRuntime:
     async def complete(self, job: Job) -> GenerationResult:
         """Runs a request to the end in the thread pool."""
         loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self._executor, job.stream.result)
+        except BaseException:  # the pool is shut down: the replica is closing
+            self._finish(job, None)
+            raise
         job.decoding = True
-        future = loop.run_in_executor(self._executor, job.stream.result)
         try:
             result = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -200,8 +205,8 @@ class ReplicaRuntime:
                 loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
                 return None
 
-        job.decoding = True
         self._finish_when_done(job, loop.run_in_executor(self._executor, pump))
+        job.decoding = True  # (if the pool is shut down, the raise above leaves it to abandon)
         try:
             while True:
                 kind, item = await queue.get()
@@ -244,10 +249,16 @@ class ReplicaRuntime:
             if result is not None:
                 self._account(job, result)
         finally:
-            if self.slots.release(job.lease, collect=False):  # unloading waits for forwards
-                self._housekeeping.submit(self.slots.collect)
             self._admission.release()
             self.metrics.in_flight.dec()
+            self._give_back(job.lease)
+
+    def _give_back(self, lease: AdapterLease) -> None:
+        """Ends a lease; a version it was the last to use is unloaded off the event loop
+        (unloading waits for the forwards in progress)."""
+        if self.slots.release(lease, collect=False):
+            with contextlib.suppress(RuntimeError):  # the replica is closing: nothing to free
+                self._housekeeping.submit(self.slots.collect)
 
     def _account(self, job: Job, result: GenerationResult) -> None:
         stats, lease, domain = result.stats, job.lease, job.request.domain or ""

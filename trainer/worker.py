@@ -172,7 +172,7 @@ class TrainerWorker:
         does, rather than leaving those entries to the periodic claim ``claim_idle_ms`` later."""
         accepted = self._accept(self.reader.claim_stale(min_idle_ms, count=count))
         if min_idle_ms == 0:
-            self._claim_all_due = not self.reader.metrics().connected
+            self._claim_all_due = not self.reader.connected
         return accepted
 
     # Reading.
@@ -219,7 +219,7 @@ class TrainerWorker:
         """
         claimed = read = 0
         idle_ms = self.cfg.claim_idle_ms
-        if self._claim_all_due:
+        if self._claim_all_due and self.reader.connected:  # the read below finds Redis back
             claimed = self._claim(0, _MAX_CLAIM)
         elif idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
             self._last_claim = time.monotonic()

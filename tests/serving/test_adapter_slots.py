@@ -77,3 +77,37 @@ def test_base_draft_stays_loaded_for_a_rollback_to_it_after_many_versions():
     assert sorted(slots.model.peft_config) == ["general@0", "general@3", "general@4"]
     assert slots.roll_back("general", 0) == 0
     assert slots.current("general") == 0 and "general@4" not in slots.model.peft_config
+
+
+def test_unloading_waits_for_forwards_without_blocking_leases():
+    """A server's event loop acquires and releases leases; unloading, which waits for the
+    forwards in progress, must not hold the lock they need meanwhile."""
+    slots, _ = make_slots()
+    slots.swap_in("general", 1, install_copy)
+    lease = slots.acquire("general")
+    slots.swap_in("general", 2, install_copy)
+    slots.swap_in("general", 3, install_copy)
+    assert slots.release(lease, collect=False)  # general@1 is left to unload
+    forward_running, forward_done = threading.Event(), threading.Event()
+
+    def long_forward():
+        with slots.model_lock.reading():
+            forward_running.set()
+            forward_done.wait(30)
+
+    reader = threading.Thread(target=long_forward)
+    reader.start()
+    forward_running.wait(10)
+    collector = threading.Thread(target=slots.collect)
+    collector.start()  # waits for the forward to end
+    leases = []
+    event_loop = threading.Thread(target=lambda: leases.append(slots.acquire("general")))
+    event_loop.start()
+    event_loop.join(timeout=10)
+    blocked = event_loop.is_alive()
+    forward_done.set()
+    for thread in (reader, collector, event_loop):
+        thread.join(timeout=30)
+    assert not blocked, "acquire waited for a forward to end"
+    assert leases[0].version == 3
+    assert "general@1" not in slots.model.peft_config

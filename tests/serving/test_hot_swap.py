@@ -59,6 +59,12 @@ def wait_for_version(base_url, version, timeout_s):
     return None
 
 
+def wait_for_requests(completed, count, timeout_s=60):
+    deadline = time.perf_counter() + timeout_s
+    while len(completed) < count and time.perf_counter() < deadline:
+        time.sleep(0.1)
+
+
 def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app, serving_redis):
     base_url, config = ray_serve_app
     store = open_adapter_store(serving_redis.url)
@@ -71,6 +77,11 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
     for thread in clients:
         thread.start()
     try:
+        # The live monitor compares each version with its predecessor's last window: let this
+        # test's own traffic fill the window of the version in place first (the session's app
+        # served other tests' prompts before), or a version identical to it may be rolled back
+        # for the change of traffic alone.
+        wait_for_requests(completed, 4)
         delays = []
         current = store.current("general")
         for _ in range(5):
@@ -81,10 +92,7 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
         good = current
         # A full window of live acceptance for the last good version (40 drafted tokens; a
         # request drafts about 24): otherwise it is unproven and no baseline for the next one.
-        served_before = len(completed)
-        deadline = time.perf_counter() + 60
-        while len(completed) < served_before + 4 and time.perf_counter() < deadline:
-            time.sleep(0.1)
+        wait_for_requests(completed, len(completed) + 4)
         bad = store.publish("general", harmful, spec, expected_current=good).version
         rolled_back = None
         for _ in range(600):  # it may be swapped in and rolled back between two looks
