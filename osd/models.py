@@ -31,7 +31,6 @@ __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
 BASE_ADAPTER = "__base__"
 
 _selected = threading.local()  # .adapter_names: this thread's adapters for the current call
-_hooks_lock = threading.Lock()
 
 
 def _inject_adapter_names(
@@ -45,15 +44,14 @@ def _inject_adapter_names(
 
 def _hook_lora_layers(model: Any) -> None:
     """Gives every LoRA layer of a peft model the thread-local adapter pre-hook, once."""
-    with _hooks_lock:
-        if getattr(model, "_osd_adapter_hooks", False):
-            return
-        from peft.tuners.lora import LoraLayer
+    if getattr(model, "_osd_adapter_hooks", False):  # another CausalLM wraps it already
+        return
+    from peft.tuners.lora import LoraLayer
 
-        for module in model.modules():
-            if isinstance(module, LoraLayer) and isinstance(module, torch.nn.Module):
-                module.register_forward_pre_hook(_inject_adapter_names, with_kwargs=True)
-        model._osd_adapter_hooks = True
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and isinstance(module, torch.nn.Module):
+            module.register_forward_pre_hook(_inject_adapter_names, with_kwargs=True)
+    model._osd_adapter_hooks = True
 
 
 @contextlib.contextmanager
@@ -121,6 +119,9 @@ class CausalLM:
         params = inspect.signature(_base_model(self.model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._slices_logits = "logits_to_keep" in params
+        self._has_lora = hasattr(self.model, "peft_config")
+        if self._has_lora:
+            _hook_lora_layers(self.model)
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -168,9 +169,7 @@ class CausalLM:
         if self._slices_logits:
             kwargs["logits_to_keep"] = num_logits
         selection: AbstractContextManager[Any] = contextlib.nullcontext()
-        if self.adapter_names:
-            if not getattr(self.model, "_osd_adapter_hooks", False):  # once per model
-                _hook_lora_layers(self.model)
+        if self._has_lora:
             selection = _adapters_for_this_thread([adapter or BASE_ADAPTER] * input_ids.shape[0])
         with self.guard(), selection:
             # The wrapped HF model runs the LoRA layers (their hooks choose the adapter); peft's

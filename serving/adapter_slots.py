@@ -103,17 +103,12 @@ class AdapterSlots:
             self._leases[lease.peft_name] += 1
         return lease
 
-    def release(self, lease: AdapterLease, *, collect: bool = True) -> bool:
-        """Ends a lease and unloads the versions no longer used; that waits for the forwards
-        in progress, so a server's event loop passes ``collect=False`` and, when this returns
-        True (the version just became unused), calls :meth:`collect` from another thread."""
+    def release(self, lease: AdapterLease) -> bool:
+        """Ends a lease; True if its version is now unused. Unloading it (:meth:`collect`)
+        waits for the forwards in progress, so a server calls it off its event loop."""
         with self._lock:
             self._leases[lease.peft_name] -= 1
-            unused = lease.peft_name in self._unused()
-        if collect:
-            self.collect()
-            return False
-        return unused
+            return lease.peft_name in self._unused()
 
     def collect(self) -> None:
         """Unloads loaded versions that are neither current, previous, version 0 nor leased.
@@ -140,7 +135,8 @@ class AdapterSlots:
     ) -> None:
         """Loads ``version`` (``install(model, peft_name)``, off the decode path), makes it
         current and keeps the old current as previous (with ``keep_previous``, the previous
-        stays and the old current is dropped: it was never proven, so it is no baseline)."""
+        stays and the old current is dropped: it was never proven, so it is no baseline; an
+        older ``version`` leaves no previous)."""
         name = peft_adapter_name(adapter, version)
         with self._lock:
             self._installing.add(name)
@@ -149,10 +145,16 @@ class AdapterSlots:
                 if name not in self.model.peft_config:
                     install(self.model, name)
             with self._lock:
-                if self._current[adapter] != version:
-                    if not (keep_previous and self._previous[adapter] is not None):
-                        self._previous[adapter] = self._current[adapter]
-                    self._current[adapter] = version
+                current = self._current[adapter]
+                if version < current:
+                    # The pointer moved back (versions only grow): a rollback elsewhere. What
+                    # it replaces was judged worse, so it is no baseline.
+                    self._previous[adapter] = None
+                elif version > current and not (
+                    keep_previous and self._previous[adapter] is not None
+                ):
+                    self._previous[adapter] = current
+                self._current[adapter] = version
         finally:
             with self._lock:
                 self._installing.discard(name)

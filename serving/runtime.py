@@ -40,7 +40,7 @@ class Job:
     request_id: str = field(default_factory=lambda: new_id("req"))
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    decoding: bool = False  # a thread of the pool has started on it
+    decoding: bool = False  # a streamed job's thread was started (it then finishes the job)
     finished: bool = False  # lease and admission slot given back (exactly once)
 
 
@@ -162,7 +162,6 @@ class ReplicaRuntime:
         except BaseException:  # the pool is shut down: the replica is closing
             self._finish(job, None)
             raise
-        job.decoding = True
         try:
             result = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -226,8 +225,7 @@ class ReplicaRuntime:
 
         def done(future: asyncio.Future[Any]) -> None:
             ended = not future.cancelled() and future.exception() is None
-            result = future.result() if ended else None
-            self._finish(job, result if isinstance(result, GenerationResult) else None)
+            self._finish(job, future.result() if ended else None)
 
         decoding.add_done_callback(done)
 
@@ -256,7 +254,7 @@ class ReplicaRuntime:
     def _give_back(self, lease: AdapterLease) -> None:
         """Ends a lease; a version it was the last to use is unloaded off the event loop
         (unloading waits for the forwards in progress)."""
-        if self.slots.release(lease, collect=False):
+        if self.slots.release(lease):
             with contextlib.suppress(RuntimeError):  # the replica is closing: nothing to free
                 self._housekeeping.submit(self.slots.collect)
 

@@ -191,13 +191,7 @@ class AdapterWatcher:
                     expected_shapes=self.shapes[name],
                 )
                 install = functools.partial(install_adapter, manifest=manifest, weights=weights)
-            replaced = slots.current(name)
             slots.swap_in(name, version, install, keep_previous=self._unproven(name))
-            if version < replaced:
-                # The pointer moved back: a rollback by another replica (or by hand). What it
-                # replaces was judged worse there, so it is no baseline to compare with here:
-                # otherwise this replica's own numbers could roll "back" to the loser.
-                slots.roll_back(name, version)
         except AdapterStoreUnavailable as exc:
             # Says nothing about the version: the next reconciliation fetches it again.
             logger.warning("cannot fetch %s v%s now: %s", name, version, exc)

@@ -29,7 +29,8 @@ def test_leased_version_survives_two_swaps_and_is_collected_after_release():
     slots.swap_in("general", 2, install_copy)
     slots.swap_in("general", 3, install_copy)
     assert "general@1" in slots.model.peft_config  # still leased
-    slots.release(lease)
+    assert slots.release(lease)  # general@1 is now unused
+    slots.collect()
     # Version 0, the base draft, always stays: a rollback to it needs nothing loaded.
     assert sorted(slots.model.peft_config) == ["general@0", "general@2", "general@3"]
     assert (slots.current("general"), slots.previous("general")) == (3, 2)
@@ -45,7 +46,12 @@ def test_roll_back_restores_previous_and_unloads_the_loser():
 def test_a_version_being_installed_is_never_collected_by_a_concurrent_release():
     slots, _ = make_slots()
     lease = slots.acquire("general")
-    finisher = threading.Thread(target=slots.release, args=(lease,))
+
+    def finish_request():
+        if slots.release(lease):
+            slots.collect()
+
+    finisher = threading.Thread(target=finish_request)
 
     def slow_install(model, name):
         install_copy(model, name)
@@ -57,15 +63,15 @@ def test_a_version_being_installed_is_never_collected_by_a_concurrent_release():
     assert slots.current("general") == 1 and "general@1" in slots.model.peft_config
 
 
-def test_release_without_collecting_says_when_a_version_is_left_to_unload():
+def test_release_says_when_a_version_is_left_to_unload():
     slots, _ = make_slots()
     slots.swap_in("general", 1, install_copy)
     first, second = slots.acquire("general"), slots.acquire("general")
     slots.swap_in("general", 2, install_copy)
     slots.swap_in("general", 3, install_copy)
-    assert slots.release(first, collect=False) is False  # still leased by the second
-    assert slots.release(second, collect=False) is True
-    assert "general@1" in slots.model.peft_config  # the caller's thread did not unload it
+    assert slots.release(first) is False  # still leased by the second
+    assert slots.release(second) is True
+    assert "general@1" in slots.model.peft_config  # releasing does not unload it
     slots.collect()
     assert sorted(slots.model.peft_config) == ["general@0", "general@2", "general@3"]
 
@@ -87,7 +93,7 @@ def test_unloading_waits_for_forwards_without_blocking_leases():
     lease = slots.acquire("general")
     slots.swap_in("general", 2, install_copy)
     slots.swap_in("general", 3, install_copy)
-    assert slots.release(lease, collect=False)  # general@1 is left to unload
+    assert slots.release(lease)  # general@1 is left to unload
     forward_running, forward_done = threading.Event(), threading.Event()
 
     def long_forward():
@@ -111,3 +117,12 @@ def test_unloading_waits_for_forwards_without_blocking_leases():
     assert not blocked, "acquire waited for a forward to end"
     assert leases[0].version == 3
     assert "general@1" not in slots.model.peft_config
+
+
+def test_swapping_in_an_older_version_follows_a_rollback_and_leaves_no_baseline():
+    slots, _ = make_slots()
+    slots.swap_in("general", 1, install_copy)
+    slots.swap_in("general", 2, install_copy)
+    slots.swap_in("general", 1, install_copy)  # the pointer moved back from 2 to 1
+    assert (slots.current("general"), slots.previous("general")) == (1, None)
+    assert "general@2" not in slots.model.peft_config
