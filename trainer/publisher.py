@@ -58,14 +58,15 @@ class Publisher:
                 conflicts, and restores again, if the pointer moved).
         """
         version = self.store.current(adapter)
-        if version is None:
-            self.versions[adapter] = None
-            return None
         if version == BASE_VERSION:  # a replica rolled the adapter back to the base draft
             self.trainer.reset_to_base(adapter)
-            self.versions[adapter] = version
             _log.warning("%s: rolled back to the base draft; training from it again", adapter)
-            return version
+        elif version is not None:
+            self._load(adapter, version)
+        self.versions[adapter] = version  # only once nothing raised AdapterStoreUnavailable
+        return version
+
+    def _load(self, adapter: str, version: int) -> None:
         try:
             manifest, weights = self.store.load(
                 adapter,
@@ -77,17 +78,14 @@ class Publisher:
             raise
         except (AdapterStoreError, ValueError) as exc:
             _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
-            self.versions[adapter] = version
-            return version
+            return
         self.trainer.set_weights(adapter, weights, ["candidate", "current"])
-        self.versions[adapter] = version
         _log.info(
             "%s: resuming from v%d (acceptance estimate %s)",
             adapter,
             version,
             manifest.acceptance_estimate,
         )
-        return version
 
     def publish(self, adapter: str, acceptance_estimate: float) -> AdapterManifest | None:
         """Publishes the candidate of `adapter` over the version it descends from.
