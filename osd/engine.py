@@ -1,6 +1,8 @@
 """The speculative decoding engine: a draft model proposes, the target verifies in one forward.
 
-Both models keep KV caches across steps; on rejection the caches are cropped to the kept
+Every request runs through the batched step of :mod:`osd.spec` (a library call is a batch of
+one; a replica's :class:`osd.spec.loop.BatchedEngine` steps all its requests together). Both
+models keep KV caches across steps; on rejection a row's cache length is cut back to the kept
 prefix, so the prefix is never recomputed. The verifiers (:mod:`osd.verification`) keep the
 output distribution exactly the target's. Random streams for drafting and for verification are
 separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192), SpecTr
@@ -10,31 +12,18 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel
 
-from osd.decode_step import (
-    VERIFIERS,
-    DecodeRequest,
-    StepOutput,
-    single_draft_step,
-    spectr_step,
-    target_only_step,
-    top_m_distribution,
-)
-from osd.generation import (
-    FinishReason,
-    GenerationLog,
-    GenerationResult,
-    RequestSettings,
-    StreamChunk,
-    TextAssembler,
-)
+from osd.generation import GenerationResult, StreamChunk
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
+from osd.spec.kv_cache import SlotKVCache
+from osd.spec.rows import DecodeRequest, Row
+from osd.spec.step import VERIFIERS, ModelPair, prefill, run_step
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "SpeculativeDecoder"]
 
@@ -100,11 +89,57 @@ class SpeculativeDecoder:
         """Names of the draft's LoRA adapters."""
         return self.draft.adapter_names
 
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        method: Method = "block",
+        num_spec_tokens: int = 4,
+        num_drafts: int = 2,
+        adapter: str | None = None,
+        log: bool = True,
+    ) -> GenerationResult:
         """Generates a completion; arguments as in :meth:`stream`."""
-        return self.stream(prompt, **kwargs).result()
+        return self.stream(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            method=method,
+            num_spec_tokens=num_spec_tokens,
+            num_drafts=num_drafts,
+            adapter=adapter,
+            log=log,
+        ).result()
 
-    def stream(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] | str | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+        method: Method = "block",
+        num_spec_tokens: int = 4,
+        num_drafts: int = 2,
+        adapter: str | None = None,
+        log: bool = True,
+    ) -> GenerationStream:
         """Yields tokens as soon as they are verified.
 
         Args:
@@ -116,21 +151,45 @@ class SpeculativeDecoder:
             stop: strings that end generation; the text is cut before them.
             stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
             seed: seed of this request's random streams; None draws one.
-            method: ``"token"``, ``"block"`` (default) or ``"spectr"``.
+            method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
             num_spec_tokens: tokens drafted per step, k >= 1 (default 4).
             num_drafts: draft sequences for spectr, K >= 1 (default 2).
             adapter: LoRA adapter of the draft to use; None is the base draft.
             log: collect per-request log data (default True).
 
-        Yields:
-            :class:`StreamChunk` per step; the last one carries the finish reason.
+        Returns:
+            A :class:`GenerationStream` of :class:`StreamChunk` s, one per step; the last one
+            carries the finish reason.
         """
-        return self._stream(prompt, **kwargs)
+        request = self.prepare(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop=stop,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            method=method,
+            num_spec_tokens=num_spec_tokens,
+            num_drafts=num_drafts,
+            adapter=adapter,
+            log=log,
+        )
+        return GenerationStream(self, request)
 
-    def _stream(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStream:
-        return GenerationStream(self, self._validate(prompt, **kwargs))
+    def model_pair(self, num_slots: int, max_len: int) -> ModelPair:
+        """The models with fresh slot caches of ``num_slots`` rows of ``max_len`` positions."""
+        return ModelPair(
+            target=self.target,
+            draft=self.draft,
+            target_cache=SlotKVCache(num_slots, max_len),
+            draft_cache=SlotKVCache(num_slots, max_len),
+            vocab_size=self.vocab_size,
+            log_top_m=self.log_top_m,
+        )
 
-    def _validate(
+    def prepare(
         self,
         prompt: str | Sequence[int],
         *,
@@ -147,6 +206,7 @@ class SpeculativeDecoder:
         adapter: str | None = None,
         log: bool = True,
     ) -> DecodeRequest:
+        """Validates one request's arguments (as in :meth:`stream`); raises ValueError."""
         prompt_ids = self._prompt_ids(prompt)
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
@@ -169,8 +229,8 @@ class SpeculativeDecoder:
             eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_token_ids = [] if eos is None else [eos]
         seed = secrets.randbits(62) if seed is None else seed
-        request = DecodeRequest(
-            prompt_ids=prompt_ids,
+        return DecodeRequest(
+            prompt_ids=tuple(prompt_ids),
             seed=seed,
             max_new_tokens=max_new,
             params=params,
@@ -180,14 +240,10 @@ class SpeculativeDecoder:
             num_drafts=1 if params.is_greedy else num_drafts,
             adapter=adapter,
             stop_token_ids=frozenset(stop_token_ids),
-            draft_gen=torch.Generator(self.device).manual_seed(seed),
-            verify_gen=torch.Generator(self.device).manual_seed(seed ^ 0x5EED),
             log_top_m=self.log_top_m if log else None,
             adaptive_threshold=self.adaptive_threshold,
-            stop=[stop] if isinstance(stop, str) else list(stop or []),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         )
-        request.seq = list(prompt_ids)
-        return request
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -205,131 +261,45 @@ class SpeculativeDecoder:
 
 
 class GenerationStream:
-    """Iterator over one request's steps; owns its KV caches (requests share nothing).
+    """One request decoded as a batch of one, step by step, in the iterating thread.
 
     Iterate for :class:`StreamChunk` s; once exhausted, :meth:`result` gives the whole
-    :class:`GenerationResult` (with its log data). :meth:`cancel` stops after the current step.
+    :class:`GenerationResult` (with its log data). :meth:`cancel` stops after the current step
+    and is safe from any thread. Runs the same batched step as a replica's decode loop.
     """
 
     def __init__(self, engine: SpeculativeDecoder, request: DecodeRequest) -> None:
-        self.engine = engine
         self.request = request
-        self._steps = self._run()
-        self._token_ids: list[int] = []
-        self._text: list[str] = []
-        self._finish_reason: FinishReason = "length"
-        self._cancelled = False
+        self._row = Row(request, engine.tokenizer, slots=list(range(request.num_slots)))
+        self._pair = engine.model_pair(
+            request.num_slots, len(request.prompt_ids) + request.max_new_tokens
+        )
 
     def __iter__(self) -> GenerationStream:
         return self
 
     def __next__(self) -> StreamChunk:
-        if self._cancelled:
-            self._steps.close()  # in the iterating thread: the generator may not be running
+        row = self._row
+        if row.done:
             raise StopIteration
-        chunk = next(self._steps)
-        self._token_ids.extend(chunk.token_ids)
-        self._text.append(chunk.text)
-        self._finish_reason = chunk.finish_reason or self._finish_reason
-        return chunk
+        prefill(self._pair, [row], row.prefill_left)
+        return run_step(self._pair, [row])[0]
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens emitted so far."""
+        return self._row.stats.num_generated
 
     def cancel(self) -> None:
         """Stops generating after the step in progress (e.g. the client went away); safe to
         call from any thread, also while another thread iterates."""
-        self._cancelled = True
+        self._row.cancelled.set()
 
     def result(self) -> GenerationResult:
         """The finished generation; drains the stream first if it is not exhausted."""
         for _ in self:
             pass
-        request = self.request
-        return GenerationResult(
-            token_ids=list(self._token_ids),
-            text="".join(self._text),
-            finish_reason=self._finish_reason,
-            stats=request.stats,
-            log=_finish_log(request) if request.log_top_m else None,
-        )
-
-    @torch.inference_mode()
-    def _run(self) -> Generator[StreamChunk, None, None]:
-        engine, request = self.engine, self.request
-        assembler = TextAssembler(engine.tokenizer, request.stop)
-        target_cache, draft_cache = engine.target.new_cache(), engine.draft.new_cache()
-        stats = request.stats
-        while True:
-            remaining = request.max_new_tokens - stats.num_generated
-            k = max(1, min(request.num_spec_tokens, remaining - 1))
-            step = _step_function(request)(
-                engine.target, engine.draft, request, target_cache, draft_cache, k
-            )
-            emitted, finish = _truncate(step.token_ids, remaining, request.stop_token_ids)
-            request.seq.extend(emitted)
-            stats.steps += 1
-            stats.drafted += step.num_drafted
-            stats.accepted += step.num_accepted
-            stats.num_generated += len(emitted)
-            request.num_drafted.append(step.num_drafted)
-            request.num_accepted.append(step.num_accepted)
-            request.draft_token_probs.append(step.draft_token_probs)
-            if request.log_top_m:
-                request.log_rows.append(top_m_distribution(step.target_logits, request.log_top_m))
-            text = assembler.add(emitted)
-            if assembler.stopped:
-                finish = "stop"
-            elif finish is None and stats.num_generated >= request.max_new_tokens:
-                finish = "length"
-            if finish is not None:
-                yield StreamChunk(emitted, text + assembler.flush(), finish)
-                return
-            yield StreamChunk(emitted, text)
-
-
-def _finish_log(request: DecodeRequest) -> GenerationLog:
-    """Moves the request's log data to the CPU once, at the end (no per-step syncs)."""
-    num_generated = request.stats.num_generated
-    top_ids = torch.cat([ids for ids, _ in request.log_rows])[:num_generated]
-    top_probs = torch.cat([probs for _, probs in request.log_rows])[:num_generated]
-    params = request.params
-    settings = RequestSettings(
-        method=request.method,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        max_tokens=request.max_new_tokens,
-        seed=request.seed,
-        num_spec_tokens=request.num_spec_tokens,
-        num_drafts=request.num_drafts,
-        adapter=request.adapter,
-    )
-    return GenerationLog(
-        settings=settings,
-        prompt_len=len(request.prompt_ids),
-        token_ids=torch.tensor(request.seq, dtype=torch.int32),
-        num_drafted=torch.tensor(request.num_drafted, dtype=torch.int32),
-        num_accepted=torch.tensor(request.num_accepted, dtype=torch.int32),
-        draft_token_probs=torch.cat(request.draft_token_probs).cpu().half(),
-        target_top_ids=top_ids.cpu().int(),
-        target_top_probs=top_probs.cpu().half(),
-    )
-
-
-def _step_function(request: DecodeRequest) -> Callable[..., StepOutput]:
-    if request.method == "none":
-        return target_only_step
-    if request.method == "spectr" and request.num_drafts > 1:
-        return spectr_step
-    return single_draft_step
-
-
-def _truncate(
-    token_ids: list[int], remaining: int, stop_token_ids: frozenset[int]
-) -> tuple[list[int], Literal["stop", "length"] | None]:
-    """Cuts a step's tokens at the budget and after the first stop token."""
-    for i, token in enumerate(token_ids[:remaining]):
-        if token in stop_token_ids:
-            return token_ids[: i + 1], "stop"
-    return token_ids[:remaining], ("length" if len(token_ids) >= remaining else None)
+        return self._row.result()
 
 
 def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from osd.spec.kv_cache import ForwardPlan, SlotKVCache
+
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
 
 # peft's name for "no adapter" in a mixed-adapter batch.
@@ -176,6 +178,43 @@ class CausalLM:
             # own forward would also look up its "active adapter", which a replica deletes and
             # replaces while serving, so it is left out of the decode path.
             logits = _base_model(self.model)(input_ids=input_ids, **kwargs).logits
+        return logits[:, -num_logits:, : self.vocab_size]
+
+    def run(
+        self,
+        plan: ForwardPlan,
+        cache: SlotKVCache,
+        *,
+        num_logits: int,
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:
+        """One batched forward over ragged rows, reading and writing KV per ``plan``.
+
+        Args:
+            plan: inputs, positions, KV slots and mask of every row (:mod:`osd.spec.kv_cache`).
+            cache: the model's slot cache.
+            num_logits: logits wanted for the last ``num_logits`` columns.
+            adapters: LoRA adapter per row (None: the base model) for a peft model; rows with
+                different adapters share the forward (peft's mixed-adapter batch).
+
+        Returns:
+            (B, num_logits, vocab_size) logits.
+        """
+        cache.bind(plan)
+        kwargs: dict[str, Any] = {
+            self._cache_kwarg: cache,
+            "use_cache": True,
+            "attention_mask": plan.attention_mask,
+            "position_ids": plan.position_ids,
+        }
+        if self._slices_logits:
+            kwargs["logits_to_keep"] = num_logits
+        selection: AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._has_lora:
+            names = adapters or [None] * plan.input_ids.shape[0]
+            selection = _adapters_for_this_thread([name or BASE_ADAPTER for name in names])
+        with self.guard(), selection:
+            logits = _base_model(self.model)(input_ids=plan.input_ids, **kwargs).logits
         return logits[:, -num_logits:, : self.vocab_size]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingParams", "logits_to_probs", "sample_from_probs"]
+__all__ = ["RowSampling", "SamplingParams", "logits_to_probs", "rows_to_probs", "sample_from_probs"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,68 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
-def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class RowSampling:
+    """Sampling parameters of every row of a batch, as tensors on the batch's device.
+
+    Attributes:
+        temperature: (B,) float; 0 is greedy.
+        top_p: (B,) float in (0, 1].
+        top_k: (B,) int64; 0 keeps everything.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+
+    @staticmethod
+    def of(params: list[SamplingParams], device: torch.device | str) -> RowSampling:
+        return RowSampling(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64),
+        )
+
+    def select(self, index: torch.Tensor) -> RowSampling:
+        """The rows ``index`` (a (B',) int64 tensor), e.g. one row per draft branch."""
+        return RowSampling(self.temperature[index], self.top_p[index], self.top_k[index])
+
+
+def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """:func:`logits_to_probs` with each row's own temperature, top-k and top-p.
+
+    Args:
+        logits: (B, ..., V) raw logits; row b uses the parameters at index b.
+        rows: the rows' parameters.
+
+    Returns:
+        (B, ..., V) float32 (float64 for float64 logits) probabilities.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    greedy = (rows.temperature == 0).view(shape)
+    temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0).to(dtype)
+    scaled = logits / temperature.view(shape)
+    vocab_size = logits.shape[-1]
+    top_k = rows.top_k.view(shape)
+    filter_k = (top_k > 0) & (top_k < vocab_size)
+    if bool(filter_k.any()):
+        sorted_logits = torch.sort(scaled, dim=-1, descending=True).values
+        index = (top_k.clamp(1, vocab_size) - 1).expand(*scaled.shape[:-1], 1)
+        kth_largest = sorted_logits.gather(-1, index)
+        scaled = torch.where(filter_k & (scaled < kth_largest), float("-inf"), scaled)
+    probs = torch.softmax(scaled, dim=-1)
+    top_p = rows.top_p.to(dtype).view(shape)
+    if bool((top_p < 1.0).any()):
+        probs = torch.where(top_p < 1.0, _keep_top_p(probs, top_p), probs)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs
+
+
+def _keep_top_p(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Keeps the smallest set of most likely tokens whose mass reaches ``top_p``; renormalises."""
     sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # (..., V)

@@ -73,6 +73,28 @@ def _normalize_or(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor
     return torch.where(total > 0, weights / total.clamp_min(1e-30), fallback)
 
 
+def _mask_ragged(
+    draft_probs: torch.Tensor, accept_uniforms: torch.Tensor, num_draft_tokens: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rows that drafted fewer than k tokens (a ragged batch padded to k).
+
+    Beyond a row's own count its q is zero and its draws lie above every acceptance
+    probability, so nothing there is kept, and the residual at the first padded position is
+    ``normalize(p)``: exactly the bonus distribution. A row with count 0 samples from p_1
+    (speculation off for that row).
+
+    Returns:
+        ``(draft_probs, accept_uniforms, padded)``; ``padded`` is (B, k) bool or None.
+    """
+    if num_draft_tokens is None:
+        return draft_probs, accept_uniforms, None
+    k = draft_probs.shape[1]
+    positions = torch.arange(k, device=draft_probs.device)
+    padded = positions >= num_draft_tokens.unsqueeze(-1)  # (B, k)
+    draft_probs = draft_probs.masked_fill(padded.unsqueeze(-1), 0.0)
+    return draft_probs, accept_uniforms.masked_fill(padded, 2.0), padded
+
+
 def _check_shapes(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor):
     batch, k = draft_ids.shape[:2]
     if draft_probs.shape[:2] != (batch, k) or target_probs.shape[:2] != (batch, k + 1):
@@ -109,6 +131,7 @@ def token_verify(
     target_probs: torch.Tensor,
     accept_uniforms: torch.Tensor,
     sample_uniforms: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Token verification: accept x_i while u_i < p_i(x_i)/q_i(x_i); then recover or bonus.
 
@@ -118,10 +141,13 @@ def token_verify(
         target_probs: (B, k + 1, V) p_1..p_{k+1}.
         accept_uniforms: (B, k) U[0, 1) draws, one per drafted token.
         sample_uniforms: (B,) U[0, 1) draws for the recovered or bonus token.
+        num_draft_tokens: (B,) tokens each row really drafted (<= k; 0 is the target alone);
+            None: all k. Positions beyond are padding and never kept.
 
     Returns:
         A :class:`VerifyOutput`.
     """
+    draft_probs, accept_uniforms, _ = _mask_ragged(draft_probs, accept_uniforms, num_draft_tokens)
     accept_probs = token_acceptance_probs(draft_ids, draft_probs, target_probs)  # (B, k)
     rejected = accept_uniforms >= accept_probs  # (B, k)
     k = draft_ids.shape[1]
@@ -139,7 +165,10 @@ def token_verify(
 
 
 def block_acceptance_probs(
-    draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+    draft_ids: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    padded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The weights ``w_i`` and stopping probabilities ``h_i`` of block verification.
 
@@ -147,6 +176,7 @@ def block_acceptance_probs(
         draft_ids: (B, k) drafted tokens.
         draft_probs: (B, k, V) q_i.
         target_probs: (B, k + 1, V) p_1..p_{k+1}.
+        padded: (B, k) bool, positions beyond a row's own draft (see :func:`_mask_ragged`).
 
     Returns:
         ``(w, h)``, each (B, k): ``w_i = min(1, w_{i-1} p_i(x_i)/q_i(x_i))``, and ``h_i``, the
@@ -158,6 +188,8 @@ def block_acceptance_probs(
     p_x = _gather_token_probs(target_probs[:, :k], draft_ids)  # (B, k)
     q_x = _gather_token_probs(draft_probs, draft_ids)  # (B, k)
     log_ratio = torch.log(p_x) - torch.log(q_x)  # (B, k); -inf where p_x = 0
+    if padded is not None:
+        log_ratio = log_ratio.masked_fill(padded, 0.0)
     log_w = torch.zeros_like(log_ratio[:, 0])
     log_ws = []
     for i in range(k):  # w recovers after a low ratio: a running product capped at 1
@@ -168,7 +200,11 @@ def block_acceptance_probs(
     z = residual_mass.sum(dim=-1)  # (B, k - 1)
     denominator = z + 1.0 - w[:, :-1]
     h = torch.where(denominator > 0, z / denominator.clamp_min(1e-30), 1.0)
-    return w, torch.cat([h, w[:, -1:]], dim=1)
+    h = torch.cat([h, w[:, -1:]], dim=1)  # (B, k)
+    if padded is not None:  # a row's last own position is its h_k = w_k
+        last = ~padded & torch.cat([padded[:, 1:], torch.ones_like(padded[:, :1])], dim=1)
+        h = torch.where(last, w, h)
+    return w, h
 
 
 def block_verify(
@@ -177,13 +213,17 @@ def block_verify(
     target_probs: torch.Tensor,
     accept_uniforms: torch.Tensor,
     sample_uniforms: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """Block verification: keep the longest prefix ``i`` with ``eta_i < h_i``; then sample.
 
     Never keeps fewer tokens in expectation than token verification (Sun et al. 2024).
     Arguments and result as in :func:`token_verify`; ``accept_uniforms`` are the ``eta_i``.
     """
-    w, h = block_acceptance_probs(draft_ids, draft_probs, target_probs)  # (B, k) each
+    draft_probs, accept_uniforms, padded = _mask_ragged(
+        draft_probs, accept_uniforms, num_draft_tokens
+    )
+    w, h = block_acceptance_probs(draft_ids, draft_probs, target_probs, padded)  # (B, k) each
     batch, k = draft_ids.shape
     lengths = torch.arange(1, k + 1, device=draft_ids.device)
     num_accepted = ((accept_uniforms < h) * lengths).amax(dim=-1)  # (B,) tau
@@ -286,6 +326,8 @@ def spectr_verify(
     target_probs: torch.Tensor,
     accept_uniforms: torch.Tensor,
     sample_uniforms: torch.Tensor,
+    num_draft_tokens: torch.Tensor | None = None,
+    num_drafts: torch.Tensor | None = None,
 ) -> VerifyOutput:
     """SpecTr K-SEQ over K independently drafted sequences (a tree where prefixes coincide).
 
@@ -299,29 +341,38 @@ def spectr_verify(
         target_probs: (B, K, k + 1, V) p along each sequence.
         accept_uniforms: (B, K, k) U[0, 1) draws.
         sample_uniforms: (B,) U[0, 1) draws for the recovered or bonus token.
+        num_draft_tokens: (B,) each row's own k (<= k); None: all k.
+        num_drafts: (B,) each row's own K (<= K; its first drafts); None: all K.
 
     Returns:
         A :class:`VerifyOutput`; ``draft_index`` names a draft whose first ``num_accepted``
         tokens were kept (its target rows are the ones to log).
     """
-    batch, num_drafts, k = draft_ids.shape
-    if draft_probs.shape[:3] != (batch, num_drafts, k) or target_probs.shape[:3] != (
+    batch, width, k = draft_ids.shape
+    if draft_probs.shape[:3] != (batch, width, k) or target_probs.shape[:3] != (
         batch,
-        num_drafts,
+        width,
         k + 1,
     ):
         raise ValueError(
             f"shape mismatch: draft_ids {tuple(draft_ids.shape)}, draft_probs "
             f"{tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}"
         )
-    alive = torch.ones(batch, num_drafts, dtype=torch.bool, device=draft_ids.device)
-    running = torch.ones(batch, dtype=torch.bool, device=draft_ids.device)
-    num_accepted = torch.zeros(batch, dtype=torch.int64, device=draft_ids.device)
+    device = draft_ids.device
+    alive = torch.ones(batch, width, dtype=torch.bool, device=device)
+    if num_drafts is not None:
+        alive = torch.arange(width, device=device) < num_drafts.unsqueeze(-1)
+    own_k = torch.full((batch,), k, device=device) if num_draft_tokens is None else num_draft_tokens
+    running = torch.ones(batch, dtype=torch.bool, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     next_probs = torch.zeros_like(target_probs[:, 0, 0])  # (B, V)
     for depth in range(k):
         # Alive drafts share the kept prefix, so any of them carries p and q for it.
         representative = alive.int().argmax(dim=-1)  # (B,)
         target = _rows(target_probs[:, :, depth], representative)  # (B, V)
+        at_end = running & (own_k <= depth)  # passed its own k: the bonus token
+        next_probs = torch.where(at_end.unsqueeze(-1), target, next_probs)
+        running = running & ~at_end
         draft = _rows(draft_probs[:, :, depth], representative)  # (B, V)
         candidates = draft_ids[:, :, depth]  # (B, K)
         accepted_index, _, residual = kseq_step(

@@ -216,7 +216,7 @@ def test_cancel_from_another_thread_while_decoding_stops_the_stream(engine):
 
     thread = threading.Thread(target=decode)
     thread.start()
-    while not stream._token_ids and thread.is_alive():
+    while not stream.num_generated and thread.is_alive():
         time.sleep(0.001)
     for _ in range(50):  # e.g. the event loop, when the client goes away mid-step
         stream.cancel()

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from osd import SamplingParams, SpeculativeDecoder
-from osd import engine as engine_module
 from osd.sampling import logits_to_probs
+from osd.spec import step as engine_module
 from osd.testing import tiny_llama
 
 VOCAB = 6
@@ -103,9 +103,10 @@ def test_negative_control_verifying_with_wrong_q_fails(mc_engine, method, monkey
     method_name = method["method"]
     real_verify = engine_module.VERIFIERS[method_name]
 
-    def verify_with_flattened_q(draft_ids, draft_probs, *args):
+    def verify_with_flattened_q(draft_ids, draft_probs, *args, **kwargs):
         wrong_q = draft_probs.sqrt()
-        return real_verify(draft_ids, wrong_q / wrong_q.sum(-1, keepdim=True), *args)
+        wrong_q = wrong_q / wrong_q.sum(-1, keepdim=True).clamp_min(1e-30)
+        return real_verify(draft_ids, wrong_q, *args, **kwargs)
 
     monkeypatch.setitem(engine_module.VERIFIERS, method_name, verify_with_flattened_q)
     counts, _ = sample_sequences(mc_engine, temperature=1.0, **method)

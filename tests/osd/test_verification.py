@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from osd.sampling import sample_from_probs
 from osd.verification import (
     block_acceptance_probs,
     block_verify,
@@ -319,3 +320,59 @@ def test_spectr_with_four_drafts_accepts_at_least_as_many_as_one():
     mean_one = one.num_accepted.double().mean()
     mean_four = four.num_accepted.double().mean()
     assert mean_four >= mean_one + 0.05, (float(mean_one), float(mean_four))
+
+
+@pytest.mark.parametrize("name", ["token", "block", "spectr"])
+def test_ragged_batch_equals_each_row_verified_alone_with_its_own_k(name):
+    """Rows padded to a common k decide exactly as they would alone (same draws)."""
+    torch.manual_seed(0)
+    batch, width, vocab, num_drafts = 6, 4, 5, 2
+    own_k = torch.tensor([0, 1, 2, 3, 4, 2])
+    draft_probs = torch.softmax(torch.randn(batch, num_drafts, width, vocab).double() * 2, -1)
+    target_probs = torch.softmax(torch.randn(batch, num_drafts, width + 1, vocab).double() * 2, -1)
+    draft_ids = torch.multinomial(draft_probs.reshape(-1, vocab), 1).view(batch, num_drafts, width)
+    accept = torch.rand(batch, num_drafts, width, dtype=torch.float64)
+    sample = torch.rand(batch, dtype=torch.float64)
+    if name == "spectr":
+        together = spectr_verify(
+            draft_ids, draft_probs, target_probs, accept, sample, num_draft_tokens=own_k
+        )
+    else:
+        verify = token_verify if name == "token" else block_verify
+        together = verify(
+            draft_ids[:, 0],
+            draft_probs[:, 0],
+            target_probs[:, 0],
+            accept[:, 0],
+            sample,
+            num_draft_tokens=own_k,
+        )
+    for b in range(batch):
+        k = int(own_k[b])
+        if k == 0:  # speculation off: a sample from p_1
+            expected = sample_from_probs(target_probs[b, 0, 0][None], sample[b : b + 1])
+            assert int(together.num_accepted[b]) == 0
+            assert int(together.next_token_ids[b]) == int(expected)
+            continue
+        one = slice(b, b + 1)
+        if name == "spectr":
+            alone = spectr_verify(
+                draft_ids[one, :, :k],
+                draft_probs[one, :, :k],
+                target_probs[one, :, : k + 1],
+                accept[one, :, :k],
+                sample[one],
+            )
+        else:
+            alone = verify(
+                draft_ids[one, 0, :k],
+                draft_probs[one, 0, :k],
+                target_probs[one, 0, : k + 1],
+                accept[one, 0, :k],
+                sample[one],
+            )
+        assert int(together.num_accepted[b]) == int(alone.num_accepted[0])
+        assert int(together.next_token_ids[b]) == int(alone.next_token_ids[0])
+        torch.testing.assert_close(
+            together.next_token_probs[b], alone.next_token_probs[0], atol=1e-12, rtol=0
+        )

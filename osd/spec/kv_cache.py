@@ -1,0 +1,208 @@
+"""KV memory per row: a slot cache with per-row lengths, read and written through a plan.
+
+Why not transformers' ``PagedAttentionCache``: it is driven by its own continuous-batching
+manager (flattened varlen batches, its own scheduler and block allocator) and has no call to
+cut one sequence back to a shorter prefix, which speculative decoding needs after every
+rejection. Here a row's cache is a *slot*: a row of one preallocated tensor per layer, shape
+``(num_slots + 1, capacity, kv_heads, head_dim)``, plus a length the engine keeps. Rolling a row
+back to its kept prefix costs nothing (its length shrinks; stale positions are overwritten by
+the next forward and masked until then). Any subset of rows can run a forward: a
+:class:`ForwardPlan` says, for each input position, which slot and position its key/value is
+written to, and for each row which slots its keys are read from (a SpecTr branch reads the
+shared prefix from its request's slot and its own tokens from a scratch slot, so the prefix is
+never copied). Padding writes go to one trash slot (the last).
+
+The plan's 4-D additive mask goes to the model as is (transformers 5 passes a 4-D mask through),
+with explicit position ids, so any attention implementation that takes a mask works (eager,
+sdpa). Reads gather the rows' keys per layer, a copy a paged-attention kernel would avoid on a
+GPU; at this project's sizes it is a small share of the step (measured in ``bench/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ForwardPlan", "SlotKVCache", "plan_forward"]
+
+_MIN_CAPACITY = 64
+
+
+@dataclass
+class ForwardPlan:
+    """Where one batched forward reads and writes KV, and what each query may see.
+
+    Attributes:
+        input_ids: (B, T) tokens; padding columns hold 0.
+        position_ids: (B, T) absolute positions (0 for left padding).
+        write_slot: (B, T) slot each column's key/value goes to (the trash slot for padding).
+        write_pos: (B, T) position within that slot.
+        read_slot: (B, S) slot each row reads key position s from.
+        attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    read_slot: torch.Tensor
+    attention_mask: torch.Tensor
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.read_slot.shape[1])
+
+    @staticmethod
+    def make_dummy(
+        batch: int = 2, length: int = 3, trash: int = 8, device: str = "cpu"
+    ) -> ForwardPlan:
+        """A plan for ``batch`` fresh rows in slots 0..batch-1 with ``length`` tokens each."""
+        return plan_forward(
+            input_ids=torch.ones(batch, length, dtype=torch.int64, device=device),
+            start=torch.zeros(batch, dtype=torch.int64, device=device),
+            left=torch.zeros(batch, dtype=torch.int64, device=device),
+            real=torch.full((batch,), length, dtype=torch.int64, device=device),
+            own_slot=torch.arange(batch, device=device),
+            base_slot=torch.arange(batch, device=device),
+            prefix_len=torch.zeros(batch, dtype=torch.int64, device=device),
+            trash_slot=trash,
+            dtype=torch.float32,
+        )
+
+
+def plan_forward(
+    *,
+    input_ids: torch.Tensor,
+    start: torch.Tensor,
+    left: torch.Tensor,
+    real: torch.Tensor,
+    own_slot: torch.Tensor,
+    base_slot: torch.Tensor,
+    prefix_len: torch.Tensor,
+    trash_slot: int,
+    dtype: torch.dtype,
+) -> ForwardPlan:
+    """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
+
+    Args:
+        input_ids: (B, T) tokens laid out with left padding, real tokens, right padding.
+        start: (B,) absolute position of row b's first real token (its cached length).
+        left: (B,) left padding columns.
+        real: (B,) real tokens (written to the cache); later columns are right padding.
+        own_slot: (B,) slot the row's tokens are written to and its positions >= prefix_len
+            are read from.
+        base_slot: (B,) slot positions < prefix_len are read from (own_slot for plain rows).
+        prefix_len: (B,) shared-prefix length read from base_slot.
+        trash_slot: index of the slot that takes padding writes.
+        dtype: the model's dtype, for the additive mask.
+    """
+    batch, width = input_ids.shape
+    device = input_ids.device
+    columns = torch.arange(width, device=device)  # (T,)
+    offset = columns.unsqueeze(0) - left.unsqueeze(1)  # (B, T)
+    positions = start.unsqueeze(1) + offset  # (B, T)
+    valid = (offset >= 0) & (offset < real.unsqueeze(1))
+    query_pos = torch.where(offset >= 0, positions, 0)
+    kv_len = int((start + real).max()) if batch else 0
+    keys = torch.arange(kv_len, device=device)  # (S,)
+    read_slot = torch.where(
+        keys.unsqueeze(0) < prefix_len.unsqueeze(1), base_slot.unsqueeze(1), own_slot.unsqueeze(1)
+    )  # (B, S)
+    visible = keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # (B, T, S)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return ForwardPlan(
+        input_ids=input_ids,
+        position_ids=query_pos,
+        write_slot=torch.where(valid, own_slot.unsqueeze(1), trash_slot),
+        write_pos=torch.where(valid, positions, 0),
+        read_slot=read_slot,
+        attention_mask=mask.unsqueeze(1),
+    )
+
+
+class SlotKVCache:
+    """Per-slot keys and values of every layer of one model (see the module docstring).
+
+    Passed to a Hugging Face model as its cache: the model calls :meth:`update` once per layer
+    with the new keys and values, and gets back the keys and values its rows may attend to.
+    Storage is allocated on first use (shapes and dtype come from the model) and grows along
+    the position dimension up to ``max_len``.
+
+    Args:
+        num_slots: rows of KV memory (a spectr request takes one per draft sequence).
+        max_len: most positions one slot holds.
+    """
+
+    is_compileable = False
+
+    def __init__(self, num_slots: int, max_len: int) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"need num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._capacity = min(_MIN_CAPACITY, max_len)
+        self._plan: ForwardPlan | None = None
+
+    @property
+    def trash_slot(self) -> int:
+        return self.num_slots
+
+    def bind(self, plan: ForwardPlan) -> None:
+        """Sets the plan the next forward follows; grows the storage if it needs more room."""
+        needed = max(plan.kv_len, int(plan.write_pos.max()) + 1 if plan.write_pos.numel() else 0)
+        if needed > self.max_len:
+            raise ValueError(f"forward needs {needed} positions; slots hold {self.max_len}")
+        if needed > self._capacity:
+            capacity = self._capacity
+            while capacity < needed:
+                capacity *= 2
+            self._grow(min(capacity, self.max_len))
+        self._plan = plan
+
+    def _grow(self, capacity: int) -> None:
+        for store in (self._keys, self._values):
+            for i, old in enumerate(store):
+                new = old.new_zeros((old.shape[0], capacity, *old.shape[2:]))
+                new[:, : old.shape[1]] = old
+                store[i] = new
+        self._capacity = capacity
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones."""
+        plan = self._plan
+        assert plan is not None, "bind() a plan before the forward"
+        if layer_idx == len(self._keys):
+            shape = (self.num_slots + 1, self._capacity, key_states.shape[1], key_states.shape[3])
+            self._keys.append(key_states.new_zeros(shape))
+            self._values.append(value_states.new_zeros(shape))
+        out = []
+        positions = torch.arange(plan.kv_len, device=key_states.device)
+        for store, states in (
+            (self._keys[layer_idx], key_states),
+            (self._values[layer_idx], value_states),
+        ):
+            store[plan.write_slot, plan.write_pos] = states.transpose(1, 2)  # (B, T, H, D)
+            out.append(store[plan.read_slot, positions].transpose(1, 2))  # (B, H, S, D)
+        return out[0], out[1]
+
+    def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+        """Copies position ``pos[i]`` of slot ``src[i]`` to slot ``dst[i]``, in every layer.
+
+        Args:
+            src, dst, pos: (N,) int64; e.g. a chosen SpecTr branch's kept tokens moving into
+                its request's slot.
+        """
+        if pos.numel() == 0:
+            return
+        for store in (*self._keys, *self._values):
+            store[dst, pos] = store[src, pos]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Unused with explicit position ids; present for models that ask."""
+        return 0

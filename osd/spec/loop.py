@@ -1,0 +1,276 @@
+"""One decode loop per replica: continuous batching at step granularity.
+
+A background thread owns both models' slot caches. Each turn it takes new submissions,
+drops cancelled requests, admits waiting ones while there is room (:mod:`osd.spec.scheduler`),
+prefills up to ``max_num_batched_tokens`` prompt tokens of the joiners, and runs one
+speculative step (:func:`osd.spec.step.run_step`) over every request that is decoding. A
+request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
+to the next waiting request at once. Callers get a :class:`RequestHandle`: an iterator of the
+request's chunks that blocks until the loop produces them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from osd.generation import GenerationResult, StreamChunk
+from osd.spec.rows import DecodeRequest, Row
+from osd.spec.scheduler import BatchLimits, num_to_admit
+from osd.spec.step import prefill, run_step
+
+if TYPE_CHECKING:
+    from osd.engine import SpeculativeDecoder
+
+__all__ = ["BatchedEngine", "EngineFull", "LoopStats", "RequestHandle"]
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class EngineFull(RuntimeError):
+    """The loop's waiting queue is full; retry later (HTTP 429/503)."""
+
+
+class RequestHandle:
+    """A submitted request: iterate for its chunks (blocking), :meth:`cancel`, :meth:`result`.
+
+    Safe to cancel from any thread; iterate it from one.
+    """
+
+    def __init__(self, row: Row, wake: threading.Event) -> None:
+        self._row = row
+        self._wake = wake
+        self._chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._ended = False
+        row.on_chunk = self._chunks.put
+
+    @property
+    def request(self) -> DecodeRequest:
+        return self._row.request
+
+    @property
+    def num_generated(self) -> int:
+        return self._row.stats.num_generated
+
+    def __iter__(self) -> RequestHandle:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._ended:
+            raise StopIteration
+        item = self._chunks.get()
+        if item is _END:
+            self._ended = True
+            if self._error is not None:
+                raise self._error
+            raise StopIteration
+        assert isinstance(item, StreamChunk)
+        return item
+
+    def cancel(self) -> None:
+        """Frees the request's row at the next step boundary; the stream then ends."""
+        self._row.cancelled.set()
+        self._wake.set()
+
+    def result(self) -> GenerationResult:
+        """Waits for the end of the request; raises what failed it, if anything did."""
+        for _ in self:
+            pass
+        return self._row.result()
+
+    def _close(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._chunks.put(_END)
+
+
+@dataclass
+class LoopStats:
+    """Counters of the loop, for metrics and benchmarks (read without a lock: approximate)."""
+
+    steps: int = 0
+    rows_stepped: int = 0  # sum over steps of the batch size
+    step_seconds: float = 0.0
+    prefill_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+
+    @property
+    def mean_batch(self) -> float:
+        return self.rows_stepped / self.steps if self.steps else 0.0
+
+
+class BatchedEngine:
+    """Decodes every submitted request in one loop thread, batched at each step.
+
+    Args:
+        decoder: the validated model pair (its draft's LoRA adapters serve the rows).
+        limits: capacity; see :class:`BatchLimits`.
+    """
+
+    def __init__(self, decoder: SpeculativeDecoder, limits: BatchLimits | None = None) -> None:
+        self.decoder = decoder
+        self.limits = limits = limits or BatchLimits()
+        max_len = decoder.max_context or 0
+        if limits.max_model_len:
+            max_len = min(max_len, limits.max_model_len) if max_len else limits.max_model_len
+        if not max_len:
+            raise ValueError("the models declare no context length: set max_model_len")
+        self.max_len = max_len
+        self.pair = decoder.model_pair(limits.num_slots, max_len)
+        self.stats = LoopStats()
+        self._free_slots = list(range(limits.num_slots))
+        self._submitted: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
+        self._waiting: deque[RequestHandle] = deque()
+        self._prefilling: list[RequestHandle] = []
+        self._decoding: list[RequestHandle] = []
+        self._count_lock = threading.Lock()
+        self._num_queued = 0  # submitted and not yet admitted
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="osd-decode-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: DecodeRequest) -> RequestHandle:
+        """Queues a validated request (:meth:`SpeculativeDecoder.prepare`); never blocks.
+
+        Raises:
+            ValueError: the request can never fit (too long, or more drafts than slots).
+            EngineFull: too many requests are waiting already.
+        """
+        if request.num_slots > self.limits.num_slots:
+            raise ValueError(
+                f"num_drafts {request.num_slots} needs more KV slots than this engine has "
+                f"({self.limits.num_slots})"
+            )
+        total = len(request.prompt_ids) + request.max_new_tokens
+        if total > self.max_len:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
+                f"({request.max_new_tokens}) exceeds the context of {self.max_len}"
+            )
+        if self._stop.is_set():
+            raise RuntimeError("the engine is closed")
+        with self._count_lock:
+            if self._num_queued >= self.limits.max_waiting:
+                raise EngineFull(f"{self._num_queued} requests are waiting; retry shortly")
+            self._num_queued += 1
+        handle = RequestHandle(Row(request, self.decoder.tokenizer), self._wake)
+        self._submitted.put(handle)
+        self._wake.set()
+        return handle
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops the loop; requests still in it end with an error."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except BaseException as exc:  # noqa: BLE001 - the loop must outlive any request
+                log.exception("decode loop turn failed")
+                self._fail(self._prefilling + self._decoding, exc)
+                self._prefilling, self._decoding = [], []
+        error = RuntimeError("the engine was closed")
+        self._fail(self._prefilling + self._decoding + list(self._waiting), error)
+        while not self._submitted.empty():
+            self._fail([self._submitted.get()], error)
+
+    def _turn(self) -> None:
+        busy = self._prefilling or self._decoding
+        if not busy:
+            self._wake.wait(timeout=0.5)
+        self._wake.clear()
+        while not self._submitted.empty():
+            self._waiting.append(self._submitted.get())
+        self._drop_cancelled()
+        self._admit()
+        if self._prefilling:
+            self._prefill()
+        if self._decoding:
+            self._step()
+        self.stats.waiting = len(self._waiting)
+        self.stats.running = len(self._prefilling) + len(self._decoding)
+
+    def _drop_cancelled(self) -> None:
+        for group in (self._prefilling, self._decoding):
+            for handle in [h for h in group if h._row.cancelled.is_set()]:
+                group.remove(handle)
+                self._release(handle)
+        for handle in [h for h in self._waiting if h._row.cancelled.is_set()]:
+            self._waiting.remove(handle)
+            self._dequeued(1)
+            handle._close()
+
+    def _admit(self) -> None:
+        count = num_to_admit(
+            [h.request.num_slots for h in self._waiting],
+            num_running=len(self._prefilling) + len(self._decoding),
+            free_slots=len(self._free_slots),
+            max_num_seqs=self.limits.max_num_seqs,
+        )
+        for _ in range(count):
+            handle = self._waiting.popleft()
+            needed = handle.request.num_slots
+            handle._row.slots = self._free_slots[:needed]
+            del self._free_slots[:needed]
+            self._prefilling.append(handle)
+        self._dequeued(count)
+
+    def _dequeued(self, count: int) -> None:
+        with self._count_lock:
+            self._num_queued -= count
+
+    def _prefill(self) -> None:
+        rows = [h._row for h in self._prefilling]
+        before = sum(row.prefill_left for row in rows)
+        try:
+            prefill(self.pair, rows, self.limits.max_num_batched_tokens)
+        except Exception as exc:  # noqa: BLE001 - these requests fail, others go on
+            log.exception("prefill failed")
+            self._fail(self._prefilling, exc)
+            self._prefilling = []
+            return
+        self.stats.prefill_tokens += before - sum(row.prefill_left for row in rows)
+        ready = [h for h in self._prefilling if h._row.prefill_left <= 0]
+        self._prefilling = [h for h in self._prefilling if h._row.prefill_left > 0]
+        self._decoding.extend(ready)
+
+    def _step(self) -> None:
+        rows = [h._row for h in self._decoding]
+        started = time.perf_counter()
+        try:
+            run_step(self.pair, rows)
+        except Exception as exc:  # noqa: BLE001 - these requests fail, the loop goes on
+            log.exception("decode step failed")
+            self._fail(self._decoding, exc)
+            self._decoding = []
+            return
+        stats = self.stats
+        stats.steps += 1
+        stats.rows_stepped += len(rows)
+        stats.step_seconds += time.perf_counter() - started
+        finished = [h for h in self._decoding if h._row.done]
+        if finished:
+            self._decoding = [h for h in self._decoding if not h._row.done]
+            for handle in finished:
+                self._release(handle)
+
+    def _release(self, handle: RequestHandle, error: BaseException | None = None) -> None:
+        self._free_slots.extend(handle._row.slots)
+        handle._row.slots = []
+        handle._close(error)
+
+    def _fail(self, handles: list[RequestHandle], error: BaseException) -> None:
+        for handle in handles:
+            self._release(handle, error)

@@ -1,0 +1,205 @@
+"""One request in the batch: its validated settings, its slots, its sequence and its log data.
+
+Per-row state lives here as plain Python (the sequence, the text assembler, the counters); the
+step turns the rows of one step into flat tensors once, and writes back what it emitted once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from osd.generation import (
+    FinishReason,
+    GenerationLog,
+    GenerationResult,
+    GenerationStats,
+    RequestSettings,
+    StreamChunk,
+    TextAssembler,
+)
+from osd.sampling import SamplingParams
+from osd.spec import rng
+
+__all__ = ["DecodeRequest", "Row"]
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Validated arguments of one generation (built by ``SpeculativeDecoder``)."""
+
+    prompt_ids: tuple[int, ...]
+    seed: int
+    max_new_tokens: int
+    params: SamplingParams
+    method: str
+    num_spec_tokens: int
+    num_drafts: int
+    adapter: str | None
+    stop_token_ids: frozenset[int]
+    log_top_m: int | None
+    adaptive_threshold: float
+    stop: tuple[str, ...]
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots the request holds: one per draft sequence."""
+        return self.num_drafts if self.method == "spectr" else 1
+
+    @property
+    def verifier(self) -> str:
+        """The verifier of its steps: ``none`` rows verify zero drafted tokens with ``token``."""
+        if self.method == "block":
+            return "block"
+        if self.method == "spectr" and self.num_drafts > 1:
+            return "spectr"
+        return "token"
+
+
+@dataclass(eq=False)
+class Row:
+    """A request being decoded: settings, KV slots, sequence, counters and outputs.
+
+    Attributes:
+        request: the validated settings.
+        slots: its KV slots in both caches; ``slots[0]`` holds the sequence, the others are
+            SpecTr branches' scratch rows for one step.
+        seq: prompt and generated tokens.
+        target_len, draft_len: positions of ``seq`` in each model's cache.
+        step: steps taken (addresses this row's random draws, so they do not depend on the batch).
+        on_chunk: called with each step's :class:`StreamChunk` (from the decoding thread).
+    """
+
+    request: DecodeRequest
+    tokenizer: object
+    slots: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    target_len: int = 0
+    draft_len: int = 0
+    step: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    num_drafted: list[int] = field(default_factory=list)
+    num_accepted: list[int] = field(default_factory=list)
+    draft_token_probs: list[torch.Tensor] = field(default_factory=list)
+    log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    on_chunk: Callable[[StreamChunk], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.seq = list(self.request.prompt_ids)
+        self.assembler = TextAssembler(self.tokenizer, self.request.stop)
+        self.draft_key = rng.stream_key(self.request.seed, rng.DRAFT_STREAM)
+        self.verify_key = rng.stream_key(self.request.seed, rng.VERIFY_STREAM)
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to run through the models before the row can decode (all but
+        the last, which the first step verifies from)."""
+        return len(self.request.prompt_ids) - 1 - self.target_len
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - self.stats.num_generated
+
+    def spec_tokens(self) -> int:
+        """Tokens to draft this step: k, less near the budget; 0 with speculation off."""
+        if self.request.method == "none":
+            return 0
+        return max(1, min(self.request.num_spec_tokens, self.remaining - 1))
+
+    def emit(
+        self,
+        drafted: list[int],
+        num_accepted: int,
+        next_token: int,
+        num_drafted: int,
+    ) -> StreamChunk:
+        """Takes a verified step: the kept drafts and the next token; returns its chunk."""
+        self.step += 1
+        token_ids, finish = _truncate(
+            [*drafted[:num_accepted], next_token], self.remaining, self.request.stop_token_ids
+        )
+        self.seq.extend(token_ids)
+        stats = self.stats
+        stats.steps += 1
+        stats.drafted += num_drafted
+        stats.accepted += num_accepted
+        stats.num_generated += len(token_ids)
+        self.num_drafted.append(num_drafted)
+        self.num_accepted.append(num_accepted)
+        text = self.assembler.add(token_ids)
+        if self.assembler.stopped:
+            finish = "stop"
+        elif finish is None and stats.num_generated >= self.request.max_new_tokens:
+            finish = "length"
+        if finish is not None:
+            text += self.assembler.flush()
+            self.finish_reason = finish
+        return self._chunk(StreamChunk(token_ids, text, finish))
+
+    def _chunk(self, chunk: StreamChunk) -> StreamChunk:
+        self.token_ids.extend(chunk.token_ids)
+        self.text.append(chunk.text)
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+        return chunk
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled.is_set()
+
+    def result(self) -> GenerationResult:
+        """The generation so far (all of it once :attr:`done`)."""
+        return GenerationResult(
+            token_ids=list(self.token_ids),
+            text="".join(self.text),
+            finish_reason=self.finish_reason or "length",
+            stats=self.stats,
+            log=self._log() if self.request.log_top_m else None,
+        )
+
+    def _log(self) -> GenerationLog:
+        """Moves the log data to the CPU once, at the end (no per-step syncs)."""
+        request, num_generated = self.request, self.stats.num_generated
+        ids = [i for i, _ in self.log_rows] or [torch.zeros(0, 1, dtype=torch.int64)]
+        probs = [p for _, p in self.log_rows] or [torch.zeros(0, 1)]
+        draft_probs = self.draft_token_probs or [torch.zeros(0)]
+        params = request.params
+        settings = RequestSettings(
+            method=request.method,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            num_spec_tokens=request.num_spec_tokens,
+            num_drafts=request.num_drafts,
+            adapter=request.adapter,
+        )
+        return GenerationLog(
+            settings=settings,
+            prompt_len=len(request.prompt_ids),
+            token_ids=torch.tensor(self.seq, dtype=torch.int32),
+            num_drafted=torch.tensor(self.num_drafted, dtype=torch.int32),
+            num_accepted=torch.tensor(self.num_accepted, dtype=torch.int32),
+            draft_token_probs=torch.cat(draft_probs).cpu().half(),
+            target_top_ids=torch.cat(ids)[:num_generated].cpu().int(),
+            target_top_probs=torch.cat(probs)[:num_generated].cpu().half(),
+        )
+
+
+def _truncate(
+    token_ids: list[int], remaining: int, stop_token_ids: frozenset[int]
+) -> tuple[list[int], Literal["stop", "length"] | None]:
+    """Cuts a step's tokens at the budget and after the first stop token."""
+    for i, token in enumerate(token_ids[:remaining]):
+        if token in stop_token_ids:
+            return token_ids[: i + 1], "stop"
+    return token_ids[:remaining], ("length" if len(token_ids) >= remaining else None)

@@ -1,0 +1,65 @@
+"""Who joins the batch: pure admission decisions over counts, tested with tables.
+
+Requests wait in arrival order; the head joins when the batch has room for one more sequence
+and enough free KV slots for it (a SpecTr request needs one per draft sequence). The head is
+never overtaken, so a large request cannot starve behind a stream of small ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BatchLimits", "num_to_admit"]
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Capacity of one decode loop (vLLM's names where they mean the same).
+
+    Attributes:
+        max_num_seqs: requests decoded together in one step.
+        max_num_batched_tokens: prompt tokens prefilled per step (longer prompts are chunked
+            over several steps, so the rows already decoding are not stalled by a long prompt).
+        kv_slots: rows of KV memory in each model's cache; 0: ``max_num_seqs``. A SpecTr
+            request holds ``num_drafts`` of them.
+        max_model_len: most positions of one sequence (prompt and output); 0: the models'.
+        max_waiting: requests waiting for room; beyond it :meth:`submit` refuses at once.
+    """
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_slots: int = 0
+    max_model_len: int = 0
+    max_waiting: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_slots", "max_model_len", "max_waiting"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv_slots or self.max_num_seqs
+
+
+def num_to_admit(
+    slots_needed: list[int], *, num_running: int, free_slots: int, max_num_seqs: int
+) -> int:
+    """How many of the waiting requests (in arrival order) join the batch now.
+
+    Args:
+        slots_needed: KV slots each waiting request needs, oldest first.
+        num_running: requests in the batch (decoding or being prefilled).
+        free_slots: KV slots free now.
+        max_num_seqs: the batch's size limit.
+    """
+    admitted = 0
+    for needed in slots_needed:
+        if num_running + admitted >= max_num_seqs or needed > free_slots:
+            break
+        free_slots -= needed
+        admitted += 1
+    return admitted

@@ -1,0 +1,428 @@
+"""One batched speculative step over every active row, and the chunked prefill that precedes it.
+
+A step, for all rows together: the draft's forwards (the first over each row's pending tokens,
+then one per drafted position, every row with its own LoRA adapter in the same forward; SpecTr
+rows fan out into K branch rows after the first), one target forward verifying every row's
+pending and drafted tokens (ragged: rows differ in pending length, k and K), the verifiers
+over each verifier's rows at once, then one host sync that brings back what each row emitted.
+Random draws are addressed by (row seed, row step, branch, position) (:mod:`osd.spec.rng`), so a
+row's output does not depend on what shares its batch. Paper references in
+:mod:`osd.verification`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from osd.generation import StreamChunk
+from osd.models import CausalLM
+from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
+from osd.spec import rng
+from osd.spec.kv_cache import SlotKVCache, plan_forward
+from osd.spec.rows import Row
+from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+
+__all__ = ["VERIFIERS", "ModelPair", "prefill", "run_step", "top_m_distribution"]
+
+VERIFIERS: dict[str, Callable[..., VerifyOutput]] = {
+    "token": token_verify,
+    "block": block_verify,
+    "spectr": spectr_verify,
+}
+
+# Counter position of the recovered/bonus token's draw (drafted positions use 0..k-1).
+_SAMPLE_POSITION = 1023
+
+
+@dataclass
+class ModelPair:
+    """The target and draft with their slot caches."""
+
+    target: CausalLM
+    draft: CausalLM
+    target_cache: SlotKVCache
+    draft_cache: SlotKVCache
+    vocab_size: int
+    log_top_m: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.model.parameters()).dtype
+
+
+def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target's top-m at temperature 1: (..., V) logits -> (..., m) ids and probs."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, m, dim=-1)
+    return top.indices, top.values
+
+
+def _tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _left_padded(
+    token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of tokens, left-padded to one width: (B, T) ids, (B,) left padding, (B,) lengths."""
+    width = max(len(tokens) for tokens in token_lists)
+    rows = [[0] * (width - len(tokens)) + tokens for tokens in token_lists]
+    lengths = [len(tokens) for tokens in token_lists]
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        _tensor([width - n for n in lengths], device),
+        _tensor(lengths, device),
+    )
+
+
+def _run(
+    pair: ModelPair,
+    model: CausalLM,
+    cache: SlotKVCache,
+    input_ids: torch.Tensor,
+    *,
+    start: list[int],
+    left: torch.Tensor,
+    real: torch.Tensor,
+    own: list[int],
+    base: list[int],
+    prefix: list[int],
+    num_logits: int,
+    adapters: list[str | None] | None = None,
+) -> torch.Tensor:
+    device = input_ids.device
+    plan = plan_forward(
+        input_ids=input_ids,
+        start=_tensor(start, device),
+        left=left,
+        real=real,
+        own_slot=_tensor(own, device),
+        base_slot=_tensor(base, device),
+        prefix_len=_tensor(prefix, device),
+        trash_slot=cache.trash_slot,
+        dtype=pair.dtype,
+    )
+    return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
+
+
+@torch.inference_mode()
+def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
+    """Runs up to ``budget`` prompt tokens of ``rows`` through both models (chunked prefill).
+
+    A row's last prompt token is left for its first step to verify from.
+    """
+    pieces: list[tuple[Row, int]] = []
+    for row in rows:
+        size = min(row.prefill_left, budget)
+        if size > 0:
+            pieces.append((row, size))
+            budget -= size
+    if not pieces:
+        return
+    for model, cache, members in (
+        (pair.target, pair.target_cache, pieces),
+        (pair.draft, pair.draft_cache, [p for p in pieces if p[0].request.method != "none"]),
+    ):
+        if not members:
+            continue
+        tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
+        ids, left, real = _left_padded(tokens, pair.device)
+        _run(
+            pair,
+            model,
+            cache,
+            ids,
+            start=[row.target_len for row, _ in members],
+            left=left,
+            real=real,
+            own=[row.slots[0] for row, _ in members],
+            base=[row.slots[0] for row, _ in members],
+            prefix=[0] * len(members),
+            num_logits=1,
+            adapters=[row.request.adapter for row, _ in members] if model is pair.draft else None,
+        )
+    for row, size in pieces:
+        row.target_len += size
+        if row.request.method != "none":
+            row.draft_len = row.target_len
+
+
+@dataclass
+class _Drafts:
+    """What the draft proposed for every row (zeros where a row drafted less)."""
+
+    ids: torch.Tensor  # (B, K, k) drafted tokens per branch
+    probs: torch.Tensor  # (B, K, k, V) q of each drafted position
+    num_drafted: torch.Tensor  # (B,) tokens drafted per row (<= its k: the adaptive stop)
+
+
+def _propose(
+    pair: ModelPair, rows: list[Row], spec_k: list[int], branches: list[int], width: int
+) -> _Drafts:
+    """Drafts k tokens per row (K sequences for SpecTr rows) in batched draft forwards."""
+    device, num_rows, num_drafts = pair.device, len(rows), max(branches)
+    out = _Drafts(
+        ids=torch.zeros(num_rows, num_drafts, width, dtype=torch.int64, device=device),
+        probs=torch.zeros(num_rows, num_drafts, width, pair.vocab_size, device=device),
+        num_drafted=_tensor(spec_k, device),
+    )
+    drafting = [b for b in range(num_rows) if spec_k[b] > 0]
+    if not drafting:
+        return out
+    members = [rows[b] for b in drafting]
+    index = _tensor(drafting, device)
+    sampling = RowSampling.of([row.request.params for row in members], device)
+    keys = _tensor([row.draft_key for row in members], device)
+    steps = _tensor([row.step for row in members], device)
+    draws = rng.uniforms(
+        keys,
+        rng.counter(
+            steps.view(-1, 1, 1),
+            torch.arange(num_drafts, device=device).view(1, -1, 1),
+            torch.arange(width, device=device).view(1, 1, -1),
+        ),
+    )  # (D, K, k)
+    thresholds = torch.tensor([row.request.adaptive_threshold for row in members], device=device)
+    adaptive = any(row.request.adaptive_threshold > 0 for row in members)
+    own_k = out.num_drafted[index].clone()
+    ids = torch.zeros(len(members), num_drafts, width, dtype=torch.int64, device=device)
+    probs = torch.zeros(len(members), num_drafts, width, pair.vocab_size, device=device)
+
+    # Position 0: one forward over each row's pending tokens, shared by its branches.
+    pending = [row.seq[row.draft_len :] for row in members]
+    input_ids, left, real = _left_padded(pending, device)
+    logits = _run(
+        pair,
+        pair.draft,
+        pair.draft_cache,
+        input_ids,
+        start=[row.draft_len for row in members],
+        left=left,
+        real=real,
+        own=[row.slots[0] for row in members],
+        base=[row.slots[0] for row in members],
+        prefix=[0] * len(members),
+        num_logits=1,
+        adapters=[row.request.adapter for row in members],
+    )
+    q = rows_to_probs(logits[:, 0], sampling)  # (D, V)
+    ids[:, :, 0] = sample_from_probs(q.unsqueeze(1).expand(-1, num_drafts, -1), draws[:, :, 0])
+    probs[:, :, 0] = q.unsqueeze(1)
+    counts = _tensor([branches[b] for b in drafting], device)
+    real_branch = torch.arange(num_drafts, device=device) < counts.unsqueeze(1)  # (D, K)
+    if adaptive:
+        own_k = _adaptive_stop(own_k, probs, ids, thresholds, real_branch, 0)
+
+    # Positions 1..k-1: every branch of every row still drafting, one token each.
+    fan_out = [(d, j) for d, b in enumerate(drafting) for j in range(branches[b])]
+    for i in range(1, width):
+        active = [(d, j) for d, j in fan_out if spec_k[drafting[d]] > i]
+        if not active:
+            break
+        row_of = _tensor([d for d, _ in active], device)
+        branch_of = _tensor([j for _, j in active], device)
+        owners = [members[d] for d, _ in active]
+        logits = _run(
+            pair,
+            pair.draft,
+            pair.draft_cache,
+            ids[row_of, branch_of, i - 1].unsqueeze(1),
+            start=[len(row.seq) + i - 1 for row in owners],
+            left=torch.zeros(len(active), dtype=torch.int64, device=device),
+            real=torch.ones(len(active), dtype=torch.int64, device=device),
+            own=[row.slots[j] for row, (_, j) in zip(owners, active, strict=True)],
+            base=[row.slots[0] for row in owners],
+            prefix=[len(row.seq) for row in owners],
+            num_logits=1,
+            adapters=[row.request.adapter for row in owners],
+        )
+        q = rows_to_probs(logits[:, 0], sampling.select(row_of))  # (A, V)
+        ids[row_of, branch_of, i] = sample_from_probs(q, draws[row_of, branch_of, i])
+        probs[row_of, branch_of, i] = q
+        if adaptive:
+            own_k = _adaptive_stop(own_k, probs, ids, thresholds, real_branch, i)
+    out.ids[index] = ids
+    out.probs[index] = probs
+    out.num_drafted[index] = own_k
+    return out
+
+
+def _adaptive_stop(
+    own_k: torch.Tensor,
+    probs: torch.Tensor,
+    ids: torch.Tensor,
+    thresholds: torch.Tensor,
+    real_branch: torch.Tensor,
+    position: int,
+) -> torch.Tensor:
+    """Stops a row's drafting after ``position`` when a drafted token's q is below its
+    threshold (depends on the draft only, so outputs stay exact). Rows that drafted fewer
+    positions are unaffected: their ``own_k`` is at most ``position + 1`` already."""
+    confidence = probs[:, :, position].gather(-1, ids[:, :, position].unsqueeze(-1))[..., 0]
+    lowest = confidence.masked_fill(~real_branch, float("inf")).amin(dim=-1)  # (D,)
+    low = lowest < thresholds
+    return torch.where(low & (own_k > position + 1), position + 1, own_k)
+
+
+@dataclass
+class _Verified:
+    num_accepted: torch.Tensor  # (B,)
+    next_token_ids: torch.Tensor  # (B,)
+    draft_index: torch.Tensor  # (B,) the branch whose prefix was kept
+
+
+def _verify(
+    rows: list[Row],
+    drafts: _Drafts,
+    target_probs: torch.Tensor,
+    first_row: torch.Tensor,
+    branches: list[int],
+    width: int,
+) -> _Verified:
+    """Runs each verifier once over its rows; draws come from each row's verify stream."""
+    device, num_rows = target_probs.device, len(rows)
+    keys = _tensor([row.verify_key for row in rows], device)
+    steps = _tensor([row.step for row in rows], device)
+    sample_draws = rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION))  # (B,)
+    zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if width == 0:  # speculation off for every row: sample from the target
+        next_ids = sample_from_probs(target_probs[first_row, 0], sample_draws)
+        return _Verified(zeros, next_ids, zeros.clone())
+    num_drafts = drafts.ids.shape[1]
+    accept_draws = rng.uniforms(
+        keys,
+        rng.counter(
+            steps.view(-1, 1, 1),
+            torch.arange(num_drafts, device=device).view(1, -1, 1),
+            torch.arange(width, device=device).view(1, 1, -1),
+        ),
+    )  # (B, K, k)
+    result = _Verified(zeros.clone(), zeros.clone(), zeros.clone())
+    for name, verify in VERIFIERS.items():
+        members = [b for b, row in enumerate(rows) if row.request.verifier == name]
+        if not members:
+            continue
+        group = _tensor(members, device)
+        if name == "spectr":
+            counts = _tensor([branches[b] for b in members], device)
+            branch = torch.minimum(torch.arange(num_drafts, device=device), counts.unsqueeze(1) - 1)
+            out = verify(
+                drafts.ids[group],
+                drafts.probs[group],
+                target_probs[first_row[group].unsqueeze(1) + branch],  # (G, K, k + 1, V)
+                accept_draws[group],
+                sample_draws[group],
+                num_draft_tokens=drafts.num_drafted[group],
+                num_drafts=counts,
+            )
+        else:
+            out = verify(
+                drafts.ids[group, 0],
+                drafts.probs[group, 0],
+                target_probs[first_row[group]],
+                accept_draws[group, 0],
+                sample_draws[group],
+                num_draft_tokens=drafts.num_drafted[group],
+            )
+        result.num_accepted[group] = out.num_accepted
+        result.next_token_ids[group] = out.next_token_ids
+        result.draft_index[group] = out.draft_index
+    return result
+
+
+@torch.inference_mode()
+def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
+    """One speculative step for every row (all prefilled); returns each row's chunk."""
+    device, num_rows = pair.device, len(rows)
+    spec_k = [row.spec_tokens() for row in rows]
+    branches = [row.request.num_slots for row in rows]
+    width = max(spec_k)
+    drafts = _propose(pair, rows, spec_k, branches, max(width, 1))
+
+    # One target forward: each branch row holds its pending tokens, then its drafts.
+    fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
+    first_row = _tensor([sum(branches[:b]) for b in range(num_rows)], device)
+    row_of = _tensor([b for b, _ in fan_out], device)
+    pending, left, real = _left_padded(
+        [rows[b].seq[rows[b].target_len :] for b, _ in fan_out], device
+    )
+    input_ids = pending
+    if width > 0:
+        spec = drafts.ids[row_of, _tensor([j for _, j in fan_out], device), :width]  # (R, k)
+        k_of = _tensor([spec_k[b] for b, _ in fan_out], device)
+        spec = spec.masked_fill(torch.arange(width, device=device) >= k_of.unsqueeze(1), 0)
+        input_ids = torch.cat([pending, spec], dim=1)
+        real = real + k_of
+    logits = _run(
+        pair,
+        pair.target,
+        pair.target_cache,
+        input_ids,
+        start=[rows[b].target_len for b, _ in fan_out],
+        left=left,
+        real=real,
+        own=[rows[b].slots[j] for b, j in fan_out],
+        base=[rows[b].slots[0] for b, _ in fan_out],
+        prefix=[rows[b].target_len for b, _ in fan_out],
+        num_logits=width + 1,
+    )  # (R, k + 1, V)
+    sampling = RowSampling.of([row.request.params for row in rows], device).select(row_of)
+    target_probs = rows_to_probs(logits, sampling)
+    verified = _verify(rows, drafts, target_probs, first_row, branches, width)
+
+    everyone = torch.arange(num_rows, device=device)
+    chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
+    logging = [b for b, row in enumerate(rows) if row.request.log_top_m]
+    if logging:
+        top_ids, top_probs = top_m_distribution(
+            logits[first_row + verified.draft_index], pair.log_top_m
+        )  # (B, k + 1, m)
+        chosen_q = drafts.probs[everyone, verified.draft_index, :width]  # (B, k, V)
+        draft_token_probs = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+    # The one host sync of the step.
+    packed = torch.cat(
+        [
+            torch.stack(
+                [
+                    verified.num_accepted,
+                    verified.next_token_ids,
+                    verified.draft_index,
+                    drafts.num_drafted,
+                ],
+                dim=1,
+            ),
+            chosen_ids,
+        ],
+        dim=1,
+    ).tolist()
+    copies: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
+    chunks = []
+    for b, row in enumerate(rows):
+        num_accepted, next_token, branch, num_drafted = packed[b][:4]
+        length = len(row.seq)
+        if branch > 0:  # a SpecTr branch won: its kept tokens move to the request's slot
+            src, dst = row.slots[branch], row.slots[0]
+            copies["target"] += [
+                (src, dst, p) for p in range(row.target_len, length + num_accepted)
+            ]
+            kept_draft = min(length + spec_k[b] - 1, length + num_accepted)
+            copies["draft"] += [(src, dst, p) for p in range(length, kept_draft)]
+        row.target_len = length + num_accepted
+        if spec_k[b] > 0:
+            row.draft_len = min(length + spec_k[b] - 1, length + num_accepted)
+        if row.request.log_top_m:
+            row.log_rows.append((top_ids[b, : num_accepted + 1], top_probs[b, : num_accepted + 1]))
+            row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
+        chunks.append(row.emit(packed[b][4:], num_accepted, next_token, num_drafted))
+    for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):
+        if copies[name]:
+            moves = torch.tensor(copies[name], device=device)  # (N, 3): src, dst, position
+            cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
+    return chunks
