@@ -100,8 +100,15 @@ class ServeConfig:
     port: int = 8000
     model_name: str = "osd"
     num_replicas: int = 1
-    max_ongoing_requests: int = 8
+    max_ongoing_requests: int = 32
     max_queued_requests: int = 32
+    # The replica's decode loop (vLLM's names): requests decoded together per step, prompt
+    # tokens prefilled per step, KV slots per model (0: max_num_seqs; a spectr request takes
+    # num_drafts), positions per sequence (0: the models' context length).
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_slots: int = 0
+    max_model_len: int = 0
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_tokens_limit: int = 1024
@@ -120,6 +127,15 @@ class ServeConfig:
         _require(
             self.max_tokens_limit >= 1, "serve.max_tokens_limit", self.max_tokens_limit, ">= 1"
         )
+        _require(self.max_num_seqs >= 1, "serve.max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "serve.max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
+        _require(self.kv_slots >= 0, "serve.kv_slots", self.kv_slots, ">= 0")
+        _require(self.max_model_len >= 0, "serve.max_model_len", self.max_model_len, ">= 0")
 
 
 @dataclass(frozen=True)

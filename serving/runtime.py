@@ -1,8 +1,10 @@
 """One replica's state: the engine, the draft's adapter versions, router, log writer, metrics.
 
-Requests run concurrently in a thread pool (torch releases the GIL in its kernels); each has its
-own KV caches and random streams, and leases one adapter version for its whole life. After a
-request, its record goes to the log writer's queue (never blocking) unless it opted out.
+All requests of a replica are decoded by one batched loop (:class:`osd.spec.loop.
+BatchedEngine`): each is a row with its own KV slot, random streams and leased adapter
+version, and every step drafts, verifies and emits for all rows together. A small thread pool
+only waits on the rows' outputs for the event loop. After a request, its record goes to the log
+writer's queue (never blocking) unless it opted out.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osd.config import OSDConfig
-from osd.engine import GenerationStream, SpeculativeDecoder
+from osd.engine import SpeculativeDecoder
 from osd.generation import GenerationResult, StreamChunk
 from osd.model_sources import attach_lora_adapters, load_model_pair
+from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle
+from osd.spec.scheduler import BatchLimits
 from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
 from serving.metrics import ReplicaMetrics
 from serving.protocol import APIError, ChatRequest, CompletionRequest, new_id
@@ -34,7 +38,7 @@ class Job:
     """One admitted request: its stream, route and adapter lease."""
 
     request: CompletionRequest | ChatRequest
-    stream: GenerationStream
+    stream: RequestHandle
     route: RouteDecision
     lease: AdapterLease
     request_id: str = field(default_factory=lambda: new_id("req"))
@@ -64,13 +68,25 @@ class ReplicaRuntime:
         )
         self.slots = AdapterSlots(draft, adapters)
         self.engine.draft.guard = self.slots.model_lock.reading
+        serve = config.serve
+        self.batch = BatchedEngine(
+            self.engine,
+            BatchLimits(
+                max_num_seqs=serve.max_num_seqs,
+                max_num_batched_tokens=serve.max_num_batched_tokens,
+                kv_slots=serve.kv_slots,
+                max_model_len=serve.max_model_len,
+                max_waiting=serve.max_ongoing_requests,
+            ),
+        )
         self.router = AdapterRouter(adapters, general=adapters[0])
         self.metrics = ReplicaMetrics()
         self.log_writer = log_writer
         self.monitor: Any = None  # set by the adapter watcher: observe(adapter, version, acc)
         self.adapter_events: deque[dict[str, Any]] = deque(maxlen=100)  # swaps, rollbacks...
         limit = config.serve.max_ongoing_requests
-        self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="decode")
+        # Threads that wait on rows' outputs (the decoding happens in the batch loop).
+        self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="rows")
         self._admission = threading.BoundedSemaphore(limit)
         self._finish_lock = threading.Lock()
         # Unloads adapter versions a finished request was the last to use, off the event loop.
@@ -123,6 +139,9 @@ class ReplicaRuntime:
             lease = self.slots.acquire(route.adapter)
             try:
                 stream = self._start(request, lease, max_tokens)
+            except EngineFull as exc:
+                self._give_back(lease)
+                raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded") from None
             except BaseException:
                 self._give_back(lease)
                 raise
@@ -137,9 +156,9 @@ class ReplicaRuntime:
 
     def _start(
         self, request: CompletionRequest | ChatRequest, lease: AdapterLease, max_tokens: int
-    ) -> GenerationStream:
+    ) -> RequestHandle:
         spec, defaults = request.spec, self.config.spec
-        return self.engine.stream(
+        prepared = self.engine.prepare(
             self.prompt_of(request),
             max_tokens=max_tokens,
             temperature=request.temperature,
@@ -153,6 +172,7 @@ class ReplicaRuntime:
             adapter=lease.peft_name,
             log=self.log_writer is not None and request.log,
         )
+        return self.batch.submit(prepared)
 
     async def complete(self, job: Job) -> GenerationResult:
         """Runs a request to the end in the thread pool."""
@@ -303,6 +323,7 @@ class ReplicaRuntime:
         return self.metrics.export()
 
     def close(self) -> None:
+        self.batch.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._housekeeping.shutdown(wait=False)
         if self.log_writer is not None:

@@ -1,0 +1,266 @@
+"""The batched decode loop on the demo pair: throughput by concurrency, speculation vs target alone.
+
+In one process: the demo pair, one :class:`osd.spec.loop.BatchedEngine` (as a replica runs it),
+closed-loop clients (each sends its next request when the last one ends) at each concurrency,
+the same held-out prompts everywhere, greedy, tokens counted from the results. Variants per
+domain: the target alone (``method=none`` through the same loop), block verification (k=4)
+with the base draft, and with a LoRA adapter distilled offline on that domain (the headroom
+the online loop chases; ``--distill-steps 0`` skips it). Prints tokens/s, its ratio to
+concurrency 1 and to the target alone, p50 time to first token, the mean batch, the share of
+a step spent outside the model forwards, and measured speedup against the cost-model bound
+``(1 - a^(k+1)) / ((1 - a)(1 + k c))`` at the measured acceptance ``a`` and cost ratio ``c``.
+
+Run alone on a quiet machine: ``python -m bench.bench_batched`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench.tables import print_table
+from osd import SpeculativeDecoder
+from osd.demo import build_demo_models, load_corpus_split
+from osd.demo.distill import DistillRecipe, distill_adapter
+from osd.demo.report import load_pair
+from osd.demo.training import encode_streams
+from osd.models import CausalLM
+from osd.spec.loop import BatchedEngine
+from osd.spec.scheduler import BatchLimits
+
+
+@dataclass
+class ForwardClock:
+    """Wall time and calls of one model's batched forwards (CPU: forwards are synchronous)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    rows: list[int] = field(default_factory=list)
+
+
+def clocked(model: CausalLM, clock: ForwardClock) -> Callable[[], None]:
+    """Times ``model.run``; returns the function that undoes it."""
+    real = model.run
+
+    def run(plan: Any, cache: Any, **kwargs: Any) -> torch.Tensor:
+        started = time.perf_counter()
+        out = real(plan, cache, **kwargs)
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        clock.seconds += time.perf_counter() - started
+        clock.calls += 1
+        clock.rows.append(int(plan.input_ids.shape[0]))
+        return out
+
+    model.run = run  # type: ignore[method-assign]
+    return lambda: setattr(model, "run", real)
+
+
+def closed_loop(
+    engine: BatchedEngine,
+    decoder: SpeculativeDecoder,
+    prompts: list[str],
+    concurrency: int,
+    num_requests: int,
+    request: dict[str, Any],
+) -> dict[str, float]:
+    """``concurrency`` clients send ``num_requests`` requests in all; returns the figures."""
+    lock = threading.Lock()
+    order = iter(range(num_requests))
+    ttfts: list[float] = []
+    totals = {"tokens": 0, "drafted": 0, "accepted": 0}
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            started = time.perf_counter()
+            handle = engine.submit(decoder.prepare(prompts[i % len(prompts)], **request))
+            first = None
+            for _ in handle:
+                first = first or time.perf_counter() - started
+            result = handle.result()
+            with lock:
+                ttfts.append(first or 0.0)
+                totals["tokens"] += len(result.token_ids)
+                totals["drafted"] += result.stats.drafted
+                totals["accepted"] += result.stats.accepted
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - started
+    return {
+        "tok/s": totals["tokens"] / elapsed,
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "tokens": totals["tokens"],
+    }
+
+
+def measure(
+    decoder: SpeculativeDecoder,
+    prompts: list[str],
+    concurrency: int,
+    num_requests: int,
+    request: dict[str, Any],
+    max_num_seqs: int,
+) -> dict[str, float]:
+    """One variant at one concurrency on a fresh engine, with forward clocks."""
+    target_clock, draft_clock = ForwardClock(), ForwardClock()
+    undo = [clocked(decoder.target, target_clock), clocked(decoder.draft, draft_clock)]
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024))
+    try:
+        row = closed_loop(engine, decoder, prompts, concurrency, num_requests, request)
+    finally:
+        engine.close()
+        for restore in undo:
+            restore()
+    stats = engine.stats
+    forwards = target_clock.seconds + draft_clock.seconds
+    row["mean_batch"] = stats.mean_batch
+    # Outside the forwards: scheduling, sampling, verification, bookkeeping (prefill excluded).
+    row["overhead"] = max(0.0, 1 - forwards / max(stats.step_seconds, 1e-9))
+    row["target_ms"] = 1000 * target_clock.seconds / max(target_clock.calls, 1)
+    row["draft_ms"] = 1000 * draft_clock.seconds / max(draft_clock.calls, 1)
+    return row
+
+
+def cost_bound(acceptance: float, k: int, cost_ratio: float) -> float:
+    """Expected speedup over the target alone: (1 - a^(k+1)) / ((1 - a)(1 + k c))."""
+    a = min(acceptance, 1 - 1e-9)
+    return (1 - a ** (k + 1)) / ((1 - a) * (1 + k * cost_ratio))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--domains", default="sql,prose", help="comma-separated demo domains")
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=32, help="requests per measurement")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4, help="drafted tokens per step")
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--distill-steps", type=int, default=DistillRecipe.steps)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    paths = build_demo_models()
+    target, draft, tokenizer = load_pair(paths)
+    adapters: list[str] = []
+    if args.distill_steps > 0:
+        texts = {
+            d: [doc.text for doc in load_corpus_split(paths.corpus, d, "train")] for d in domains
+        }
+        streams = encode_streams(tokenizer, texts)
+        for domain in domains:
+            if domain == "prose":  # the base draft's own domain
+                continue
+            outcome = distill_adapter(
+                target, draft, streams, domain, DistillRecipe(steps=args.distill_steps)
+            )
+            draft = outcome.draft
+            adapters.append(domain)
+            print(f"distilled {domain!r} in {outcome.seconds:.0f}s", flush=True)
+    decoder = SpeculativeDecoder(target, draft, tokenizer)
+    greedy = {"max_tokens": args.max_tokens, "temperature": 0.0, "stop_token_ids": []}
+    rows: list[dict[str, Any]] = []
+    for domain in domains:
+        prompts = [d.prompt for d in load_corpus_split(paths.corpus, domain, "heldout")][:64]
+        variants: dict[str, dict[str, Any]] = {
+            "target alone": {"method": "none"},
+            f"block k={args.k}, base draft": {"method": "block", "num_spec_tokens": args.k},
+        }
+        if domain in adapters:
+            variants[f"block k={args.k}, {domain} adapter"] = {
+                "method": "block",
+                "num_spec_tokens": args.k,
+                "adapter": domain,
+            }
+        closed_loop(  # warm-up
+            BatchedEngine(decoder), decoder, prompts, 2, 4, {**greedy, "method": "block"}
+        )
+        for concurrency in levels:
+            for name, extra in variants.items():
+                figures = measure(
+                    decoder,
+                    prompts,
+                    concurrency,
+                    max(args.requests, concurrency),
+                    {**greedy, **extra},
+                    args.max_num_seqs,
+                )
+                rows.append({"domain": domain, "variant": name, "conc": concurrency, **figures})
+                print(json.dumps(rows[-1]), flush=True)
+    report(rows, levels, args.k)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=2)
+    return 0
+
+
+def report(rows: list[dict[str, Any]], levels: list[int], k: int) -> None:
+    def find(domain: str, variant: str, conc: int) -> dict[str, Any] | None:
+        for row in rows:
+            if (row["domain"], row["variant"], row["conc"]) == (domain, variant, conc):
+                return row
+        return None
+
+    table = []
+    for row in rows:
+        alone = find(row["domain"], "target alone", row["conc"])
+        first = find(row["domain"], row["variant"], levels[0])
+        speedup = row["tok/s"] / alone["tok/s"] if alone else float("nan")
+        bound = ""
+        if row["variant"] != "target alone" and alone:
+            cost_ratio = row["draft_ms"] / alone["target_ms"]
+            expected = cost_bound(row["acceptance"], k, cost_ratio)
+            bound = f"{speedup / expected:.2f} (a={row['acceptance']:.2f}, c={cost_ratio:.2f})"
+        table.append(
+            [
+                f"{row['domain']}: {row['variant']}",
+                row["conc"],
+                f"{row['tok/s']:.0f}",
+                f"{row['tok/s'] / first['tok/s']:.2f}x" if first else "",
+                f"{speedup:.2f}x",
+                f"{row['ttft_p50_ms']:.0f}",
+                f"{row['mean_batch']:.1f}",
+                f"{row['overhead']:.0%}",
+                bound,
+            ]
+        )
+    print_table(
+        "batched decode loop, demo pair, greedy (tokens/s; ratios in this run)",
+        [
+            "domain: variant",
+            "conc",
+            "tok/s",
+            "vs conc 1",
+            "vs target",
+            "ttft p50 ms",
+            "batch",
+            "overhead",
+            "vs cost bound",
+        ],
+        table,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
