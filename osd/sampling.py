@@ -87,18 +87,37 @@ class RowSampling:
     temperature: torch.Tensor
     top_p: torch.Tensor
     top_k: torch.Tensor
+    # Known on the host, so no step asks the device whether a filter is needed (no sync);
+    # True when some row may need it.
+    any_greedy: bool = True
+    any_top_k: bool = True
+    any_top_p: bool = True
 
     @staticmethod
     def of(params: list[SamplingParams], device: torch.device | str) -> RowSampling:
+        values = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params])
+        if torch.device(device).type == "cuda":
+            values = values.pin_memory()
+        values = values.to(device, non_blocking=True)
         return RowSampling(
-            temperature=torch.tensor([p.temperature for p in params], device=device),
-            top_p=torch.tensor([p.top_p for p in params], device=device),
-            top_k=torch.tensor([p.top_k for p in params], device=device, dtype=torch.int64),
+            temperature=values[:, 0],
+            top_p=values[:, 1],
+            top_k=values[:, 2].long(),
+            any_greedy=any(p.is_greedy for p in params),
+            any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
         )
 
     def select(self, index: torch.Tensor) -> RowSampling:
         """The rows ``index`` (a (B',) int64 tensor), e.g. one row per draft branch."""
-        return RowSampling(self.temperature[index], self.top_p[index], self.top_k[index])
+        return RowSampling(
+            self.temperature[index],
+            self.top_p[index],
+            self.top_k[index],
+            self.any_greedy,
+            self.any_top_k,
+            self.any_top_p,
+        )
 
 
 def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -120,16 +139,16 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     vocab_size = logits.shape[-1]
     top_k = rows.top_k.view(shape)
     filter_k = (top_k > 0) & (top_k < vocab_size)
-    if bool(filter_k.any()):
+    if rows.any_top_k:
         sorted_logits = torch.sort(scaled, dim=-1, descending=True).values
         index = (top_k.clamp(1, vocab_size) - 1).expand(*scaled.shape[:-1], 1)
         kth_largest = sorted_logits.gather(-1, index)
         scaled = torch.where(filter_k & (scaled < kth_largest), float("-inf"), scaled)
     probs = torch.softmax(scaled, dim=-1)
     top_p = rows.top_p.to(dtype).view(shape)
-    if bool((top_p < 1.0).any()):
+    if rows.any_top_p:
         probs = torch.where(top_p < 1.0, _keep_top_p(probs, top_p), probs)
-    if bool(greedy.any()):
+    if rows.any_greedy:
         one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
@@ -163,10 +182,9 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     targets = (uniforms.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # (..., 1)
     ids = torch.searchsorted(cdf.contiguous(), targets.contiguous(), right=True).squeeze(-1)
     ids = ids.clamp_(max=probs.shape[-1] - 1)
-    # Rounding can land past the last token with mass; step back to the last nonzero one.
+    # Rounding can land past the last token with mass; step back to the last nonzero one
+    # (always computed: asking the device whether it is needed would cost a host sync).
     chosen_mass = probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    if bool((chosen_mass <= 0).any()):
-        positions = torch.arange(probs.shape[-1], device=probs.device)
-        last_nonzero = torch.where(probs > 0, positions, -1).amax(dim=-1)
-        ids = torch.where(chosen_mass > 0, ids, last_nonzero)
-    return ids
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_nonzero = torch.where(probs > 0, positions, -1).amax(dim=-1)
+    return torch.where(chosen_mass > 0, ids, last_nonzero)

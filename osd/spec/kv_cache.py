@@ -82,6 +82,7 @@ def plan_forward(
     prefix_len: torch.Tensor,
     trash_slot: int,
     dtype: torch.dtype,
+    kv_len: int | None = None,
 ) -> ForwardPlan:
     """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
 
@@ -96,6 +97,8 @@ def plan_forward(
         prefix_len: (B,) shared-prefix length read from base_slot.
         trash_slot: index of the slot that takes padding writes.
         dtype: the model's dtype, for the additive mask.
+        kv_len: ``max(start + real)`` when the caller knows it on the host (saves a device
+            sync); computed otherwise.
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -104,7 +107,8 @@ def plan_forward(
     positions = start.unsqueeze(1) + offset  # (B, T)
     valid = (offset >= 0) & (offset < real.unsqueeze(1))
     query_pos = torch.where(offset >= 0, positions, 0)
-    kv_len = int((start + real).max()) if batch else 0
+    if kv_len is None:
+        kv_len = int((start + real).max()) if batch else 0
     keys = torch.arange(kv_len, device=device)  # (S,)
     read_slot = torch.where(
         keys.unsqueeze(0) < prefix_len.unsqueeze(1), base_slot.unsqueeze(1), own_slot.unsqueeze(1)
@@ -153,7 +157,7 @@ class SlotKVCache:
 
     def bind(self, plan: ForwardPlan) -> None:
         """Sets the plan the next forward follows; grows the storage if it needs more room."""
-        needed = max(plan.kv_len, int(plan.write_pos.max()) + 1 if plan.write_pos.numel() else 0)
+        needed = plan.kv_len  # real tokens are written below it (padding goes to the trash)
         if needed > self.max_len:
             raise ValueError(f"forward needs {needed} positions; slots hold {self.max_len}")
         if needed > self._capacity:

@@ -64,21 +64,30 @@ def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torc
     return top.indices, top.values
 
 
-def _tensor(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host to device without a sync: a pageable copy to a GPU would wait for its stream."""
+    if device.type == "cuda":
+        return values.pin_memory().to(device, non_blocking=True)
+    return values.to(device)
+
+
+def _tensor(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    return _to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _left_padded(
     token_lists: list[list[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of tokens, left-padded to one width: (B, T) ids, (B,) left padding, (B,) lengths."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Rows of tokens, left-padded to one width: (B, T) ids, (B,) left padding, (B,) lengths,
+    and the lengths on the host."""
     width = max(len(tokens) for tokens in token_lists)
     rows = [[0] * (width - len(tokens)) + tokens for tokens in token_lists]
     lengths = [len(tokens) for tokens in token_lists]
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
+        _tensor(rows, device),
         _tensor([width - n for n in lengths], device),
         _tensor(lengths, device),
+        lengths,
     )
 
 
@@ -91,6 +100,7 @@ def _run(
     start: list[int],
     left: torch.Tensor,
     real: torch.Tensor,
+    num_real: list[int],
     own: list[int],
     base: list[int],
     prefix: list[int],
@@ -108,6 +118,7 @@ def _run(
         prefix_len=_tensor(prefix, device),
         trash_slot=cache.trash_slot,
         dtype=pair.dtype,
+        kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
 
@@ -133,7 +144,7 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
         if not members:
             continue
         tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
-        ids, left, real = _left_padded(tokens, pair.device)
+        ids, left, real, num_real = _left_padded(tokens, pair.device)
         _run(
             pair,
             model,
@@ -142,6 +153,7 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
             start=[row.target_len for row, _ in members],
             left=left,
             real=real,
+            num_real=num_real,
             own=[row.slots[0] for row, _ in members],
             base=[row.slots[0] for row, _ in members],
             prefix=[0] * len(members),
@@ -197,7 +209,7 @@ def _propose(
 
     # Position 0: one forward over each row's pending tokens, shared by its branches.
     pending = [row.seq[row.draft_len :] for row in members]
-    input_ids, left, real = _left_padded(pending, device)
+    input_ids, left, real, num_real = _left_padded(pending, device)
     logits = _run(
         pair,
         pair.draft,
@@ -206,6 +218,7 @@ def _propose(
         start=[row.draft_len for row in members],
         left=left,
         real=real,
+        num_real=num_real,
         own=[row.slots[0] for row in members],
         base=[row.slots[0] for row in members],
         prefix=[0] * len(members),
@@ -237,6 +250,7 @@ def _propose(
             start=[len(row.seq) + i - 1 for row in owners],
             left=torch.zeros(len(active), dtype=torch.int64, device=device),
             real=torch.ones(len(active), dtype=torch.int64, device=device),
+            num_real=[1] * len(active),
             own=[row.slots[j] for row, (_, j) in zip(owners, active, strict=True)],
             base=[row.slots[0] for row in owners],
             prefix=[len(row.seq) for row in owners],
@@ -350,7 +364,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
     first_row = _tensor([sum(branches[:b]) for b in range(num_rows)], device)
     row_of = _tensor([b for b, _ in fan_out], device)
-    pending, left, real = _left_padded(
+    pending, left, real, num_real = _left_padded(
         [rows[b].seq[rows[b].target_len :] for b, _ in fan_out], device
     )
     input_ids = pending
@@ -360,6 +374,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         spec = spec.masked_fill(torch.arange(width, device=device) >= k_of.unsqueeze(1), 0)
         input_ids = torch.cat([pending, spec], dim=1)
         real = real + k_of
+        num_real = [n + spec_k[b] for n, (b, _) in zip(num_real, fan_out, strict=True)]
     logits = _run(
         pair,
         pair.target,
@@ -368,6 +383,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         start=[rows[b].target_len for b, _ in fan_out],
         left=left,
         real=real,
+        num_real=num_real,
         own=[rows[b].slots[j] for b, j in fan_out],
         base=[rows[b].slots[0] for b, _ in fan_out],
         prefix=[rows[b].target_len for b, _ in fan_out],
