@@ -118,11 +118,13 @@ def measure(
     num_requests: int,
     request: dict[str, Any],
     max_num_seqs: int,
+    num_threads: int,
 ) -> dict[str, float]:
     """One variant at one concurrency on a fresh engine, with forward clocks."""
     target_clock, draft_clock = ForwardClock(), ForwardClock()
     undo = [clocked(decoder.target, target_clock), clocked(decoder.draft, draft_clock)]
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024))
+    limits = BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024)
+    engine = BatchedEngine(decoder, limits, num_threads=num_threads)
     try:
         row = closed_loop(engine, decoder, prompts, concurrency, num_requests, request)
     finally:
@@ -164,20 +166,33 @@ def main(argv: list[str] | None = None) -> int:
     paths = build_demo_models()
     target, draft, tokenizer = load_pair(paths)
     adapters: list[str] = []
-    if args.distill_steps > 0:
+    distilled: dict[str, Any] = {}
+
+    def distill() -> None:  # in a thread that ends: see below
+        torch.set_num_threads(args.threads)
         texts = {
             d: [doc.text for doc in load_corpus_split(paths.corpus, d, "train")] for d in domains
         }
         streams = encode_streams(tokenizer, texts)
+        model = draft
         for domain in domains:
             if domain == "prose":  # the base draft's own domain
                 continue
             outcome = distill_adapter(
-                target, draft, streams, domain, DistillRecipe(steps=args.distill_steps)
+                target, model, streams, domain, DistillRecipe(steps=args.distill_steps)
             )
-            draft = outcome.draft
+            model = outcome.draft
             adapters.append(domain)
             print(f"distilled {domain!r} in {outcome.seconds:.0f}s", flush=True)
+        distilled["draft"] = model
+
+    if args.distill_steps > 0:
+        # Training in a thread that then exits: a thread that ran parallel torch work keeps an
+        # OpenMP team, and a second team beside the decode loop's halved its speed here.
+        worker = threading.Thread(target=distill)
+        worker.start()
+        worker.join()
+        draft = distilled["draft"]
     decoder = SpeculativeDecoder(target, draft, tokenizer)
     greedy = {"max_tokens": args.max_tokens, "temperature": 0.0, "stop_token_ids": []}
     rows: list[dict[str, Any]] = []
@@ -193,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                 "num_spec_tokens": args.k,
                 "adapter": domain,
             }
-        closed_loop(  # warm-up
-            BatchedEngine(decoder), decoder, prompts, 2, 4, {**greedy, "method": "block"}
-        )
+        warm = BatchedEngine(decoder, num_threads=args.threads)
+        closed_loop(warm, decoder, prompts, 2, 4, {**greedy, "method": "block"})
+        warm.close()
         for concurrency in levels:
             for name, extra in variants.items():
                 figures = measure(
@@ -205,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                     max(args.requests, concurrency),
                     {**greedy, **extra},
                     args.max_num_seqs,
+                    args.threads,
                 )
                 rows.append({"domain": domain, "variant": name, "conc": concurrency, **figures})
                 print(json.dumps(rows[-1]), flush=True)

@@ -109,6 +109,8 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     kv_slots: int = 0
     max_model_len: int = 0
+    # torch intra-op threads of the decode loop; 0: every core the replica may use.
+    torch_threads: int = 0
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_tokens_limit: int = 1024
@@ -136,6 +138,7 @@ class ServeConfig:
         )
         _require(self.kv_slots >= 0, "serve.kv_slots", self.kv_slots, ">= 0")
         _require(self.max_model_len >= 0, "serve.max_model_len", self.max_model_len, ">= 0")
+        _require(self.torch_threads >= 0, "serve.torch_threads", self.torch_threads, ">= 0")
 
 
 @dataclass(frozen=True)

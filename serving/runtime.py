@@ -23,7 +23,7 @@ from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
 from osd.generation import GenerationResult, StreamChunk
 from osd.model_sources import attach_lora_adapters, load_model_pair
-from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle
+from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
 from osd.spec.scheduler import BatchLimits
 from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
 from serving.metrics import ReplicaMetrics
@@ -78,6 +78,7 @@ class ReplicaRuntime:
                 max_model_len=serve.max_model_len,
                 max_waiting=serve.max_ongoing_requests,
             ),
+            num_threads=serve.torch_threads or None,
         )
         self.router = AdapterRouter(adapters, general=adapters[0])
         self.metrics = ReplicaMetrics()
@@ -90,7 +91,9 @@ class ReplicaRuntime:
         self._admission = threading.BoundedSemaphore(limit)
         self._finish_lock = threading.Lock()
         # Unloads adapter versions a finished request was the last to use, off the event loop.
-        self._housekeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapters")
+        self._housekeeping = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="adapters", initializer=single_threaded_torch
+        )
 
     @property
     def tokenizer(self) -> Any:

@@ -26,6 +26,7 @@ from osd.adapter_manifest import (
 )
 from osd.adapter_store import AdapterStore, open_adapter_store
 from osd.config import OSDConfig
+from osd.spec.loop import single_threaded_torch
 from serving.adapter_slots import peft_adapter_name
 from serving.runtime import ReplicaRuntime
 
@@ -248,6 +249,7 @@ class AdapterWatcher:
         logger.info("adapter %s", event)
 
     def _run(self) -> None:
+        single_threaded_torch()  # loads adapters beside the decode loop (see osd.spec.loop)
         subscription = None
         last = time.monotonic()
         while not self._stop.is_set():

@@ -12,12 +12,15 @@ request's chunks that blocks until the loop produces them.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import torch
 
 from osd.generation import GenerationResult, StreamChunk
 from osd.spec.rows import DecodeRequest, Row
@@ -27,11 +30,32 @@ from osd.spec.step import prefill, run_step
 if TYPE_CHECKING:
     from osd.engine import SpeculativeDecoder
 
-__all__ = ["BatchedEngine", "EngineFull", "LoopStats", "RequestHandle"]
+__all__ = [
+    "BatchedEngine",
+    "EngineFull",
+    "LoopStats",
+    "RequestHandle",
+    "single_threaded_torch",
+    "usable_cores",
+]
 
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def single_threaded_torch() -> None:
+    """Makes torch run single-threaded in the calling thread (helper threads that load
+    adapters or tensors beside the decode loop: see :meth:`BatchedEngine._loop`)."""
+    torch.set_num_threads(1)
 
 
 class EngineFull(RuntimeError):
@@ -113,10 +137,18 @@ class BatchedEngine:
     Args:
         decoder: the validated model pair (its draft's LoRA adapters serve the rows).
         limits: capacity; see :class:`BatchLimits`.
+        num_threads: torch intra-op threads of the loop; None: the cores this process may use.
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, limits: BatchLimits | None = None) -> None:
+    def __init__(
+        self,
+        decoder: SpeculativeDecoder,
+        limits: BatchLimits | None = None,
+        *,
+        num_threads: int | None = None,
+    ) -> None:
         self.decoder = decoder
+        self.num_threads = num_threads or usable_cores()
         self.limits = limits = limits or BatchLimits()
         max_len = decoder.max_context or 0
         if limits.max_model_len:
@@ -174,6 +206,11 @@ class BatchedEngine:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # The loop thread is the process's one thread that runs torch in parallel; its OpenMP
+        # team is its own (the count is per thread). Measured on 2 cores: a second thread with a
+        # parallel team of its own (e.g. the main thread after a matmul) made the loop's forwards
+        # about 2x slower; helper threads therefore run torch single-threaded.
+        torch.set_num_threads(self.num_threads)
         while not self._stop.is_set():
             try:
                 self._turn()

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from osd.models import CausalLM
+from osd.spec.kv_cache import ForwardPlan, SlotKVCache
 from osd.testing import tiny_llama, with_lora_adapters
 
 
@@ -39,3 +40,27 @@ def test_concurrent_calls_with_different_adapters_each_get_their_own():
     for thread in threads:
         thread.join()
     assert not wrong, f"{len(wrong)} of 180 calls ran with another thread's adapter: {wrong[:6]}"
+
+
+def test_mixed_adapter_batch_equals_each_row_through_peft_alone():
+    """Rows of one forward with different adapters (and the base) get exactly what peft computes
+    for each row alone with its adapter active."""
+    model = with_lora_adapters(
+        tiny_llama(vocab_size=64, hidden_size=32, num_layers=2, seed=0), ["a", "b"], seed=1
+    )
+    lm = CausalLM(model, vocab_size=64)
+    inputs = torch.arange(2, 26).reshape(4, 6)
+    adapters = ["a", None, "b", "a"]
+    with torch.no_grad():
+        cache = SlotKVCache(4, 16)
+        plan = ForwardPlan.make_dummy(batch=4, length=6, trash=cache.trash_slot)
+        plan.input_ids = inputs
+        mixed = lm.run(plan, cache, num_logits=6, adapters=adapters)
+        for row, adapter in enumerate(adapters):
+            if adapter is None:
+                with model.disable_adapter():
+                    alone = model(input_ids=inputs[row : row + 1]).logits
+            else:
+                model.set_adapter(adapter)
+                alone = model(input_ids=inputs[row : row + 1]).logits
+            torch.testing.assert_close(mixed[row], alone[0], atol=1e-5, rtol=0)
