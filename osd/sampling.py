@@ -92,6 +92,7 @@ class RowSampling:
     any_greedy: bool = True
     any_top_k: bool = True
     any_top_p: bool = True
+    all_greedy: bool = False
 
     @staticmethod
     def of(params: list[SamplingParams], device: torch.device | str) -> RowSampling:
@@ -106,6 +107,7 @@ class RowSampling:
             any_greedy=any(p.is_greedy for p in params),
             any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
+            all_greedy=all(p.is_greedy for p in params),
         )
 
     def select(self, index: torch.Tensor) -> RowSampling:
@@ -117,6 +119,7 @@ class RowSampling:
             self.any_greedy,
             self.any_top_k,
             self.any_top_p,
+            self.all_greedy,
         )
 
 
@@ -132,6 +135,8 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
+    if rows.all_greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     shape = (-1,) + (1,) * (logits.dim() - 1)
     greedy = (rows.temperature == 0).view(shape)
     temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0).to(dtype)
