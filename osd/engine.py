@@ -282,7 +282,8 @@ class GenerationStream:
         row = self._row
         if row.done:
             raise StopIteration
-        prefill(self._pair, [row], row.prefill_left)
+        if row.prefill_left:
+            return prefill(self._pair, [row], row.prefill_left)[0]
         return run_step(self._pair, [row])[0]
 
     @property

@@ -50,6 +50,20 @@ class ReplicaMetrics:
             "osd_request_latency_seconds", "Request latency", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.in_flight = Gauge("osd_requests_in_flight", "Requests being decoded", registry=r)
+        self.batch_rows = Gauge(
+            "osd_batch_rows",
+            "Requests in the decode loop's batch (decoding or prefilling)",
+            registry=r,
+        )
+        self.batch_waiting = Gauge(
+            "osd_batch_waiting", "Requests waiting for a row of the decode loop", registry=r
+        )
+        self.batch_mean = Gauge(
+            "osd_batch_mean_rows", "Mean rows per decode step since the replica started", registry=r
+        )
+        self.decode_steps = Gauge(
+            "osd_decode_steps", "Batched decode steps since the replica started", registry=r
+        )
         self.log_written = Gauge("osd_log_records_written", "Records written to Redis", registry=r)
         self.log_dropped = Gauge("osd_log_records_dropped", "Records dropped", registry=r)
         self.log_opted_out = Gauge(

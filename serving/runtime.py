@@ -229,12 +229,23 @@ class ReplicaRuntime:
 
         self._finish_when_done(job, loop.run_in_executor(self._executor, pump))
         job.decoding = True  # (if the pool is shut down, the raise above leaves it to abandon)
+        held: tuple[str, Any] | None = None
         try:
             while True:
-                kind, item = await queue.get()
+                kind, item = held or await queue.get()
+                held = None
                 if kind == "chunk":
+                    # Steps that queued up while the consumer was busy go out as one chunk:
+                    # under load every event costs the proxy, the replica and the client.
+                    steps = [item]
+                    while held is None and not queue.empty():
+                        following = queue.get_nowait()
+                        if following[0] == "chunk":
+                            steps.append(following[1])
+                        else:
+                            held = following
                     job.first_token_at = job.first_token_at or time.perf_counter()
-                    yield item
+                    yield _merged(steps)
                     continue
                 self._finish(job, item if kind == "done" else None)  # the pump is done
                 if kind == "error":
@@ -317,7 +328,13 @@ class ReplicaRuntime:
         )
 
     def metrics_text(self) -> bytes:
-        """Prometheus exposition, with the log writer's counters read at scrape time."""
+        """Prometheus exposition, with the log writer's and decode loop's counters read at
+        scrape time."""
+        loop = self.batch.stats
+        self.metrics.batch_rows.set(loop.running)
+        self.metrics.batch_waiting.set(loop.waiting)
+        self.metrics.batch_mean.set(loop.mean_batch)
+        self.metrics.decode_steps.set(loop.steps)
         if self.log_writer is not None:
             counts = self.log_writer.metrics()
             self.metrics.log_written.set(counts.written)
@@ -331,6 +348,17 @@ class ReplicaRuntime:
         self._housekeeping.shutdown(wait=False)
         if self.log_writer is not None:
             self.log_writer.close()
+
+
+def _merged(chunks: list[StreamChunk]) -> StreamChunk:
+    """Consecutive steps' chunks as one."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return StreamChunk(
+        [token for chunk in chunks for token in chunk.token_ids],
+        "".join(chunk.text for chunk in chunks),
+        chunks[-1].finish_reason,
+    )
 
 
 def _param_of(message: str) -> str | None:

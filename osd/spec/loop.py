@@ -281,7 +281,11 @@ class BatchedEngine:
         self.stats.prefill_tokens += before - sum(row.prefill_left for row in rows)
         ready = [h for h in self._prefilling if h._row.prefill_left <= 0]
         self._prefilling = [h for h in self._prefilling if h._row.prefill_left > 0]
-        self._decoding.extend(ready)
+        for handle in ready:  # their first token came with the prefill
+            if handle._row.done:
+                self._release(handle)
+            else:
+                self._decoding.append(handle)
 
     def _step(self) -> None:
         rows = [h._row for h in self._decoding]

@@ -100,9 +100,8 @@ class Row:
 
     @property
     def prefill_left(self) -> int:
-        """Prompt tokens still to run through the models before the row can decode (all but
-        the last, which the first step verifies from)."""
-        return len(self.request.prompt_ids) - 1 - self.target_len
+        """Prompt tokens still to run through the models before the row can decode."""
+        return max(0, len(self.request.prompt_ids) - self.target_len)
 
     @property
     def remaining(self) -> int:

@@ -124,10 +124,15 @@ def _run(
 
 
 @torch.inference_mode()
-def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
+def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
     """Runs up to ``budget`` prompt tokens of ``rows`` through both models (chunked prefill).
 
-    A row's last prompt token is left for its first step to verify from.
+    A row whose prompt is now complete gets its first token sampled from the target's
+    distribution after the prompt (exactly the target alone's first token: no draft is needed
+    for it), so its first chunk comes with its prefill.
+
+    Returns:
+        The first chunk of each row that completed its prompt, in order.
     """
     pieces: list[tuple[Row, int]] = []
     for row in rows:
@@ -136,7 +141,8 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
             pieces.append((row, size))
             budget -= size
     if not pieces:
-        return
+        return []
+    target_logits = None
     for model, cache, members in (
         (pair.target, pair.target_cache, pieces),
         (pair.draft, pair.draft_cache, [p for p in pieces if p[0].request.method != "none"]),
@@ -145,7 +151,7 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
             continue
         tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
         ids, left, real, num_real = _left_padded(tokens, pair.device)
-        _run(
+        logits = _run(
             pair,
             model,
             cache,
@@ -160,10 +166,34 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> None:
             num_logits=1,
             adapters=[row.request.adapter for row, _ in members] if model is pair.draft else None,
         )
+        if model is pair.target:
+            target_logits = logits[:, 0]  # (P, V) after each piece's last token
     for row, size in pieces:
         row.target_len += size
         if row.request.method != "none":
             row.draft_len = row.target_len
+    assert target_logits is not None
+    complete = [i for i, (row, _) in enumerate(pieces) if row.prefill_left == 0]
+    if not complete:
+        return []
+    return _first_tokens(pair, [pieces[i][0] for i in complete], target_logits[complete])
+
+
+def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:
+    """Samples each row's first token from the target (a step with nothing drafted)."""
+    device = logits.device
+    probs = rows_to_probs(logits, RowSampling.of([row.request.params for row in rows], device))
+    keys = _tensor([row.verify_key for row in rows], device)
+    steps = _tensor([row.step for row in rows], device)
+    tokens = sample_from_probs(probs, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION)))
+    if any(row.request.log_top_m for row in rows):
+        top_ids, top_probs = top_m_distribution(logits.unsqueeze(1), pair.log_top_m)  # (P, 1, m)
+    chunks = []
+    for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+        if row.request.log_top_m:
+            row.log_rows.append((top_ids[i], top_probs[i]))
+        chunks.append(row.emit([], 0, token, 0))
+    return chunks
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""Monte Carlo through the real engine: emitted 3-token sequences follow the target exactly.
+"""Monte Carlo through the real engine: emitted 4-token sequences follow the target exactly.
+
+The first token comes from the target at prefill; the next three from speculative steps (k = 2
+first), so every verifier decides over more than one drafted token.
 
 Chi-square of the sampled sequences against the target's exact sequence probabilities
 (ALGORITHMS.md section 6), with a negative control that verifies with a q other than the one
@@ -19,9 +22,9 @@ from osd.sampling import logits_to_probs
 from osd.spec import step as engine_module
 from osd.testing import tiny_llama
 
-VOCAB = 6
+VOCAB = 4
 PROMPT = [1, 2]
-LENGTH = 3
+LENGTH = 4
 NUM_SAMPLES = 3000
 
 
@@ -93,7 +96,7 @@ def test_emitted_sequences_follow_target_distribution(mc_engine, setting, method
     counts, acceptance = sample_sequences(mc_engine, **setting, **method)
     expected = exact_sequence_probs(mc_engine.target.model, SamplingParams(**setting))
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
-    assert 0.2 < acceptance < 0.85, acceptance  # the test exercises both branches
+    assert 0.2 < acceptance < 0.95, acceptance  # the test exercises both branches
     print(f"chi2={stat:.1f} threshold={threshold:.1f} acceptance={acceptance:.2f}")
     assert stat < threshold, (stat, threshold)
 
@@ -104,7 +107,7 @@ def test_negative_control_verifying_with_wrong_q_fails(mc_engine, method, monkey
     real_verify = engine_module.VERIFIERS[method_name]
 
     def verify_with_flattened_q(draft_ids, draft_probs, *args, **kwargs):
-        wrong_q = draft_probs.sqrt()
+        wrong_q = draft_probs**0.2  # much flatter than the q the draft sampled from
         wrong_q = wrong_q / wrong_q.sum(-1, keepdim=True).clamp_min(1e-30)
         return real_verify(draft_ids, wrong_q, *args, **kwargs)
 

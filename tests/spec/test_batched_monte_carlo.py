@@ -82,7 +82,7 @@ def test_batched_rows_follow_target_distribution(mc_batched, method):
     expected = exact_sequence_probs(decoder.target.model, SamplingParams(0.9, 0.95))
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
     print(f"chi2={stat:.1f} threshold={threshold:.1f} acceptance={acceptance:.2f}")
-    assert 0.2 < acceptance < 0.85, acceptance
+    assert 0.2 < acceptance < 0.95, acceptance  # both branches of every verifier run
     assert stat < threshold, (stat, threshold)
 
 
