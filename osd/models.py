@@ -74,6 +74,7 @@ def _grouped_lora_forward(layer: Any) -> Callable[..., torch.Tensor]:
             groups is None
             or args
             or layer.merged
+            or layer.disable_adapters
             or getattr(layer, "fan_in_fan_out", False)
             or any(name in getattr(layer, "lora_variant", {}) for name, _ in groups)
         ):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DRAFT_STREAM", "VERIFY_STREAM", "counter", "stream_key", "uniforms"]
+__all__ = ["DRAFT_STREAM", "VERIFY_STREAM", "counter", "step_uniforms", "stream_key", "uniforms"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -72,3 +72,18 @@ def uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     z = (z ^ _srl(z, 27)) * _S_M2
     z = z ^ _srl(z, 31)
     return _srl(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def step_uniforms(
+    keys: torch.Tensor, steps: torch.Tensor, num_branches: int, num_positions: int
+) -> torch.Tensor:
+    """One step's draws of every row: (B,) keys and steps -> (B, branches, positions)."""
+    device = keys.device
+    return uniforms(
+        keys,
+        counter(
+            steps.view(-1, 1, 1),
+            torch.arange(num_branches, device=device).view(1, -1, 1),
+            torch.arange(num_positions, device=device).view(1, 1, -1),
+        ),
+    )

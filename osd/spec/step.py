@@ -223,14 +223,7 @@ def _propose(
     sampling = RowSampling.of([row.request.params for row in members], device)
     keys = _tensor([row.draft_key for row in members], device)
     steps = _tensor([row.step for row in members], device)
-    draws = rng.uniforms(
-        keys,
-        rng.counter(
-            steps.view(-1, 1, 1),
-            torch.arange(num_drafts, device=device).view(1, -1, 1),
-            torch.arange(width, device=device).view(1, 1, -1),
-        ),
-    )  # (D, K, k)
+    draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (D, K, k)
     thresholds = torch.tensor([row.request.adaptive_threshold for row in members], device=device)
     adaptive = any(row.request.adaptive_threshold > 0 for row in members)
     own_k = out.num_drafted[index].clone()
@@ -340,14 +333,7 @@ def _verify(
         next_ids = sample_from_probs(target_probs[first_row, 0], sample_draws)
         return _Verified(zeros, next_ids, zeros.clone())
     num_drafts = drafts.ids.shape[1]
-    accept_draws = rng.uniforms(
-        keys,
-        rng.counter(
-            steps.view(-1, 1, 1),
-            torch.arange(num_drafts, device=device).view(1, -1, 1),
-            torch.arange(width, device=device).view(1, 1, -1),
-        ),
-    )  # (B, K, k)
+    accept_draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
     result = _Verified(zeros.clone(), zeros.clone(), zeros.clone())
     for name, verify in VERIFIERS.items():
         members = [b for b, row in enumerate(rows) if row.request.verifier == name]

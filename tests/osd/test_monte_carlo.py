@@ -50,6 +50,17 @@ def exact_sequence_probs(target, params: SamplingParams) -> dict[tuple[int, ...]
     return out
 
 
+def with_flattened_q(real_verify):
+    """The negative control: a verifier handed a q much flatter than the one sampled from."""
+
+    def verify(draft_ids, draft_probs, *args, **kwargs):
+        wrong_q = draft_probs**0.2
+        wrong_q = wrong_q / wrong_q.sum(-1, keepdim=True).clamp_min(1e-30)
+        return real_verify(draft_ids, wrong_q, *args, **kwargs)
+
+    return verify
+
+
 def chi_square(samples: Counter, expected_probs: dict, num_samples: int) -> tuple[float, float]:
     """Statistic and the threshold df + 10 sqrt(2 df); cells expecting < 5 are pooled."""
     stat, pooled_obs, pooled_exp, bins = 0.0, 0, 0.0, 0
@@ -106,12 +117,7 @@ def test_negative_control_verifying_with_wrong_q_fails(mc_engine, method, monkey
     method_name = method["method"]
     real_verify = engine_module.VERIFIERS[method_name]
 
-    def verify_with_flattened_q(draft_ids, draft_probs, *args, **kwargs):
-        wrong_q = draft_probs**0.2  # much flatter than the q the draft sampled from
-        wrong_q = wrong_q / wrong_q.sum(-1, keepdim=True).clamp_min(1e-30)
-        return real_verify(draft_ids, wrong_q, *args, **kwargs)
-
-    monkeypatch.setitem(engine_module.VERIFIERS, method_name, verify_with_flattened_q)
+    monkeypatch.setitem(engine_module.VERIFIERS, method_name, with_flattened_q(real_verify))
     counts, _ = sample_sequences(mc_engine, temperature=1.0, **method)
     expected = exact_sequence_probs(mc_engine.target.model, SamplingParams())
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)

@@ -22,6 +22,7 @@ from tests.osd.test_monte_carlo import (
     VOCAB,
     chi_square,
     exact_sequence_probs,
+    with_flattened_q,
 )
 
 NEIGHBOURS = [
@@ -92,12 +93,7 @@ def test_batched_negative_control_fails(mc_batched, method, monkeypatch):
     name = method["method"]
     real_verify = step_module.VERIFIERS[name]
 
-    def verify_with_flattened_q(draft_ids, draft_probs, *args, **kwargs):
-        wrong_q = draft_probs**0.2  # much flatter than the q the draft sampled from
-        wrong_q = wrong_q / wrong_q.sum(-1, keepdim=True).clamp_min(1e-30)
-        return real_verify(draft_ids, wrong_q, *args, **kwargs)
-
-    monkeypatch.setitem(step_module.VERIFIERS, name, verify_with_flattened_q)
+    monkeypatch.setitem(step_module.VERIFIERS, name, with_flattened_q(real_verify))
     counts, _ = sample_batched(decoder, engine, temperature=1.0, **method)
     expected = exact_sequence_probs(decoder.target.model, SamplingParams())
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
