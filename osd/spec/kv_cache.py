@@ -150,6 +150,10 @@ class SlotKVCache:
         self._values: list[torch.Tensor] = []
         self._capacity = min(_MIN_CAPACITY, max_len)
         self._plan: ForwardPlan | None = None
+        # The bound plan's reads and writes as row indices of the (slot x position) flattened
+        # storage: index_select/index_copy_ on them cost a fifth of 2-D advanced indexing.
+        self._read_index = torch.zeros(0, dtype=torch.int64)
+        self._write_index = torch.zeros(0, dtype=torch.int64)
 
     @property
     def trash_slot(self) -> int:
@@ -166,6 +170,9 @@ class SlotKVCache:
                 capacity *= 2
             self._grow(min(capacity, self.max_len))
         self._plan = plan
+        positions = torch.arange(plan.kv_len, device=plan.read_slot.device)
+        self._read_index = (plan.read_slot * self._capacity + positions).reshape(-1)
+        self._write_index = (plan.write_slot * self._capacity + plan.write_pos).reshape(-1)
 
     def _grow(self, capacity: int) -> None:
         for store in (self._keys, self._values):
@@ -205,7 +212,8 @@ class SlotKVCache:
         if pos.numel() == 0:
             return
         for store in (*self._keys, *self._values):
-            store[dst, pos] = store[src, pos]
+            flat = store.view(-1, *store.shape[2:])
+            flat.index_copy_(0, dst * self._capacity + pos, flat[src * self._capacity + pos])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Unused with explicit position ids; present for models that ask."""
