@@ -28,6 +28,9 @@ from osd.spec.step import VERIFIERS, ModelPair, prefill, run_step
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "SpeculativeDecoder"]
 
 Method = Literal["token", "block", "spectr", "none"]
+# Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
+MAX_SPEC_TOKENS = 64
+MAX_DRAFTS = 64
 METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
 
 
@@ -210,10 +213,12 @@ class SpeculativeDecoder:
         prompt_ids = self._prompt_ids(prompt)
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-        if num_spec_tokens < 1:
-            raise ValueError(f"num_spec_tokens (k) must be >= 1, got {num_spec_tokens}")
-        if num_drafts < 1:
-            raise ValueError(f"num_drafts (K) must be >= 1, got {num_drafts}")
+        if not 1 <= num_spec_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"num_spec_tokens (k) must be in 1..{MAX_SPEC_TOKENS}, got {num_spec_tokens}"
+            )
+        if not 1 <= num_drafts <= MAX_DRAFTS:
+            raise ValueError(f"num_drafts (K) must be in 1..{MAX_DRAFTS}, got {num_drafts}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)

@@ -253,6 +253,7 @@ class ReplicaRuntime:
                 return
         finally:
             stop.set()  # the consumer went away (or the stream ended): the pump stops
+            job.stream.cancel()  # frees its row at the next step, even before a chunk came
 
     def _finish_when_done(self, job: Job, decoding: asyncio.Future[Any]) -> None:
         """Finishes ``job`` once its thread returns (a no-op if it was finished before)."""

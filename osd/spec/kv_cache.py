@@ -106,7 +106,9 @@ def plan_forward(
     offset = columns.unsqueeze(0) - left.unsqueeze(1)  # (B, T)
     positions = start.unsqueeze(1) + offset  # (B, T)
     valid = (offset >= 0) & (offset < real.unsqueeze(1))
-    query_pos = torch.where(offset >= 0, positions, 0)
+    # Padding queries sit at position 0: a position past a row's real end could exceed the
+    # model's context (learned position embeddings) or rescale RoPE for the whole forward.
+    query_pos = torch.where(valid, positions, 0)
     if kv_len is None:
         kv_len = int((start + real).max()) if batch else 0
     keys = torch.arange(kv_len, device=device)  # (S,)
@@ -175,10 +177,14 @@ class SlotKVCache:
         self._write_index = (plan.write_slot * self._capacity + plan.write_pos).reshape(-1)
 
     def _grow(self, capacity: int) -> None:
-        for store in (self._keys, self._values):
-            for i, old in enumerate(store):
-                new = old.new_zeros((old.shape[0], capacity, *old.shape[2:]))
-                new[:, : old.shape[1]] = old
+        # All new tensors first: a failed allocation leaves every layer as it was.
+        grown = [
+            [old.new_zeros((old.shape[0], capacity, *old.shape[2:])) for old in store]
+            for store in (self._keys, self._values)
+        ]
+        for store, news in zip((self._keys, self._values), grown, strict=True):
+            for i, new in enumerate(news):
+                new[:, : store[i].shape[1]] = store[i]
                 store[i] = new
         self._capacity = capacity
 
@@ -192,14 +198,17 @@ class SlotKVCache:
             shape = (self.num_slots + 1, self._capacity, key_states.shape[1], key_states.shape[3])
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
+        batch, heads, _, head_dim = key_states.shape
         out = []
-        positions = torch.arange(plan.kv_len, device=key_states.device)
         for store, states in (
             (self._keys[layer_idx], key_states),
             (self._values[layer_idx], value_states),
         ):
-            store[plan.write_slot, plan.write_pos] = states.transpose(1, 2)  # (B, T, H, D)
-            out.append(store[plan.read_slot, positions].transpose(1, 2))  # (B, H, S, D)
+            flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
+            new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
+            flat.index_copy_(0, self._write_index, new)
+            rows = flat.index_select(0, self._read_index)  # (B * S, H, D)
+            out.append(rows.view(batch, plan.kv_len, heads, head_dim).transpose(1, 2))
         return out[0], out[1]
 
     def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:

@@ -163,8 +163,9 @@ class BatchedEngine:
         self._waiting: deque[RequestHandle] = deque()
         self._prefilling: list[RequestHandle] = []
         self._decoding: list[RequestHandle] = []
-        self._count_lock = threading.Lock()
+        self._count_lock = threading.Lock()  # also orders submit() against the loop's exit
         self._num_queued = 0  # submitted and not yet admitted
+        self._closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="osd-decode-loop", daemon=True)
@@ -188,14 +189,14 @@ class BatchedEngine:
                 f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
                 f"({request.max_new_tokens}) exceeds the context of {self.max_len}"
             )
-        if self._stop.is_set():
-            raise RuntimeError("the engine is closed")
+        handle = RequestHandle(Row(request, self.decoder.tokenizer), self._wake)
         with self._count_lock:
+            if self._closed or self._stop.is_set():
+                raise RuntimeError("the engine is closed")
             if self._num_queued >= self.limits.max_waiting:
                 raise EngineFull(f"{self._num_queued} requests are waiting; retry shortly")
             self._num_queued += 1
-        handle = RequestHandle(Row(request, self.decoder.tokenizer), self._wake)
-        self._submitted.put(handle)
+            self._submitted.put(handle)  # under the lock: the loop's exit drains after it
         self._wake.set()
         return handle
 
@@ -219,6 +220,8 @@ class BatchedEngine:
                 self._fail(self._prefilling + self._decoding, exc)
                 self._prefilling, self._decoding = [], []
         error = RuntimeError("the engine was closed")
+        with self._count_lock:
+            self._closed = True  # no submit() gets past this; all earlier ones are queued
         self._fail(self._prefilling + self._decoding + list(self._waiting), error)
         while not self._submitted.empty():
             self._fail([self._submitted.get()], error)

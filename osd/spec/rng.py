@@ -38,8 +38,13 @@ def _mix_int(z: int) -> int:
 
 
 def stream_key(seed: int, stream: int) -> int:
-    """The 64-bit key (as a signed int64) of one of a request's streams; all seed bits count."""
-    z = _mix_int((seed & _MASK64) ^ (seed >> 64 & _MASK64))
+    """The 64-bit key (as a signed int64) of one of a request's streams.
+
+    Every bit of a seed in [-2^127, 2^127) counts, its sign included: the seed is read as a
+    128-bit unsigned number and both halves are mixed in.
+    """
+    unsigned = seed % (1 << 128)
+    z = _mix_int(_mix_int(unsigned & _MASK64) ^ (unsigned >> 64))
     return _signed(_mix_int((z + stream * _GOLDEN) & _MASK64))
 
 

@@ -210,9 +210,14 @@ def _propose(
 ) -> _Drafts:
     """Drafts k tokens per row (K sequences for SpecTr rows) in batched draft forwards."""
     device, num_rows, num_drafts = pair.device, len(rows), max(branches)
+    # q keeps the precision it was computed in (float64 models: float64), as the verifiers
+    # must see exactly the distribution each token was sampled from.
+    q_dtype = torch.float64 if pair.dtype == torch.float64 else torch.float32
     out = _Drafts(
         ids=torch.zeros(num_rows, num_drafts, width, dtype=torch.int64, device=device),
-        probs=torch.zeros(num_rows, num_drafts, width, pair.vocab_size, device=device),
+        probs=torch.zeros(
+            num_rows, num_drafts, width, pair.vocab_size, device=device, dtype=q_dtype
+        ),
         num_drafted=_tensor(spec_k, device),
     )
     drafting = [b for b in range(num_rows) if spec_k[b] > 0]
@@ -228,7 +233,9 @@ def _propose(
     adaptive = any(row.request.adaptive_threshold > 0 for row in members)
     own_k = out.num_drafted[index].clone()
     ids = torch.zeros(len(members), num_drafts, width, dtype=torch.int64, device=device)
-    probs = torch.zeros(len(members), num_drafts, width, pair.vocab_size, device=device)
+    probs = torch.zeros(
+        len(members), num_drafts, width, pair.vocab_size, device=device, dtype=q_dtype
+    )
 
     # Position 0: one forward over each row's pending tokens, shared by its branches.
     pending = [row.seq[row.draft_len :] for row in members]

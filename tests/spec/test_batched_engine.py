@@ -179,3 +179,32 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, monkeyp
         assert len(fine.result().token_ids) == 5 or fine.result().finish_reason == "stop"
     finally:
         engine.close()
+
+
+def test_rows_near_the_context_limit_share_a_step_with_long_drafts():
+    """Padding of a row that drafts little beside one that drafts much stays within the context
+    (learned position embeddings index past it otherwise)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    target, draft = GPT2LMHeadModel(config).eval(), GPT2LMHeadModel(config).eval()
+    decoder = SpeculativeDecoder(target, draft)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=2))
+    try:
+        near = list(range(2, 30))
+        handles = [
+            engine.submit(decoder.prepare(prompt, max_tokens=n, temperature=0, num_spec_tokens=k))
+            for prompt, n, k in [(near, 4, 2), ([5, 6], 20, 8)]
+        ]
+        for handle, (prompt, n) in zip(handles, [(near, 4), ([5, 6], 20)], strict=True):
+            assert handle.result().token_ids == target_greedy(target, prompt, n)
+    finally:
+        engine.close()
+
+
+def test_submit_after_close_is_refused_not_left_hanging(decoder):
+    engine = BatchedEngine(decoder)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(decoder.prepare(PROMPTS[0], max_tokens=3))

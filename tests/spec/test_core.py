@@ -32,9 +32,10 @@ def test_uniforms_equal_splitmix64_reference_despite_int64_wraparound():
             assert float(draws[row, col]) == expected
 
 
-def test_streams_are_distinct_for_every_seed_bit_and_stream():
-    keys = {rng.stream_key(seed, stream) for seed in (1, 1 + 2**40, 1 + 2**70) for stream in (1, 2)}
-    assert len(keys) == 6  # high seed bits count; draft and verify streams differ
+def test_streams_are_distinct_for_every_seed_bit_sign_and_stream():
+    seeds = (1, 1 + 2**40, 1 + 2**70, 0, -1, 4, -5, 2**63 - 1, -(2**63))
+    keys = {rng.stream_key(seed, stream) for seed in seeds for stream in (1, 2)}
+    assert len(keys) == 2 * len(seeds)  # high bits and the sign count; the streams differ
 
 
 def test_uniforms_look_uniform_and_uncorrelated():
@@ -83,7 +84,7 @@ def test_plan_masks_padding_and_sends_its_writes_to_the_trash_slot():
     )
     assert plan.write_slot.tolist() == [[9, 0, 0, 9], [1, 1, 1, 9]]
     assert plan.write_pos[0, 1:3].tolist() == [10, 11]
-    assert plan.position_ids.tolist() == [[0, 10, 11, 12], [0, 1, 2, 3]]
+    assert plan.position_ids.tolist() == [[0, 10, 11, 0], [0, 1, 2, 0]]  # padding at 0
     assert plan.read_slot[0, :6].tolist() == [2, 2, 2, 2, 0, 0]  # prefix from the base slot
     visible = plan.attention_mask[:, 0] == 0
     assert visible[1, 0].tolist()[:4] == [True, False, False, False]
