@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -41,12 +41,16 @@ class GenerationStats:
         drafted: drafted tokens offered to the verifier (per chosen draft sequence for SpecTr).
         accepted: drafted tokens kept.
         num_generated: tokens emitted.
+        draft_lengths: tokens drafted at each step (0: the target alone, e.g. the first token).
+        accepted_lengths: drafted tokens kept at each step.
     """
 
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
     num_generated: int = 0
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:

@@ -304,10 +304,14 @@ class ReplicaRuntime:
                 (time.perf_counter() - job.first_token_at) / (stats.num_generated - 1)
             )
         log = result.log
-        num_drafted = log.num_drafted.tolist() if log is not None else []
-        num_accepted = log.num_accepted.tolist() if log is not None else []
+        # From the stats, not the log: a request that opted out of logging still counts.
         self.metrics.observe_generation(
-            lease.adapter, lease.version, domain, stats.num_generated, num_drafted, num_accepted
+            lease.adapter,
+            lease.version,
+            domain,
+            stats.num_generated,
+            stats.draft_lengths,
+            stats.accepted_lengths,
         )
         if stats.drafted:
             self.router.record(job.route.route_key, lease.adapter, stats.acceptance_rate)

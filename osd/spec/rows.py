@@ -82,8 +82,6 @@ class Row:
     draft_len: int = 0
     step: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
-    num_drafted: list[int] = field(default_factory=list)
-    num_accepted: list[int] = field(default_factory=list)
     draft_token_probs: list[torch.Tensor] = field(default_factory=list)
     log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -131,8 +129,8 @@ class Row:
         stats.drafted += num_drafted
         stats.accepted += num_accepted
         stats.num_generated += len(token_ids)
-        self.num_drafted.append(num_drafted)
-        self.num_accepted.append(num_accepted)
+        stats.draft_lengths.append(num_drafted)
+        stats.accepted_lengths.append(num_accepted)
         text = self.assembler.add(token_ids)
         if self.assembler.stopped:
             finish = "stop"
@@ -186,8 +184,8 @@ class Row:
             settings=settings,
             prompt_len=len(request.prompt_ids),
             token_ids=torch.tensor(self.seq, dtype=torch.int32),
-            num_drafted=torch.tensor(self.num_drafted, dtype=torch.int32),
-            num_accepted=torch.tensor(self.num_accepted, dtype=torch.int32),
+            num_drafted=torch.tensor(self.stats.draft_lengths, dtype=torch.int32),
+            num_accepted=torch.tensor(self.stats.accepted_lengths, dtype=torch.int32),
             draft_token_probs=torch.cat(draft_probs).cpu().half(),
             target_top_ids=torch.cat(ids)[:num_generated].cpu().int(),
             target_top_probs=torch.cat(probs)[:num_generated].cpu().half(),

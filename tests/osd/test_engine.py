@@ -223,3 +223,13 @@ def test_cancel_from_another_thread_while_decoding_stops_the_stream(engine):
     thread.join(timeout=60)
     assert "error" not in outcome, outcome.get("error")
     assert 0 < len(outcome["result"].token_ids) < 400
+
+
+def test_per_step_counts_are_in_the_stats_with_or_without_logging(engine):
+    logged = engine.generate(PROMPTS[0], max_tokens=30, seed=1, stop_token_ids=[])
+    unlogged = engine.generate(PROMPTS[0], max_tokens=30, seed=1, stop_token_ids=[], log=False)
+    assert unlogged.log is None
+    assert unlogged.stats.draft_lengths == logged.log.num_drafted.tolist()
+    assert unlogged.stats.accepted_lengths == logged.log.num_accepted.tolist()
+    assert sum(unlogged.stats.draft_lengths) == unlogged.stats.drafted > 0
+    assert unlogged.stats.draft_lengths[0] == 0  # the first token came with the prefill
