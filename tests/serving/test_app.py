@@ -130,3 +130,54 @@ def test_models_health_and_metrics(ray_serve_app):
     assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "osd"
     assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
     assert "osd_generated_tokens_total" in httpx.get(f"{base_url}/metrics").text
+
+
+def test_concurrent_requests_share_decode_steps_and_stay_exact(ray_serve_app, greedy_text):
+    """Clients at once are rows of the same batched steps, each still the target's greedy."""
+    import threading
+
+    base_url, _ = ray_serve_app
+
+    def decode_counts() -> tuple[float, float]:
+        text = httpx.get(f"{base_url}/metrics").text
+        values = {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line.startswith(("osd_decode_steps ", "osd_batch_mean_rows "))
+        }
+        steps = values["osd_decode_steps"]
+        return steps, steps * values["osd_batch_mean_rows"]
+
+    prompts = ["the cat", "a dog ran", "hello there", "one two"]
+    methods = ["block", "token", "spectr", "none"]
+    texts: dict[str, str] = {}
+    steps_before, rows_before = decode_counts()
+    start = threading.Barrier(len(prompts))
+
+    def one(prompt: str, method: str) -> None:
+        start.wait()
+        response = httpx.post(
+            f"{base_url}/v1/completions",
+            json={
+                "model": "osd",
+                "prompt": prompt,
+                "max_tokens": 40,
+                "temperature": 0,
+                "spec": {"method": method},
+            },
+            timeout=120,
+        )
+        texts[prompt] = response.json()["choices"][0]["text"]
+
+    threads = [
+        threading.Thread(target=one, args=pair) for pair in zip(prompts, methods, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for prompt in prompts:
+        assert texts[prompt] == greedy_text(prompt, 40), prompt
+    steps_after, rows_after = decode_counts()
+    mean_rows = (rows_after - rows_before) / (steps_after - steps_before)
+    assert mean_rows > 1.3, mean_rows  # one request alone would be 1.0
