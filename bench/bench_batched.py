@@ -5,7 +5,9 @@ closed-loop clients (each sends its next request when the last one ends) at each
 the same held-out prompts everywhere, greedy, tokens counted from the results. Variants per
 domain: the target alone (``method=none`` through the same loop), block verification (k=4)
 with the base draft, and with a LoRA adapter distilled offline on that domain (the headroom
-the online loop chases; ``--distill-steps 0`` skips it). Prints tokens/s, its ratio to
+the online loop chases; ``--distill-steps 0`` skips it), each with a fixed k and with k
+chosen per step by the goodput controller (``auto``; ``--sweep`` adds fixed k = 1..8 to
+compare it with the best fixed k). Prints tokens/s, its ratio to
 concurrency 1 and to the target alone, p50 time to first token, the mean batch, the share of
 a step spent outside the model forwards, and measured speedup against the cost-model bound
 ``(1 - a^(k+1)) / ((1 - a)(1 + k c))`` at the measured acceptance ``a`` and cost ratio ``c``.
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32, help="requests per measurement")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="drafted tokens per step")
+    parser.add_argument(
+        "--sweep", action="store_true", help="fixed k = 1..8 too (beside --k's and auto)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--distill-steps", type=int, default=DistillRecipe.steps)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -198,16 +203,20 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for domain in domains:
         prompts = [d.prompt for d in load_corpus_split(paths.corpus, domain, "heldout")][:64]
-        variants: dict[str, dict[str, Any]] = {
-            "target alone": {"method": "none"},
-            f"block k={args.k}, base draft": {"method": "block", "num_spec_tokens": args.k},
+        drafts = {
+            "base draft": None,
+            **({f"{domain} adapter": domain} if domain in adapters else {}),
         }
-        if domain in adapters:
-            variants[f"block k={args.k}, {domain} adapter"] = {
-                "method": "block",
-                "num_spec_tokens": args.k,
-                "adapter": domain,
-            }
+        lengths: list[int | str] = [*(range(1, 9) if args.sweep else [args.k]), "auto"]
+        variants: dict[str, dict[str, Any]] = {"target alone": {"method": "none"}}
+        for label, adapter in drafts.items():
+            for k in lengths:
+                variants[f"block k={k}, {label}"] = {
+                    "method": "block",
+                    "num_spec_tokens": k,
+                    "adapter": adapter,
+                    "route": domain,
+                }
         warm = BatchedEngine(decoder, num_threads=args.threads)
         closed_loop(warm, decoder, prompts, 2, 4, {**greedy, "method": "block"})
         warm.close()
@@ -244,7 +253,7 @@ def report(rows: list[dict[str, Any]], levels: list[int], k: int) -> None:
         first = find(row["domain"], row["variant"], levels[0])
         speedup = row["tok/s"] / alone["tok/s"] if alone else float("nan")
         bound = ""
-        if row["variant"] != "target alone" and alone:
+        if "auto" not in row["variant"] and row["variant"] != "target alone" and alone:
             cost_ratio = row["draft_ms"] / alone["target_ms"]
             expected = cost_bound(row["acceptance"], k, cost_ratio)
             bound = f"{speedup / expected:.2f} (a={row['acceptance']:.2f}, c={cost_ratio:.2f})"

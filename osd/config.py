@@ -64,6 +64,10 @@ class SpecConfig:
     num_drafts: int = 2
     adaptive_threshold: float = 0.0
     log_top_m: int = 32
+    # true: k is chosen per request and step by the goodput controller (at most
+    # max_spec_tokens) unless a request names its k; a request may also send k: "auto".
+    auto_draft_length: bool = False
+    max_spec_tokens: int = 8
 
     def __post_init__(self) -> None:
         _require(self.num_spec_tokens >= 1, "spec.num_spec_tokens", self.num_spec_tokens, ">= 1")
@@ -75,6 +79,12 @@ class SpecConfig:
             "in [0, 1)",
         )
         _require(self.log_top_m >= 1, "spec.log_top_m", self.log_top_m, ">= 1")
+        _require(
+            1 <= self.max_spec_tokens <= 64,
+            "spec.max_spec_tokens",
+            self.max_spec_tokens,
+            "in 1..64",
+        )
 
 
 @dataclass(frozen=True)

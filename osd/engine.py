@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from osd.generation import GenerationResult, StreamChunk
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
+from osd.spec.goodput import GoodputController
 from osd.spec.kv_cache import SlotKVCache
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.step import VERIFIERS, ModelPair, prefill, run_step
@@ -45,6 +46,7 @@ class SpeculativeDecoder:
         device: device for models given as paths (e.g. ``"cuda"``); None: CUDA if available.
         dtype: dtype for models given as paths (e.g. ``"bfloat16"``); None: the checkpoint's.
         log_top_m: how many of the target's most likely tokens to log per position.
+        max_spec_tokens: the largest k the goodput controller may choose (``"auto"``).
         adaptive_threshold: stop drafting after a token whose draft probability is below this
             (0 disables); the decision depends only on the draft, so outputs stay exact.
     """
@@ -59,6 +61,7 @@ class SpeculativeDecoder:
         dtype: str | None = None,
         log_top_m: int = 32,
         adaptive_threshold: float = 0.0,
+        max_spec_tokens: int = 8,
     ) -> None:
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
@@ -80,6 +83,13 @@ class SpeculativeDecoder:
         self.vocab_size = vocab_size
         self.log_top_m = min(log_top_m, vocab_size)
         self.adaptive_threshold = adaptive_threshold
+        if not 1 <= max_spec_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"max_spec_tokens must be in 1..{MAX_SPEC_TOKENS}, got {max_spec_tokens}"
+            )
+        self.max_spec_tokens = max_spec_tokens
+        # Statistics of this decoder's own generate/stream calls (a batched engine keeps its own).
+        self.controller = GoodputController(max_k=max_spec_tokens)
         positions = [m for m in (self.target.max_positions, self.draft.max_positions) if m]
         self.max_context = min(positions) if positions else None
 
@@ -104,10 +114,11 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         method: Method = "block",
-        num_spec_tokens: int = 4,
+        num_spec_tokens: int | Literal["auto"] = 4,
         num_drafts: int = 2,
         adapter: str | None = None,
         log: bool = True,
+        route: str = "",
     ) -> GenerationResult:
         """Generates a completion; arguments as in :meth:`stream`."""
         return self.stream(
@@ -124,6 +135,7 @@ class SpeculativeDecoder:
             num_drafts=num_drafts,
             adapter=adapter,
             log=log,
+            route=route,
         ).result()
 
     def stream(
@@ -138,10 +150,11 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         method: Method = "block",
-        num_spec_tokens: int = 4,
+        num_spec_tokens: int | Literal["auto"] = 4,
         num_drafts: int = 2,
         adapter: str | None = None,
         log: bool = True,
+        route: str = "",
     ) -> GenerationStream:
         """Yields tokens as soon as they are verified.
 
@@ -155,10 +168,14 @@ class SpeculativeDecoder:
             stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
             seed: seed of this request's random streams; None draws one.
             method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
-            num_spec_tokens: tokens drafted per step, k >= 1 (default 4).
+            num_spec_tokens: tokens drafted per step, k >= 1 (default 4), or ``"auto"``: the
+                goodput controller chooses k in 0..``max_spec_tokens`` each step from the
+                acceptance measured for this adapter and route and the measured step costs.
             num_drafts: draft sequences for spectr, K >= 1 (default 2).
             adapter: LoRA adapter of the draft to use; None is the base draft.
             log: collect per-request log data (default True).
+            route: what the controller's statistics are kept by beside the adapter (e.g. the
+                request's domain).
 
         Returns:
             A :class:`GenerationStream` of :class:`StreamChunk` s, one per step; the last one
@@ -178,11 +195,15 @@ class SpeculativeDecoder:
             num_drafts=num_drafts,
             adapter=adapter,
             log=log,
+            route=route,
         )
         return GenerationStream(self, request)
 
-    def model_pair(self, num_slots: int, max_len: int) -> ModelPair:
-        """The models with fresh slot caches of ``num_slots`` rows of ``max_len`` positions."""
+    def model_pair(
+        self, num_slots: int, max_len: int, controller: GoodputController | None = None
+    ) -> ModelPair:
+        """The models with fresh slot caches of ``num_slots`` rows of ``max_len`` positions,
+        choosing ``"auto"`` k with ``controller`` (default: this decoder's)."""
         return ModelPair(
             target=self.target,
             draft=self.draft,
@@ -190,6 +211,7 @@ class SpeculativeDecoder:
             draft_cache=SlotKVCache(num_slots, max_len),
             vocab_size=self.vocab_size,
             log_top_m=self.log_top_m,
+            controller=controller or self.controller,
         )
 
     def prepare(
@@ -204,16 +226,20 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         method: Method = "block",
-        num_spec_tokens: int = 4,
+        num_spec_tokens: int | Literal["auto"] = 4,
         num_drafts: int = 2,
         adapter: str | None = None,
         log: bool = True,
+        route: str = "",
     ) -> DecodeRequest:
         """Validates one request's arguments (as in :meth:`stream`); raises ValueError."""
         prompt_ids = self._prompt_ids(prompt)
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
-        if not 1 <= num_spec_tokens <= MAX_SPEC_TOKENS:
+        auto_spec = num_spec_tokens == "auto"
+        if auto_spec:
+            num_spec_tokens = self.max_spec_tokens
+        if not isinstance(num_spec_tokens, int) or not 1 <= num_spec_tokens <= MAX_SPEC_TOKENS:
             raise ValueError(
                 f"num_spec_tokens (k) must be in 1..{MAX_SPEC_TOKENS}, got {num_spec_tokens}"
             )
@@ -248,6 +274,8 @@ class SpeculativeDecoder:
             log_top_m=self.log_top_m if log else None,
             adaptive_threshold=self.adaptive_threshold,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            auto_spec=auto_spec,
+            route=route,
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

@@ -61,6 +61,12 @@ class ReplicaMetrics:
         self.batch_mean = Gauge(
             "osd_batch_mean_rows", "Mean rows per decode step since the replica started", registry=r
         )
+        self.draft_length = Histogram(
+            "osd_draft_length_chosen",
+            "Tokens drafted per step (0: the target alone)",
+            buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+            registry=r,
+        )
         self.decode_steps = Gauge(
             "osd_decode_steps", "Batched decode steps since the replica started", registry=r
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -79,7 +79,7 @@ class SpecOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     method: Literal["token", "block", "spectr", "none"] | None = None
-    k: int | None = Field(default=None, ge=1, le=16)
+    k: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] | None = None
     K: int | None = Field(default=None, ge=1, le=8)
 
 

@@ -65,6 +65,7 @@ class ReplicaRuntime:
             tokenizer,
             log_top_m=spec.log_top_m,
             adaptive_threshold=spec.adaptive_threshold,
+            max_spec_tokens=spec.max_spec_tokens,
         )
         self.slots = AdapterSlots(draft, adapters)
         self.engine.draft.guard = self.slots.model_lock.reading
@@ -170,10 +171,12 @@ class ReplicaRuntime:
             stop=request.stop_list,
             seed=request.seed,
             method=(spec and spec.method) or defaults.method,
-            num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
+            num_spec_tokens=(spec and spec.k)
+            or ("auto" if defaults.auto_draft_length else defaults.num_spec_tokens),
             num_drafts=(spec and spec.K) or defaults.num_drafts,
             adapter=lease.peft_name,
             log=self.log_writer is not None and request.log,
+            route=request.domain or "",
         )
         return self.batch.submit(prepared)
 
@@ -295,6 +298,8 @@ class ReplicaRuntime:
 
     def _account(self, job: Job, result: GenerationResult) -> None:
         stats, lease, domain = result.stats, job.lease, job.request.domain or ""
+        for k in stats.draft_lengths:
+            self.metrics.draft_length.observe(k)
         elapsed = time.perf_counter() - job.started
         self.metrics.latency.observe(elapsed)
         if job.first_token_at is not None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from osd.generation import GenerationResult, StreamChunk
+from osd.spec.goodput import GoodputController
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.scheduler import BatchLimits, num_to_admit
 from osd.spec.step import prefill, run_step
@@ -156,7 +157,9 @@ class BatchedEngine:
         if not max_len:
             raise ValueError("the models declare no context length: set max_model_len")
         self.max_len = max_len
-        self.pair = decoder.model_pair(limits.num_slots, max_len)
+        # The loop's own controller: its step costs are those of this batch, not of a caller's.
+        self.controller = GoodputController(max_k=decoder.max_spec_tokens)
+        self.pair = decoder.model_pair(limits.num_slots, max_len, self.controller)
         self.stats = LoopStats()
         self._free_slots = list(range(limits.num_slots))
         self._submitted: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()

@@ -24,6 +24,7 @@ from osd.generation import (
 )
 from osd.sampling import SamplingParams
 from osd.spec import rng
+from osd.spec.goodput import GoodputController
 
 __all__ = ["DecodeRequest", "Row"]
 
@@ -44,6 +45,10 @@ class DecodeRequest:
     log_top_m: int | None
     adaptive_threshold: float
     stop: tuple[str, ...]
+    # k chosen per step by the goodput controller (at most num_spec_tokens); route: the
+    # statistics key beside the adapter (e.g. the request's domain).
+    auto_spec: bool = False
+    route: str = ""
 
     @property
     def num_slots(self) -> int:
@@ -105,11 +110,21 @@ class Row:
     def remaining(self) -> int:
         return self.request.max_new_tokens - self.stats.num_generated
 
-    def spec_tokens(self) -> int:
-        """Tokens to draft this step: k, less near the budget; 0 with speculation off."""
-        if self.request.method == "none":
+    def spec_tokens(self, controller: GoodputController | None = None, batch: int = 1) -> int:
+        """Tokens to draft this step: k, less near the budget; 0 with speculation off; with
+        ``auto_spec``, what the controller chooses (0 included)."""
+        request = self.request
+        if request.method == "none":
             return 0
-        return max(1, min(self.request.num_spec_tokens, self.remaining - 1))
+        limit = min(request.num_spec_tokens, self.remaining - 1)
+        if request.auto_spec and controller is not None:
+            return controller.choose(self.stats_key, request.route, batch, self.step, limit)
+        return max(1, limit)
+
+    @property
+    def stats_key(self) -> str:
+        """The draft whose acceptance this row measures (adapter version, or the base)."""
+        return self.request.adapter or "base"
 
     def emit(
         self,

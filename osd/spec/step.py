@@ -12,6 +12,7 @@ row's output does not depend on what shares its batch. Paper references in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from osd.generation import StreamChunk
 from osd.models import CausalLM
 from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
 from osd.spec import rng
+from osd.spec.goodput import GoodputController
 from osd.spec.kv_cache import SlotKVCache, plan_forward
 from osd.spec.rows import Row
 from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
@@ -47,6 +49,7 @@ class ModelPair:
     draft_cache: SlotKVCache
     vocab_size: int
     log_top_m: int
+    controller: GoodputController | None = None  # chooses k for rows that ask for "auto"
 
     @property
     def device(self) -> torch.device:
@@ -377,8 +380,9 @@ def _verify(
 @torch.inference_mode()
 def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     """One speculative step for every row (all prefilled); returns each row's chunk."""
+    started = time.perf_counter()
     device, num_rows = pair.device, len(rows)
-    spec_k = [row.spec_tokens() for row in rows]
+    spec_k = [row.spec_tokens(pair.controller, num_rows) for row in rows]
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
     drafts = _propose(pair, rows, spec_k, branches, max(width, 1))
@@ -464,4 +468,9 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         if copies[name]:
             moves = torch.tensor(copies[name], device=device)  # (N, 3): src, dst, position
             cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
+    if pair.controller is not None:  # after the step's sync: host time is the step's time
+        for b, row in enumerate(rows):
+            drafted, accepted = packed[b][3], packed[b][0]
+            pair.controller.observe_row(row.stats_key, row.request.route, drafted, accepted)
+        pair.controller.observe_step(num_rows, width, time.perf_counter() - started)
     return chunks

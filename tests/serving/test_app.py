@@ -181,3 +181,16 @@ def test_concurrent_requests_share_decode_steps_and_stay_exact(ray_serve_app, gr
     steps_after, rows_after = decode_counts()
     mean_rows = (rows_after - rows_before) / (steps_after - steps_before)
     assert mean_rows > 1.3, mean_rows  # one request alone would be 1.0
+
+
+def test_auto_draft_length_over_http_is_exact_and_measured(ray_serve_app, greedy_text):
+    base_url, _ = ray_serve_app
+    body = {"model": "osd", "prompt": "the cat", "max_tokens": 30, "temperature": 0}
+    response = httpx.post(
+        f"{base_url}/v1/completions", json={**body, "spec": {"k": "auto"}}, timeout=60
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == greedy_text("the cat", 30)
+    bad = httpx.post(f"{base_url}/v1/completions", json={**body, "spec": {"k": "most"}}, timeout=60)
+    assert bad.status_code == 400
+    assert "osd_draft_length_chosen_bucket" in httpx.get(f"{base_url}/metrics").text

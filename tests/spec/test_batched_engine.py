@@ -26,7 +26,7 @@ def decoder(target_model, lora_draft, tokenizer):
 
 @pytest.fixture(scope="module")
 def batched(decoder):
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8, kv_slots=12))
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8, kv_slots=14))
     yield engine
     engine.close()
 
@@ -50,6 +50,8 @@ MIXED = [
     ("block", None, 3, 20),
     ("none", "code", 4, 30),
     ("token", "sql", 5, 38),
+    ("block", "code", "auto", 44),
+    ("spectr", "sql", "auto", 36),
 ]
 
 
@@ -67,7 +69,7 @@ def test_greedy_rows_of_a_mixed_batch_equal_target_greedy(decoder, batched, targ
             num_drafts=3,
         )
         handles.append(batched.submit(request))
-    # 10 requests and 8 rows: two wait, then join as others leave mid-run.
+    # 12 requests and 8 rows: some wait, then join as others leave mid-run.
     results = [h.result() for h in handles]
     for i, ((method, _, _, max_tokens), result) in enumerate(zip(MIXED, results, strict=True)):
         assert result.token_ids == target_greedy(target_model, PROMPTS[i % 4], max_tokens), method
@@ -208,3 +210,53 @@ def test_submit_after_close_is_refused_not_left_hanging(decoder):
     engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(decoder.prepare(PROMPTS[0], max_tokens=3))
+
+
+def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, unrelated_draft):
+    """With k "auto", a draft whose tokens are always rejected soon drafts nothing but its
+    probes, and the output is still the target's."""
+    decoder = SpeculativeDecoder(target_model, unrelated_draft, max_spec_tokens=4)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    try:
+        handles = [
+            engine.submit(decoder.prepare(p, max_tokens=60, temperature=0, num_spec_tokens="auto"))
+            for p in PROMPTS
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.token_ids == target_greedy(target_model, prompt, 60)
+    late = [k for r in results for k in r.stats.draft_lengths[30:]]
+    assert late.count(0) > 0.8 * len(late), late  # drafting is off but for probes
+    assert 0 < sum(late)  # ... and the probes still run
+
+
+class CheapDraftCosts:
+    """Step costs of a pair whose draft costs 5 % of the target (the tiny test pair's draft
+    costs about as much as its target, so there speculation rightly never pays)."""
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, batch: int, max_k: int) -> list[float]:
+        return [1.0 + 0.05 * k for k in range(max_k + 1)]
+
+
+def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    engine.controller.costs = CheapDraftCosts()  # type: ignore[assignment]
+    try:
+        handles = [
+            engine.submit(
+                decoder.prepare(
+                    p, max_tokens=60, temperature=0, num_spec_tokens="auto", stop_token_ids=[]
+                )
+            )
+            for p in PROMPTS
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    late = [k for r in results for k in r.stats.draft_lengths[20:]]
+    assert sum(1 for k in late if k > 0) > 0.8 * len(late), late

@@ -73,6 +73,7 @@ METHODS = [
     pytest.param({"method": "token", "num_spec_tokens": 2}, id="token"),
     pytest.param({"method": "block", "num_spec_tokens": 2}, id="block"),
     pytest.param({"method": "spectr", "num_spec_tokens": 2, "num_drafts": 3}, id="spectr"),
+    pytest.param({"method": "block", "num_spec_tokens": "auto"}, id="block-auto"),
 ]
 
 

@@ -1,0 +1,159 @@
+"""How many tokens to draft: a goodput controller over live acceptance and step costs.
+
+For each row at each step it picks k in {0, ..., k_max} maximising expected tokens per second,
+``E[tokens | k] / cost(k)`` with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j``
+(ALGORITHMS.md section 5b). ``a_j`` is the acceptance at position j given the positions before
+it were accepted, counted live per (adapter version, route) with a prior, so a new version is
+tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a step that drafts
+k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
+past statistics, never on the target's output for the step it decides, so every verifier stays
+exact. Rows that choose k = 0 probe with k = 1 every ``probe_every`` steps. Deterministic given
+its inputs; pure (no clocks: the caller passes measured seconds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["AcceptanceCurve", "GoodputController", "StepCosts", "best_k", "expected_tokens"]
+
+
+def expected_tokens(acceptance: list[float], k: int) -> float:
+    """Expected tokens a step emits when drafting k: 1 + sum over i <= k of prod a_1..a_i."""
+    total, survive = 1.0, 1.0
+    for rate in acceptance[:k]:
+        survive *= rate
+        total += survive
+    return total
+
+
+def best_k(acceptance: list[float], step_seconds: list[float]) -> int:
+    """The k (index into ``step_seconds``) with the most expected tokens per second."""
+    rates = [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(step_seconds)]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+@dataclass
+class AcceptanceCurve:
+    """Per-position acceptance of one draft on one route, counted with exponential forgetting.
+
+    Attributes:
+        reached: (weighted) steps in which position i + 1 was drafted with 1..i accepted.
+        accepted: (weighted) steps in which position i + 1 was accepted too.
+    """
+
+    max_k: int
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0.0] * self.max_k
+        self.accepted = self.accepted or [0.0] * self.max_k
+
+    def observe(self, num_drafted: int, num_accepted: int, decay: float) -> None:
+        """One step: ``num_drafted`` offered, the first ``num_accepted`` of them kept."""
+        if num_drafted == 0:
+            return
+        for i in range(self.max_k):
+            self.reached[i] *= decay
+            self.accepted[i] *= decay
+        for i in range(min(num_drafted, self.max_k, num_accepted + 1)):
+            self.reached[i] += 1.0
+            self.accepted[i] += 1.0 if num_accepted > i else 0.0
+
+    def rates(self, prior: float, prior_weight: float) -> list[float]:
+        """a_1..a_max_k: the counts shrunk towards ``prior`` by ``prior_weight`` pseudo-steps."""
+        return [
+            (accepted + prior * prior_weight) / (reached + prior_weight)
+            for reached, accepted in zip(self.reached, self.accepted, strict=True)
+        ]
+
+
+@dataclass
+class StepCosts:
+    """Seconds of a step as a line in k, per batch-size bucket, fitted to recent steps.
+
+    Until two different k have been seen in a bucket, the slope is ``prior_ratio`` times the
+    intercept (a drafted token costs that share of a target-only step).
+    """
+
+    prior_ratio: float = 0.25
+    decay: float = 0.98
+    _sums: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Batch sizes 1, 2, 3-4, 5-8, 9-16, ...: one bucket per power of two."""
+        return max(batch - 1, 0).bit_length()
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        sums = self._sums.setdefault(self.bucket(batch), [0.0] * 5)
+        for i in range(5):
+            sums[i] *= self.decay
+        for i, value in enumerate((1.0, k, k * k, seconds, k * seconds)):
+            sums[i] += value
+
+    def seconds(self, batch: int, max_k: int) -> list[float] | None:
+        """Estimated step seconds for k = 0..max_k at this batch size; None before any data."""
+        sums = self._sums.get(self.bucket(batch))
+        if sums is None or sums[0] <= 0:
+            return None
+        weight, k_sum, kk_sum, t_sum, kt_sum = sums
+        mean_k, mean_t = k_sum / weight, t_sum / weight
+        variance = kk_sum / weight - mean_k * mean_k
+        if variance > 1e-6:
+            slope = (kt_sum / weight - mean_k * mean_t) / variance
+            intercept = mean_t - slope * mean_k
+        else:
+            intercept = mean_t / (1 + self.prior_ratio * mean_k)
+            slope = self.prior_ratio * intercept
+        intercept = max(intercept, 1e-6)
+        slope = max(slope, 0.0)
+        return [intercept + slope * k for k in range(max_k + 1)]
+
+
+@dataclass
+class GoodputController:
+    """Chooses k per row from live acceptance per (adapter, route) and measured step costs.
+
+    Args:
+        max_k: the largest k it may choose.
+        prior: acceptance a new draft version is assumed to have (optimistic, so it is tried).
+        prior_weight: pseudo-steps of that prior.
+        decay: forgetting per observed step of a curve (recent traffic counts most).
+        probe_every: a row that would draft nothing drafts one token every this many steps.
+    """
+
+    max_k: int = 8
+    prior: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.995
+    probe_every: int = 16
+    costs: StepCosts = field(default_factory=StepCosts)
+    curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
+
+    def curve(self, adapter: str, route: str) -> AcceptanceCurve:
+        key = (adapter, route)
+        if key not in self.curves:
+            self.curves[key] = AcceptanceCurve(self.max_k)
+        return self.curves[key]
+
+    def choose(self, adapter: str, route: str, batch: int, step: int, limit: int) -> int:
+        """k for one row this step (at most ``limit``: e.g. the tokens left minus one)."""
+        limit = min(limit, self.max_k)
+        if limit <= 0:
+            return 0
+        seconds = self.costs.seconds(batch, limit)
+        if seconds is None:  # nothing measured yet: draft as a fixed-k server would
+            return limit
+        rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
+        k = best_k(rates, seconds)
+        if k == 0 and step % self.probe_every == self.probe_every - 1:
+            return 1
+        return k
+
+    def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:
+        self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
+
+    def observe_step(self, batch: int, k: int, seconds: float) -> None:
+        self.costs.observe(batch, k, seconds)

@@ -1,0 +1,90 @@
+"""The goodput controller: pure decisions from acceptance counts and step costs, by tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from osd.spec.goodput import (
+    AcceptanceCurve,
+    GoodputController,
+    StepCosts,
+    best_k,
+    expected_tokens,
+)
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "k", "expected"),
+    [
+        ([0.5, 0.5, 0.5], 0, 1.0),
+        ([0.5, 0.5, 0.5], 1, 1.5),
+        ([0.5, 0.5, 0.5], 3, 1.875),
+        ([1.0, 1.0], 2, 3.0),
+        ([0.9, 0.0, 1.0], 3, 1.9),  # nothing survives position 2
+    ],
+)
+def test_expected_tokens_is_one_plus_the_surviving_prefix_mass(acceptance, k, expected):
+    assert expected_tokens(acceptance, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("rate", "draft_share", "chosen"),
+    [
+        (0.01, 0.2, 0),  # a draft that never fits: the target alone
+        (0.10, 0.2, 0),
+        (0.70, 0.2, 3),
+        (0.95, 0.05, 8),  # cheap, excellent draft: draft the most
+    ],
+)
+def test_best_k_maximises_tokens_per_second(rate, draft_share, chosen):
+    seconds = [1.0 + draft_share * k for k in range(9)]
+    assert best_k([rate] * 8, seconds) == chosen
+
+
+def test_ties_go_to_the_shorter_draft():
+    assert best_k([0.0] * 4, [1.0] * 5) == 0
+
+
+def test_curve_counts_positions_reached_and_accepted_with_forgetting():
+    curve = AcceptanceCurve(max_k=4)
+    curve.observe(num_drafted=4, num_accepted=2, decay=1.0)  # positions 1, 2 kept, 3 rejected
+    curve.observe(num_drafted=4, num_accepted=4, decay=1.0)
+    curve.observe(num_drafted=0, num_accepted=0, decay=1.0)  # the target alone: no evidence
+    assert curve.reached == [2, 2, 2, 1]
+    assert curve.accepted == [2, 2, 1, 1]
+    assert curve.rates(prior=0.5, prior_weight=0.0) == [1.0, 1.0, 0.5, 1.0]
+    curve.observe(num_drafted=1, num_accepted=0, decay=0.5)
+    assert curve.reached[0] == pytest.approx(2 * 0.5 + 1)
+
+
+def test_step_costs_fit_a_line_and_fall_back_to_the_prior_slope():
+    costs = StepCosts(prior_ratio=0.5, decay=1.0)
+    assert costs.seconds(batch=4, max_k=2) is None
+    costs.observe(batch=4, k=0, seconds=2.0)
+    assert costs.seconds(batch=4, max_k=2) == pytest.approx([2.0, 3.0, 4.0])  # prior slope
+    costs.observe(batch=3, k=4, seconds=4.0)  # same bucket (3-4 rows): now a fitted line
+    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 2.5, 3.0, 3.5, 4.0])
+    assert costs.seconds(batch=16, max_k=1) is None  # another bucket
+
+
+def test_controller_stops_drafting_for_a_bad_draft_and_probes():
+    controller = GoodputController(max_k=4, prior=0.6, prior_weight=4.0, probe_every=8)
+    for k in (0, 4):
+        controller.observe_step(batch=1, k=k, seconds=1.0 + 0.25 * k)
+    assert controller.choose("v1", "sql", batch=1, step=0, limit=4) > 0  # optimistic prior
+    for _ in range(200):
+        controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
+    chosen = [controller.choose("v1", "sql", batch=1, step=s, limit=4) for s in range(16)]
+    assert chosen.count(0) == 14 and chosen.count(1) == 2  # probes at steps 7 and 15
+    assert controller.choose("v2", "sql", batch=1, step=0, limit=4) > 0  # a new version is tried
+    for _ in range(200):
+        controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
+    assert controller.choose("v1", "code", batch=1, step=0, limit=4) == 4
+
+
+def test_controller_respects_the_limit_and_starts_like_a_fixed_k_server():
+    controller = GoodputController(max_k=8)
+    assert controller.choose("v", "", batch=2, step=0, limit=5) == 5  # no costs measured yet
+    assert controller.choose("v", "", batch=2, step=0, limit=0) == 0
+    controller.observe_step(batch=2, k=2, seconds=1.0)
+    assert controller.choose("v", "", batch=2, step=0, limit=3) <= 3
