@@ -7,8 +7,11 @@ it were accepted, counted live per (adapter version, route) with a prior, so a n
 tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a step that drafts
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
 past statistics, never on the target's output for the step it decides, so every verifier stays
-exact. Rows that choose k = 0 probe with k = 1 every ``probe_every`` steps. Deterministic given
-its inputs; pure (no clocks: the caller passes measured seconds).
+exact. Rows that would choose k = 0 probe with k = 1 on every ``probe_every``-th step of the
+engine, all on the same steps (probes spread over rows would make most steps of a batch pay
+for drafting). Deterministic given its inputs; pure (no clocks: the caller passes measured
+seconds). With k chosen from live statistics a seed fixes a request's output distribution,
+not its exact text.
 """
 
 from __future__ import annotations
@@ -71,15 +74,19 @@ class AcceptanceCurve:
 
 @dataclass
 class StepCosts:
-    """Seconds of a step as a line in k, per batch-size bucket, fitted to recent steps.
+    """Seconds of a step by its width k, per batch-size bucket, from recent steps.
 
-    Until two different k have been seen in a bucket, the slope is ``prior_ratio`` times the
-    intercept (a drafted token costs that share of a target-only step).
+    Steps that draft nothing are averaged on their own: drafting at all has a fixed cost (the
+    draft's forwards over pending tokens, the bookkeeping), so a line through k = 0 would
+    understate the cost of k = 1. Steps that draft are fitted as a line in k. Until a kind of
+    step has been seen in a bucket, it is estimated from the other with ``prior_ratio``: a
+    drafted token costs that share of a step that drafts nothing.
     """
 
     prior_ratio: float = 0.25
     decay: float = 0.98
-    _sums: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
+    _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
+    _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -87,29 +94,40 @@ class StepCosts:
         return max(batch - 1, 0).bit_length()
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        sums = self._sums.setdefault(self.bucket(batch), [0.0] * 5)
-        for i in range(5):
-            sums[i] *= self.decay
-        for i, value in enumerate((1.0, k, k * k, seconds, k * seconds)):
-            sums[i] += value
+        if k == 0:
+            values = [1.0, seconds]
+            sums = self._zero.setdefault(self.bucket(batch), [0.0] * 2)
+        else:
+            values = [1.0, k, k * k, seconds, k * seconds]
+            sums = self._line.setdefault(self.bucket(batch), [0.0] * 5)
+        for i, value in enumerate(values):
+            sums[i] = sums[i] * self.decay + value
 
     def seconds(self, batch: int, max_k: int) -> list[float] | None:
         """Estimated step seconds for k = 0..max_k at this batch size; None before any data."""
-        sums = self._sums.get(self.bucket(batch))
-        if sums is None or sums[0] <= 0:
+        zero, line = self._zero.get(self.bucket(batch)), self._line.get(self.bucket(batch))
+        base = zero[1] / zero[0] if zero else None
+        fitted = self._fit(line, base)
+        if fitted is None:
+            if base is None:
+                return None
+            fitted = (base, self.prior_ratio * base)
+        intercept, slope = fitted
+        if base is None:
+            base = intercept
+        return [base] + [intercept + slope * k for k in range(1, max_k + 1)]
+
+    def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
+        if not sums:
             return None
         weight, k_sum, kk_sum, t_sum, kt_sum = sums
         mean_k, mean_t = k_sum / weight, t_sum / weight
         variance = kk_sum / weight - mean_k * mean_k
         if variance > 1e-6:
-            slope = (kt_sum / weight - mean_k * mean_t) / variance
-            intercept = mean_t - slope * mean_k
-        else:
-            intercept = mean_t / (1 + self.prior_ratio * mean_k)
-            slope = self.prior_ratio * intercept
-        intercept = max(intercept, 1e-6)
-        slope = max(slope, 0.0)
-        return [intercept + slope * k for k in range(max_k + 1)]
+            slope = max((kt_sum / weight - mean_k * mean_t) / variance, 0.0)
+        else:  # one width seen: the prior's share per token, of a step without drafting
+            slope = self.prior_ratio * (base if base is not None else mean_t / (1 + mean_k))
+        return max(mean_t - slope * mean_k, 1e-9), slope
 
 
 @dataclass
@@ -131,6 +149,7 @@ class GoodputController:
     probe_every: int = 16
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
+    steps: int = 0  # steps observed: the probe schedule
 
     def curve(self, adapter: str, route: str) -> AcceptanceCurve:
         key = (adapter, route)
@@ -138,7 +157,7 @@ class GoodputController:
             self.curves[key] = AcceptanceCurve(self.max_k)
         return self.curves[key]
 
-    def choose(self, adapter: str, route: str, batch: int, step: int, limit: int) -> int:
+    def choose(self, adapter: str, route: str, batch: int, limit: int) -> int:
         """k for one row this step (at most ``limit``: e.g. the tokens left minus one)."""
         limit = min(limit, self.max_k)
         if limit <= 0:
@@ -148,7 +167,7 @@ class GoodputController:
             return limit
         rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
         k = best_k(rates, seconds)
-        if k == 0 and step % self.probe_every == self.probe_every - 1:
+        if k == 0 and self.steps % self.probe_every == self.probe_every - 1:
             return 1
         return k
 
@@ -157,3 +176,4 @@ class GoodputController:
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         self.costs.observe(batch, k, seconds)
+        self.steps += 1

@@ -118,7 +118,7 @@ class Row:
             return 0
         limit = min(request.num_spec_tokens, self.remaining - 1)
         if request.auto_spec and controller is not None:
-            return controller.choose(self.stats_key, request.route, batch, self.step, limit)
+            return controller.choose(self.stats_key, request.route, batch, limit)
         return max(1, limit)
 
     @property

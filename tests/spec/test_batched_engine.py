@@ -229,7 +229,7 @@ def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, 
         assert result.token_ids == target_greedy(target_model, prompt, 60)
     late = [k for r in results for k in r.stats.draft_lengths[30:]]
     assert late.count(0) > 0.8 * len(late), late  # drafting is off but for probes
-    assert 0 < sum(late)  # ... and the probes still run
+    assert sum(late) > 0  # ... and the probes still run
 
 
 class CheapDraftCosts:

@@ -24,6 +24,7 @@ from tests.osd.test_monte_carlo import (
     exact_sequence_probs,
     with_flattened_q,
 )
+from tests.spec.test_batched_engine import CheapDraftCosts
 
 NEIGHBOURS = [
     {"temperature": 0.5, "method": "block", "adapter": "a", "max_tokens": 7},
@@ -39,6 +40,9 @@ def mc_batched():
     draft = with_lora_adapters(draft, ["a", "b"], seed=5)
     decoder = SpeculativeDecoder(target, draft)
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=16, kv_slots=40))
+    # "auto" rows must draft for the test to have power: costs of a pair whose draft is cheap
+    # (this tiny draft costs as much as its target, where the controller rightly drafts nothing).
+    engine.controller.costs = CheapDraftCosts()  # type: ignore[assignment]
     yield decoder, engine
     engine.close()
 

@@ -57,34 +57,42 @@ def test_curve_counts_positions_reached_and_accepted_with_forgetting():
     assert curve.reached[0] == pytest.approx(2 * 0.5 + 1)
 
 
-def test_step_costs_fit_a_line_and_fall_back_to_the_prior_slope():
+def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_others():
     costs = StepCosts(prior_ratio=0.5, decay=1.0)
     assert costs.seconds(batch=4, max_k=2) is None
     costs.observe(batch=4, k=0, seconds=2.0)
     assert costs.seconds(batch=4, max_k=2) == pytest.approx([2.0, 3.0, 4.0])  # prior slope
-    costs.observe(batch=3, k=4, seconds=4.0)  # same bucket (3-4 rows): now a fitted line
-    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 2.5, 3.0, 3.5, 4.0])
+    costs.observe(batch=3, k=4, seconds=6.0)  # same bucket (3-4 rows), one width: prior slope
+    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 3.0, 4.0, 5.0, 6.0])
+    costs.observe(batch=4, k=2, seconds=4.0)  # two widths: a fitted line; k = 0 stays apart
+    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 3.0, 4.0, 5.0, 6.0])
+    costs.observe(batch=4, k=1, seconds=4.0)  # drafting at all has a fixed cost
+    fitted = costs.seconds(batch=4, max_k=4)
+    assert fitted[0] == pytest.approx(2.0) and fitted[1] > 3.0
     assert costs.seconds(batch=16, max_k=1) is None  # another bucket
 
 
 def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     controller = GoodputController(max_k=4, prior=0.6, prior_weight=4.0, probe_every=8)
-    for k in (0, 4):
-        controller.observe_step(batch=1, k=k, seconds=1.0 + 0.25 * k)
-    assert controller.choose("v1", "sql", batch=1, step=0, limit=4) > 0  # optimistic prior
+    for k in (0, 2, 4):
+        controller.observe_step(batch=1, k=k, seconds=1.0 + 0.1 * k)
+    assert controller.choose("v1", "sql", batch=1, limit=4) > 0  # optimistic prior
     for _ in range(200):
         controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
-    chosen = [controller.choose("v1", "sql", batch=1, step=s, limit=4) for s in range(16)]
-    assert chosen.count(0) == 14 and chosen.count(1) == 2  # probes at steps 7 and 15
-    assert controller.choose("v2", "sql", batch=1, step=0, limit=4) > 0  # a new version is tried
+    chosen = []
+    for _ in range(16):
+        chosen.append(controller.choose("v1", "sql", batch=1, limit=4))
+        controller.observe_step(batch=1, k=chosen[-1], seconds=1.0 + 0.1 * chosen[-1])
+    assert chosen.count(0) == 14 and chosen.count(1) == 2  # probes on every 8th engine step
+    assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
-    assert controller.choose("v1", "code", batch=1, step=0, limit=4) == 4
+    assert controller.choose("v1", "code", batch=1, limit=4) == 4
 
 
 def test_controller_respects_the_limit_and_starts_like_a_fixed_k_server():
     controller = GoodputController(max_k=8)
-    assert controller.choose("v", "", batch=2, step=0, limit=5) == 5  # no costs measured yet
-    assert controller.choose("v", "", batch=2, step=0, limit=0) == 0
+    assert controller.choose("v", "", batch=2, limit=5) == 5  # no costs measured yet
+    assert controller.choose("v", "", batch=2, limit=0) == 0
     controller.observe_step(batch=2, k=2, seconds=1.0)
-    assert controller.choose("v", "", batch=2, step=0, limit=3) <= 3
+    assert controller.choose("v", "", batch=2, limit=3) <= 3
