@@ -7,11 +7,13 @@ it were accepted, counted live per (adapter version, route) with a prior, so a n
 tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a step that drafts
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
 past statistics, never on the target's output for the step it decides, so every verifier stays
-exact. Rows that would choose k = 0 probe with k = 1 on every ``probe_every``-th step of the
-engine, all on the same steps (probes spread over rows would make most steps of a batch pay
-for drafting). Deterministic given its inputs; pure (no clocks: the caller passes measured
-seconds). With k chosen from live statistics a seed fixes a request's output distribution,
-not its exact text.
+exact. Exploration runs on one engine-wide schedule of ``2 * probe_every`` steps: on one step
+of it rows that would draft nothing draft one token (is the draft better now?), on another rows
+that would draft run the target alone (what does a step without drafting cost? Without it a
+controller that drafts never measures the alternative). All rows probe on the same steps:
+probes spread over rows would make most steps of a batch pay for drafting. Deterministic given
+its inputs; pure (no clocks: the caller passes measured seconds). With k chosen from live
+statistics a seed fixes a request's output distribution, not its exact text.
 """
 
 from __future__ import annotations
@@ -113,8 +115,8 @@ class StepCosts:
                 return None
             fitted = (base, self.prior_ratio * base)
         intercept, slope = fitted
-        if base is None:
-            base = intercept
+        if base is None:  # no step without drafting seen: the line less one drafted token
+            base = intercept / (1 + self.prior_ratio)
         return [base] + [intercept + slope * k for k in range(1, max_k + 1)]
 
     def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
@@ -126,7 +128,9 @@ class StepCosts:
         if variance > 1e-6:
             slope = max((kt_sum / weight - mean_k * mean_t) / variance, 0.0)
         else:  # one width seen: the prior's share per token, of a step without drafting
-            slope = self.prior_ratio * (base if base is not None else mean_t / (1 + mean_k))
+            if base is None:
+                base = mean_t / (1 + self.prior_ratio * (1 + mean_k))
+            slope = self.prior_ratio * base
         return max(mean_t - slope * mean_k, 1e-9), slope
 
 
@@ -139,7 +143,7 @@ class GoodputController:
         prior: acceptance a new draft version is assumed to have (optimistic, so it is tried).
         prior_weight: pseudo-steps of that prior.
         decay: forgetting per observed step of a curve (recent traffic counts most).
-        probe_every: a row that would draft nothing drafts one token every this many steps.
+        probe_every: half the exploration period, in engine steps (see the module docstring).
     """
 
     max_k: int = 8
@@ -150,6 +154,7 @@ class GoodputController:
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
+    _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
 
     def curve(self, adapter: str, route: str) -> AcceptanceCurve:
         key = (adapter, route)
@@ -162,18 +167,29 @@ class GoodputController:
         limit = min(limit, self.max_k)
         if limit <= 0:
             return 0
+        key = (adapter, route, batch, limit)
+        if key not in self._chosen:  # rows of one step mostly share all four
+            self._chosen[key] = self._choose(adapter, route, batch, limit)
+        return self._chosen[key]
+
+    def _choose(self, adapter: str, route: str, batch: int, limit: int) -> int:
         seconds = self.costs.seconds(batch, limit)
         if seconds is None:  # nothing measured yet: draft as a fixed-k server would
             return limit
         rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
         k = best_k(rates, seconds)
-        if k == 0 and self.steps % self.probe_every == self.probe_every - 1:
+        phase = self.steps % (2 * self.probe_every)
+        if k == 0 and phase == self.probe_every - 1:
             return 1
+        if k > 0 and phase == 2 * self.probe_every - 1:
+            return 0
         return k
 
     def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
+        self._chosen.clear()
 
     def observe_step(self, batch: int, k: int, seconds: float) -> None:
         self.costs.observe(batch, k, seconds)
         self.steps += 1
+        self._chosen.clear()

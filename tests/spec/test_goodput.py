@@ -83,11 +83,15 @@ def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     for _ in range(16):
         chosen.append(controller.choose("v1", "sql", batch=1, limit=4))
         controller.observe_step(batch=1, k=chosen[-1], seconds=1.0 + 0.1 * chosen[-1])
-    assert chosen.count(0) == 14 and chosen.count(1) == 2  # probes on every 8th engine step
+    assert chosen.count(0) == 15 and chosen.count(1) == 1  # one probe per 16 engine steps
     assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
-    assert controller.choose("v1", "code", batch=1, limit=4) == 4
+    drafting = []
+    for _ in range(16):
+        drafting.append(controller.choose("v1", "code", batch=1, limit=4))
+        controller.observe_step(batch=1, k=drafting[-1], seconds=1.0 + 0.1 * drafting[-1])
+    assert drafting.count(4) == 15 and drafting.count(0) == 1  # the target alone, measured
 
 
 def test_controller_respects_the_limit_and_starts_like_a_fixed_k_server():
