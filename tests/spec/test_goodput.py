@@ -72,6 +72,15 @@ def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_othe
     assert costs.seconds(batch=16, max_k=1) is None  # another bucket
 
 
+def run_steps(controller, adapter, route, count):
+    """``count`` engine steps of one row; each step costs 1 + 0.1 k. Returns the k chosen."""
+    chosen = []
+    for _ in range(count):
+        chosen.append(controller.choose(adapter, route, batch=1, limit=4))
+        controller.observe_step(batch=1, k=chosen[-1], seconds=1.0 + 0.1 * chosen[-1])
+    return chosen
+
+
 def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     controller = GoodputController(max_k=4, prior=0.6, prior_weight=4.0, probe_every=8)
     for k in (0, 2, 4):
@@ -79,18 +88,12 @@ def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     assert controller.choose("v1", "sql", batch=1, limit=4) > 0  # optimistic prior
     for _ in range(200):
         controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
-    chosen = []
-    for _ in range(16):
-        chosen.append(controller.choose("v1", "sql", batch=1, limit=4))
-        controller.observe_step(batch=1, k=chosen[-1], seconds=1.0 + 0.1 * chosen[-1])
+    chosen = run_steps(controller, "v1", "sql", 16)
     assert chosen.count(0) == 15 and chosen.count(1) == 1  # one probe per 16 engine steps
     assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
-    drafting = []
-    for _ in range(16):
-        drafting.append(controller.choose("v1", "code", batch=1, limit=4))
-        controller.observe_step(batch=1, k=drafting[-1], seconds=1.0 + 0.1 * drafting[-1])
+    drafting = run_steps(controller, "v1", "code", 16)
     assert drafting.count(4) == 15 and drafting.count(0) == 1  # the target alone, measured
 
 
