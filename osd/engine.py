@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 from transformers import PreTrainedModel
@@ -26,9 +26,29 @@ from osd.spec.kv_cache import SlotKVCache
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.step import VERIFIERS, ModelPair, prefill, run_step
 
-__all__ = ["VERIFIERS", "GenerationStream", "Method", "SpeculativeDecoder"]
+__all__ = ["VERIFIERS", "GenerationStream", "Method", "RequestOptions", "SpeculativeDecoder"]
 
 Method = Literal["token", "block", "spectr", "none"]
+
+
+class RequestOptions(TypedDict, total=False):
+    """The keyword options of one request (:meth:`SpeculativeDecoder.prepare` has the defaults)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: Sequence[str] | str | None
+    stop_token_ids: Sequence[int] | None
+    seed: int | None
+    method: Method
+    num_spec_tokens: int | Literal["auto"]
+    num_drafts: int
+    adapter: str | None
+    log: bool
+    route: str
+
+
 # Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
 MAX_SPEC_TOKENS = 64
 MAX_DRAFTS = 64
@@ -103,101 +123,21 @@ class SpeculativeDecoder:
         return self.draft.adapter_names
 
     def generate(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        seed: int | None = None,
-        method: Method = "block",
-        num_spec_tokens: int | Literal["auto"] = 4,
-        num_drafts: int = 2,
-        adapter: str | None = None,
-        log: bool = True,
-        route: str = "",
+        self, prompt: str | Sequence[int], **options: Unpack[RequestOptions]
     ) -> GenerationResult:
-        """Generates a completion; arguments as in :meth:`stream`."""
-        return self.stream(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-            method=method,
-            num_spec_tokens=num_spec_tokens,
-            num_drafts=num_drafts,
-            adapter=adapter,
-            log=log,
-            route=route,
-        ).result()
+        """Generates a completion; options as in :meth:`prepare`."""
+        return self.stream(prompt, **options).result()
 
     def stream(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] | str | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        seed: int | None = None,
-        method: Method = "block",
-        num_spec_tokens: int | Literal["auto"] = 4,
-        num_drafts: int = 2,
-        adapter: str | None = None,
-        log: bool = True,
-        route: str = "",
+        self, prompt: str | Sequence[int], **options: Unpack[RequestOptions]
     ) -> GenerationStream:
-        """Yields tokens as soon as they are verified.
-
-        Args:
-            prompt: text (needs a tokenizer) or token ids.
-            max_tokens: most tokens to generate (default 128).
-            temperature: 0 is greedy (default 1.0).
-            top_p: nucleus mass in (0, 1] (default 1.0).
-            top_k: keep the k most likely tokens; 0 keeps all (default 0).
-            stop: strings that end generation; the text is cut before them.
-            stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
-            seed: seed of this request's random streams; None draws one.
-            method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
-            num_spec_tokens: tokens drafted per step, k >= 1 (default 4), or ``"auto"``: the
-                goodput controller chooses k in 0..``max_spec_tokens`` each step from the
-                acceptance measured for this adapter and route and the measured step costs.
-            num_drafts: draft sequences for spectr, K >= 1 (default 2).
-            adapter: LoRA adapter of the draft to use; None is the base draft.
-            log: collect per-request log data (default True).
-            route: what the controller's statistics are kept by beside the adapter (e.g. the
-                request's domain).
+        """Yields tokens as soon as they are verified; options as in :meth:`prepare`.
 
         Returns:
             A :class:`GenerationStream` of :class:`StreamChunk` s, one per step; the last one
             carries the finish reason.
         """
-        request = self.prepare(
-            prompt,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop=stop,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-            method=method,
-            num_spec_tokens=num_spec_tokens,
-            num_drafts=num_drafts,
-            adapter=adapter,
-            log=log,
-            route=route,
-        )
-        return GenerationStream(self, request)
+        return GenerationStream(self, self.prepare(prompt, **options))
 
     def model_pair(
         self, num_slots: int, max_len: int, controller: GoodputController | None = None
@@ -232,7 +172,30 @@ class SpeculativeDecoder:
         log: bool = True,
         route: str = "",
     ) -> DecodeRequest:
-        """Validates one request's arguments (as in :meth:`stream`); raises ValueError."""
+        """Validates one request's arguments; raises ValueError naming the bad one.
+
+        Args:
+            prompt: text (needs a tokenizer) or token ids.
+            max_tokens: most tokens to generate (default 128).
+            temperature: 0 is greedy (default 1.0).
+            top_p: nucleus mass in (0, 1] (default 1.0).
+            top_k: keep the k most likely tokens; 0 keeps all (default 0).
+            stop: strings that end generation; the text is cut before them.
+            stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
+            seed: seed of this request's random streams; None draws one.
+            method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
+            num_spec_tokens: tokens drafted per step, k >= 1 (default 4), or ``"auto"``: the
+                goodput controller chooses k in 0..``max_spec_tokens`` each step from the
+                acceptance measured for this adapter and route and the measured step costs.
+            num_drafts: draft sequences for spectr, K >= 1 (default 2).
+            adapter: LoRA adapter of the draft to use; None is the base draft.
+            log: collect per-request log data (default True).
+            route: what the controller's statistics are kept by beside the adapter (e.g. the
+                request's domain).
+
+        Returns:
+            The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
+        """
         prompt_ids = self._prompt_ids(prompt)
         if method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from osd.devices import to_device
 from osd.spec.kv_cache import ForwardPlan, SlotKVCache
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
@@ -44,9 +45,7 @@ BASE_ADAPTER = "__base__"
 _selected = threading.local()
 
 
-def _row_groups(
-    names: list[str], device: torch.device | None
-) -> list[tuple[str, torch.Tensor | None]]:
+def _row_groups(names: list[str], device: torch.device) -> list[tuple[str, torch.Tensor | None]]:
     rows: dict[str, list[int]] = {}
     for position, name in enumerate(names):
         rows.setdefault(name, []).append(position)
@@ -54,12 +53,7 @@ def _row_groups(
     for name, members in rows.items():
         if name == BASE_ADAPTER:
             continue
-        index: torch.Tensor | None = None
-        if len(members) < len(names):
-            index = torch.tensor(members)
-            if device is not None and device.type == "cuda":  # no sync: pinned, non-blocking
-                index = index.pin_memory()
-            index = index.to(device or "cpu", non_blocking=True)
+        index = None if len(members) == len(names) else to_device(torch.tensor(members), device)
         groups.append((name, index))
     return groups
 
@@ -120,9 +114,7 @@ def _hook_lora_layers(model: Any) -> None:
 
 
 @contextlib.contextmanager
-def _adapters_for_this_thread(
-    names: list[str], device: torch.device | None = None
-) -> Iterator[None]:
+def _adapters_for_this_thread(names: list[str], device: torch.device) -> Iterator[None]:
     previous = getattr(_selected, "adapter_names", None), getattr(_selected, "groups", None)
     _selected.adapter_names = names
     _selected.groups = _row_groups(names, device)
@@ -233,20 +225,8 @@ class CausalLM:
         Returns:
             (B, num_logits, vocab_size) logits.
         """
-        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True}
-        if self._slices_logits:
-            kwargs["logits_to_keep"] = num_logits
-        selection: AbstractContextManager[Any] = contextlib.nullcontext()
-        if self._has_lora:
-            selection = _adapters_for_this_thread(
-                [adapter or BASE_ADAPTER] * input_ids.shape[0], input_ids.device
-            )
-        with self.guard(), selection:
-            # The wrapped HF model runs the LoRA layers (their hooks choose the adapter); peft's
-            # own forward would also look up its "active adapter", which a replica deletes and
-            # replaces while serving, so it is left out of the decode path.
-            logits = _base_model(self.model)(input_ids=input_ids, **kwargs).logits
-        return logits[:, -num_logits:, : self.vocab_size]
+        adapters = [adapter] * input_ids.shape[0]
+        return self._forward(input_ids, cache, num_logits, adapters)
 
     def run(
         self,
@@ -263,33 +243,39 @@ class CausalLM:
             cache: the model's slot cache.
             num_logits: logits wanted for the last ``num_logits`` columns.
             adapters: LoRA adapter per row (None: the base model) for a peft model; rows with
-                different adapters share the forward (peft's mixed-adapter batch).
+                different adapters share the forward (grouped per adapter, module docstring).
 
         Returns:
             (B, num_logits, vocab_size) logits.
         """
         cache.bind(plan)
-        kwargs: dict[str, Any] = {
-            self._cache_kwarg: cache,
-            "use_cache": True,
-            "attention_mask": plan.attention_mask,
-            "position_ids": plan.position_ids,
-        }
+        return self._forward(
+            plan.input_ids,
+            cache,
+            num_logits,
+            adapters or [None] * plan.input_ids.shape[0],
+            attention_mask=plan.attention_mask,
+            position_ids=plan.position_ids,
+        )
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        num_logits: int,
+        adapters: list[str | None],
+        **extra: Any,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True, **extra}
         if self._slices_logits:
             kwargs["logits_to_keep"] = num_logits
         selection: AbstractContextManager[Any] = contextlib.nullcontext()
         if self._has_lora:
-            names = adapters or [None] * plan.input_ids.shape[0]
-            selection = _adapters_for_this_thread(
-                [name or BASE_ADAPTER for name in names], plan.input_ids.device
-            )
+            names = [name or BASE_ADAPTER for name in adapters]
+            selection = _adapters_for_this_thread(names, input_ids.device)
         with self.guard(), selection:
-            logits = _base_model(self.model)(input_ids=plan.input_ids, **kwargs).logits
+            # The wrapped HF model runs the LoRA layers (their hooks choose the adapters); peft's
+            # own forward would also look up its "active adapter", which a replica deletes and
+            # replaces while serving, so it is left out of the decode path.
+            logits = _base_model(self.model)(input_ids=input_ids, **kwargs).logits
         return logits[:, -num_logits:, : self.vocab_size]
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drops cached positions beyond ``length`` (transformers 5 takes a negative count)."""
-    excess = cache.get_seq_length() - length
-    if excess > 0:
-        cache.crop(-excess)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from osd.devices import to_device
+
 __all__ = ["RowSampling", "SamplingParams", "logits_to_probs", "rows_to_probs", "sample_from_probs"]
 
 
@@ -58,20 +60,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         (..., V) float32 (or float64 if the logits are) probabilities summing to 1 over the
         last dimension; one-hot on the argmax when ``params.temperature == 0``.
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = logits.to(dtype)
-    if params.is_greedy:
-        one_hot = torch.zeros_like(logits)
-        return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
-    vocab_size = logits.shape[-1]
-    if 0 < params.top_k < vocab_size:
-        kth_largest = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        probs = _keep_top_p(probs, params.top_p)
-    return probs
+    one_row = RowSampling.of([params], logits.device)
+    return rows_to_probs(logits.unsqueeze(0), one_row).squeeze(0)
 
 
 @dataclass(frozen=True)
@@ -96,10 +86,9 @@ class RowSampling:
 
     @staticmethod
     def of(params: list[SamplingParams], device: torch.device | str) -> RowSampling:
-        values = torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params])
-        if torch.device(device).type == "cuda":
-            values = values.pin_memory()
-        values = values.to(device, non_blocking=True)
+        values = to_device(
+            torch.tensor([[p.temperature, p.top_p, p.top_k] for p in params]), device
+        )
         return RowSampling(
             temperature=values[:, 0],
             top_p=values[:, 1],
@@ -124,7 +113,8 @@ class RowSampling:
 
 
 def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
-    """:func:`logits_to_probs` with each row's own temperature, top-k and top-p.
+    """Logits to the distribution tokens are sampled from, with each row's own temperature,
+    top-k (a sort, kth value per row) and top-p; :func:`logits_to_probs` is its one-row case.
 
     Args:
         logits: (B, ..., V) raw logits; row b uses the parameters at index b.
@@ -141,10 +131,10 @@ def rows_to_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     greedy = (rows.temperature == 0).view(shape)
     temperature = torch.where(rows.temperature > 0, rows.temperature, 1.0).to(dtype)
     scaled = logits / temperature.view(shape)
-    vocab_size = logits.shape[-1]
-    top_k = rows.top_k.view(shape)
-    filter_k = (top_k > 0) & (top_k < vocab_size)
     if rows.any_top_k:
+        vocab_size = logits.shape[-1]
+        top_k = rows.top_k.view(shape)
+        filter_k = (top_k > 0) & (top_k < vocab_size)
         sorted_logits = torch.sort(scaled, dim=-1, descending=True).values
         index = (top_k.clamp(1, vocab_size) - 1).expand(*scaled.shape[:-1], 1)
         kth_largest = sorted_logits.gather(-1, index)

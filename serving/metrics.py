@@ -106,6 +106,8 @@ class ReplicaMetrics:
         self.drafted.labels(*labels).inc(sum(num_drafted))
         self.accepted.labels(*labels).inc(sum(num_accepted))
         self.steps.labels(*labels).inc(len(num_drafted))
+        for drafted in num_drafted:
+            self.draft_length.observe(drafted)
         for accepted in num_accepted:
             for position in range(1, accepted + 1):
                 self.accepted_at.labels(adapter, str(position)).inc()

@@ -298,8 +298,6 @@ class ReplicaRuntime:
 
     def _account(self, job: Job, result: GenerationResult) -> None:
         stats, lease, domain = result.stats, job.lease, job.request.domain or ""
-        for k in stats.draft_lengths:
-            self.metrics.draft_length.observe(k)
         elapsed = time.perf_counter() - job.started
         self.metrics.latency.observe(elapsed)
         if job.first_token_at is not None:

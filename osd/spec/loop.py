@@ -81,10 +81,6 @@ class RequestHandle:
     def request(self) -> DecodeRequest:
         return self._row.request
 
-    @property
-    def num_generated(self) -> int:
-        return self._row.stats.num_generated
-
     def __iter__(self) -> RequestHandle:
         return self
 
@@ -123,7 +119,6 @@ class LoopStats:
     steps: int = 0
     rows_stepped: int = 0  # sum over steps of the batch size
     step_seconds: float = 0.0
-    prefill_tokens: int = 0
     waiting: int = 0
     running: int = 0
 
@@ -276,7 +271,6 @@ class BatchedEngine:
 
     def _prefill(self) -> None:
         rows = [h._row for h in self._prefilling]
-        before = sum(row.prefill_left for row in rows)
         try:
             prefill(self.pair, rows, self.limits.max_num_batched_tokens)
         except Exception as exc:  # noqa: BLE001 - these requests fail, others go on
@@ -284,7 +278,6 @@ class BatchedEngine:
             self._fail(self._prefilling, exc)
             self._prefilling = []
             return
-        self.stats.prefill_tokens += before - sum(row.prefill_left for row in rows)
         ready = [h for h in self._prefilling if h._row.prefill_left <= 0]
         self._prefilling = [h for h in self._prefilling if h._row.prefill_left > 0]
         for handle in ready:  # their first token came with the prefill

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from osd.devices import to_device
 from osd.generation import StreamChunk
 from osd.models import CausalLM
 from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
@@ -67,31 +68,18 @@ def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torc
     return top.indices, top.values
 
 
-def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host to device without a sync: a pageable copy to a GPU would wait for its stream."""
-    if device.type == "cuda":
-        return values.pin_memory().to(device, non_blocking=True)
-    return values.to(device)
-
-
 def _tensor(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(values, dtype=torch.int64), device)
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _left_padded(
     token_lists: list[list[int]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-    """Rows of tokens, left-padded to one width: (B, T) ids, (B,) left padding, (B,) lengths,
-    and the lengths on the host."""
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Rows of tokens, left-padded to one width: (B, T) ids, each row's padding and length."""
     width = max(len(tokens) for tokens in token_lists)
-    rows = [[0] * (width - len(tokens)) + tokens for tokens in token_lists]
     lengths = [len(tokens) for tokens in token_lists]
-    return (
-        _tensor(rows, device),
-        _tensor([width - n for n in lengths], device),
-        _tensor(lengths, device),
-        lengths,
-    )
+    rows = [[0] * (width - len(tokens)) + tokens for tokens in token_lists]
+    return _tensor(rows, device), [width - n for n in lengths], lengths
 
 
 def _run(
@@ -101,8 +89,7 @@ def _run(
     input_ids: torch.Tensor,
     *,
     start: list[int],
-    left: torch.Tensor,
-    real: torch.Tensor,
+    left: list[int],
     num_real: list[int],
     own: list[int],
     base: list[int],
@@ -110,15 +97,20 @@ def _run(
     num_logits: int,
     adapters: list[str | None] | None = None,
 ) -> torch.Tensor:
+    """One forward of ``model`` over rows laid out as ``left`` padding, ``num_real`` tokens
+    written from position ``start`` to slot ``own`` (reading ``prefix`` positions from ``base``),
+    then right padding."""
     device = input_ids.device
+    # One host-to-device copy for the six per-row columns of the plan.
+    columns = _tensor([start, left, num_real, own, base, prefix], device)
     plan = plan_forward(
         input_ids=input_ids,
-        start=_tensor(start, device),
-        left=left,
-        real=real,
-        own_slot=_tensor(own, device),
-        base_slot=_tensor(base, device),
-        prefix_len=_tensor(prefix, device),
+        start=columns[0],
+        left=columns[1],
+        real=columns[2],
+        own_slot=columns[3],
+        base_slot=columns[4],
+        prefix_len=columns[5],
         trash_slot=cache.trash_slot,
         dtype=pair.dtype,
         kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
@@ -153,7 +145,7 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
         if not members:
             continue
         tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
-        ids, left, real, num_real = _left_padded(tokens, pair.device)
+        ids, left, num_real = _left_padded(tokens, pair.device)
         logits = _run(
             pair,
             model,
@@ -161,7 +153,6 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
             ids,
             start=[row.target_len for row, _ in members],
             left=left,
-            real=real,
             num_real=num_real,
             own=[row.slots[0] for row, _ in members],
             base=[row.slots[0] for row, _ in members],
@@ -209,40 +200,37 @@ class _Drafts:
 
 
 def _propose(
-    pair: ModelPair, rows: list[Row], spec_k: list[int], branches: list[int], width: int
+    pair: ModelPair,
+    rows: list[Row],
+    sampling: RowSampling,
+    spec_k: list[int],
+    branches: list[int],
+    width: int,
 ) -> _Drafts:
     """Drafts k tokens per row (K sequences for SpecTr rows) in batched draft forwards."""
     device, num_rows, num_drafts = pair.device, len(rows), max(branches)
     # q keeps the precision it was computed in (float64 models: float64), as the verifiers
     # must see exactly the distribution each token was sampled from.
     q_dtype = torch.float64 if pair.dtype == torch.float64 else torch.float32
-    out = _Drafts(
-        ids=torch.zeros(num_rows, num_drafts, width, dtype=torch.int64, device=device),
-        probs=torch.zeros(
-            num_rows, num_drafts, width, pair.vocab_size, device=device, dtype=q_dtype
-        ),
-        num_drafted=_tensor(spec_k, device),
-    )
+    ids = torch.zeros(num_rows, num_drafts, width, dtype=torch.int64, device=device)
+    probs = torch.zeros(num_rows, num_drafts, width, pair.vocab_size, device=device, dtype=q_dtype)
+    own_k = _tensor(spec_k, device)
     drafting = [b for b in range(num_rows) if spec_k[b] > 0]
     if not drafting:
-        return out
-    members = [rows[b] for b in drafting]
-    index = _tensor(drafting, device)
-    sampling = RowSampling.of([row.request.params for row in members], device)
-    keys = _tensor([row.draft_key for row in members], device)
-    steps = _tensor([row.step for row in members], device)
-    draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (D, K, k)
-    thresholds = torch.tensor([row.request.adaptive_threshold for row in members], device=device)
-    adaptive = any(row.request.adaptive_threshold > 0 for row in members)
-    own_k = out.num_drafted[index].clone()
-    ids = torch.zeros(len(members), num_drafts, width, dtype=torch.int64, device=device)
-    probs = torch.zeros(
-        len(members), num_drafts, width, pair.vocab_size, device=device, dtype=q_dtype
-    )
+        return _Drafts(ids, probs, own_k)
+    keys = _tensor([row.draft_key for row in rows], device)
+    steps = _tensor([row.step for row in rows], device)
+    draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
+    adaptive = any(row.request.adaptive_threshold > 0 for row in rows)
+    if adaptive:
+        thresholds = torch.tensor([row.request.adaptive_threshold for row in rows], device=device)
+        counts = _tensor(branches, device)
+        real_branch = torch.arange(num_drafts, device=device) < counts.unsqueeze(1)  # (B, K)
 
     # Position 0: one forward over each row's pending tokens, shared by its branches.
-    pending = [row.seq[row.draft_len :] for row in members]
-    input_ids, left, real, num_real = _left_padded(pending, device)
+    members = [rows[b] for b in drafting]
+    index = _tensor(drafting, device)
+    input_ids, left, num_real = _left_padded([row.seq[row.draft_len :] for row in members], device)
     logits = _run(
         pair,
         pair.draft,
@@ -250,7 +238,6 @@ def _propose(
         input_ids,
         start=[row.draft_len for row in members],
         left=left,
-        real=real,
         num_real=num_real,
         own=[row.slots[0] for row in members],
         base=[row.slots[0] for row in members],
@@ -258,31 +245,28 @@ def _propose(
         num_logits=1,
         adapters=[row.request.adapter for row in members],
     )
-    q = rows_to_probs(logits[:, 0], sampling)  # (D, V)
-    ids[:, :, 0] = sample_from_probs(q.unsqueeze(1).expand(-1, num_drafts, -1), draws[:, :, 0])
-    probs[:, :, 0] = q.unsqueeze(1)
-    counts = _tensor([branches[b] for b in drafting], device)
-    real_branch = torch.arange(num_drafts, device=device) < counts.unsqueeze(1)  # (D, K)
+    q = rows_to_probs(logits[:, 0], sampling.select(index)).unsqueeze(1)  # (D, 1, V)
+    ids[index, :, 0] = sample_from_probs(q.expand(-1, num_drafts, -1), draws[index, :, 0])
+    probs[index, :, 0] = q
     if adaptive:
         own_k = _adaptive_stop(own_k, probs, ids, thresholds, real_branch, 0)
 
     # Positions 1..k-1: every branch of every row still drafting, one token each.
-    fan_out = [(d, j) for d, b in enumerate(drafting) for j in range(branches[b])]
+    fan_out = [(b, j) for b in drafting for j in range(branches[b])]
     for i in range(1, width):
-        active = [(d, j) for d, j in fan_out if spec_k[drafting[d]] > i]
+        active = [(b, j) for b, j in fan_out if spec_k[b] > i]
         if not active:
             break
-        row_of = _tensor([d for d, _ in active], device)
+        row_of = _tensor([b for b, _ in active], device)
         branch_of = _tensor([j for _, j in active], device)
-        owners = [members[d] for d, _ in active]
+        owners = [rows[b] for b, _ in active]
         logits = _run(
             pair,
             pair.draft,
             pair.draft_cache,
             ids[row_of, branch_of, i - 1].unsqueeze(1),
             start=[len(row.seq) + i - 1 for row in owners],
-            left=torch.zeros(len(active), dtype=torch.int64, device=device),
-            real=torch.ones(len(active), dtype=torch.int64, device=device),
+            left=[0] * len(active),
             num_real=[1] * len(active),
             own=[row.slots[j] for row, (_, j) in zip(owners, active, strict=True)],
             base=[row.slots[0] for row in owners],
@@ -295,10 +279,7 @@ def _propose(
         probs[row_of, branch_of, i] = q
         if adaptive:
             own_k = _adaptive_stop(own_k, probs, ids, thresholds, real_branch, i)
-    out.ids[index] = ids
-    out.probs[index] = probs
-    out.num_drafted[index] = own_k
-    return out
+    return _Drafts(ids, probs, own_k)
 
 
 def _adaptive_stop(
@@ -310,10 +291,10 @@ def _adaptive_stop(
     position: int,
 ) -> torch.Tensor:
     """Stops a row's drafting after ``position`` when a drafted token's q is below its
-    threshold (depends on the draft only, so outputs stay exact). Rows that drafted fewer
-    positions are unaffected: their ``own_k`` is at most ``position + 1`` already."""
+    threshold (depends on the draft only, so outputs stay exact). Rows that draft fewer
+    positions (or none) are unaffected: their ``own_k`` is at most ``position + 1`` already."""
     confidence = probs[:, :, position].gather(-1, ids[:, :, position].unsqueeze(-1))[..., 0]
-    lowest = confidence.masked_fill(~real_branch, float("inf")).amin(dim=-1)  # (D,)
+    lowest = confidence.masked_fill(~real_branch, float("inf")).amin(dim=-1)  # (B,)
     low = lowest < thresholds
     return torch.where(low & (own_k > position + 1), position + 1, own_k)
 
@@ -385,22 +366,22 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     spec_k = [row.spec_tokens(pair.controller, num_rows) for row in rows]
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
-    drafts = _propose(pair, rows, spec_k, branches, max(width, 1))
+    sampling = RowSampling.of([row.request.params for row in rows], device)
+    drafts = _propose(pair, rows, sampling, spec_k, branches, max(width, 1))
 
     # One target forward: each branch row holds its pending tokens, then its drafts.
     fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
     first_row = _tensor([sum(branches[:b]) for b in range(num_rows)], device)
     row_of = _tensor([b for b, _ in fan_out], device)
-    pending, left, real, num_real = _left_padded(
+    pending, left, num_real = _left_padded(
         [rows[b].seq[rows[b].target_len :] for b, _ in fan_out], device
     )
     input_ids = pending
-    if width > 0:
+    if width > 0:  # drafts after the pending tokens; rows that drafted less are right-padded
         spec = drafts.ids[row_of, _tensor([j for _, j in fan_out], device), :width]  # (R, k)
         k_of = _tensor([spec_k[b] for b, _ in fan_out], device)
         spec = spec.masked_fill(torch.arange(width, device=device) >= k_of.unsqueeze(1), 0)
         input_ids = torch.cat([pending, spec], dim=1)
-        real = real + k_of
         num_real = [n + spec_k[b] for n, (b, _) in zip(num_real, fan_out, strict=True)]
     logits = _run(
         pair,
@@ -409,21 +390,18 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         input_ids,
         start=[rows[b].target_len for b, _ in fan_out],
         left=left,
-        real=real,
         num_real=num_real,
         own=[rows[b].slots[j] for b, j in fan_out],
         base=[rows[b].slots[0] for b, _ in fan_out],
         prefix=[rows[b].target_len for b, _ in fan_out],
         num_logits=width + 1,
     )  # (R, k + 1, V)
-    sampling = RowSampling.of([row.request.params for row in rows], device).select(row_of)
-    target_probs = rows_to_probs(logits, sampling)
+    target_probs = rows_to_probs(logits, sampling.select(row_of))
     verified = _verify(rows, drafts, target_probs, first_row, branches, width)
 
     everyone = torch.arange(num_rows, device=device)
     chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
-    logging = [b for b, row in enumerate(rows) if row.request.log_top_m]
-    if logging:
+    if any(row.request.log_top_m for row in rows):
         top_ids, top_probs = top_m_distribution(
             logits[first_row + verified.draft_index], pair.log_top_m
         )  # (B, k + 1, m)
@@ -450,27 +428,27 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     for b, row in enumerate(rows):
         num_accepted, next_token, branch, num_drafted = packed[b][:4]
         length = len(row.seq)
+        # The draft cache holds the pending tokens and the drafts fed back (all but the last).
+        draft_len = min(length + spec_k[b] - 1, length + num_accepted)
         if branch > 0:  # a SpecTr branch won: its kept tokens move to the request's slot
             src, dst = row.slots[branch], row.slots[0]
             copies["target"] += [
                 (src, dst, p) for p in range(row.target_len, length + num_accepted)
             ]
-            kept_draft = min(length + spec_k[b] - 1, length + num_accepted)
-            copies["draft"] += [(src, dst, p) for p in range(length, kept_draft)]
+            copies["draft"] += [(src, dst, p) for p in range(length, draft_len)]
         row.target_len = length + num_accepted
         if spec_k[b] > 0:
-            row.draft_len = min(length + spec_k[b] - 1, length + num_accepted)
+            row.draft_len = draft_len
         if row.request.log_top_m:
             row.log_rows.append((top_ids[b, : num_accepted + 1], top_probs[b, : num_accepted + 1]))
             row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
+        if pair.controller is not None:
+            pair.controller.observe_row(row.stats_key, row.request.route, num_drafted, num_accepted)
         chunks.append(row.emit(packed[b][4:], num_accepted, next_token, num_drafted))
     for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):
         if copies[name]:
-            moves = torch.tensor(copies[name], device=device)  # (N, 3): src, dst, position
+            moves = _tensor(copies[name], device)  # (N, 3): src, dst, position
             cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
     if pair.controller is not None:  # after the step's sync: host time is the step's time
-        for b, row in enumerate(rows):
-            drafted, accepted = packed[b][3], packed[b][0]
-            pair.controller.observe_row(row.stats_key, row.request.route, drafted, accepted)
         pair.controller.observe_step(num_rows, width, time.perf_counter() - started)
     return chunks

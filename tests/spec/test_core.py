@@ -124,7 +124,7 @@ def test_slot_cache_forwards_equal_plain_forwards_for_ragged_rows_and_branches()
         run([[1] * 3], [39], [0], [0], [0])
 
 
-def test_row_sampling_equals_scalar_sampling_row_by_row():
+def test_a_rows_sampling_does_not_depend_on_the_other_rows_parameters():
     torch.manual_seed(0)
     logits = torch.randn(4, 3, 50)
     params = [
