@@ -7,13 +7,16 @@ it were accepted, counted live per (adapter version, route) with a prior, so a n
 tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a step that drafts
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
 past statistics, never on the target's output for the step it decides, so every verifier stays
-exact. Exploration runs on one engine-wide schedule of ``2 * probe_every`` steps: on one step
-of it rows that would draft nothing draft one token (is the draft better now?), on another rows
-that would draft run the target alone (what does a step without drafting cost? Without it a
-controller that drafts never measures the alternative). All rows probe on the same steps:
-probes spread over rows would make most steps of a batch pay for drafting. Deterministic given
-its inputs; pure (no clocks: the caller passes measured seconds). With k chosen from live
-statistics a seed fixes a request's output distribution, not its exact text.
+exact. Exploration runs on one engine-wide schedule: once every ``probe_every`` steps rows
+that would draft nothing draft one token (is the draft better now?), and once every
+``zero_probe_every`` steps rows that would draft run the target alone (what does a step
+without drafting cost? Without it a controller that drafts never measures the alternative; the
+cost of the target alone drifts slowly, so this probe is rarer). All rows probe on the same
+steps: probes spread over rows would make most steps of a batch pay for drafting. Before a batch
+size has been measured its costs are borrowed from the nearest measured one, and before
+anything is measured from a prior ratio, so a cold replica does not start at ``max_k``.
+Deterministic given its inputs; pure (no clocks: the caller passes measured seconds). With k
+chosen from live statistics a seed fixes a request's output distribution, not its exact text.
 """
 
 from __future__ import annotations
@@ -105,14 +108,23 @@ class StepCosts:
         for i, value in enumerate(values):
             sums[i] = sums[i] * self.decay + value
 
-    def seconds(self, batch: int, max_k: int) -> list[float] | None:
-        """Estimated step seconds for k = 0..max_k at this batch size; None before any data."""
-        zero, line = self._zero.get(self.bucket(batch)), self._line.get(self.bucket(batch))
+    def seconds(self, batch: int, max_k: int) -> list[float]:
+        """Estimated step seconds for k = 0..max_k at this batch size.
+
+        A bucket not measured yet borrows the nearest measured one (the choice depends on the
+        costs' ratios, which change slowly with the batch); with nothing measured, the prior
+        alone: 1 for a step without drafting, ``prior_ratio`` more per drafted token.
+        """
+        measured = self._zero.keys() | self._line.keys()
+        if not measured:
+            return [1.0] + [1.0 + self.prior_ratio * k for k in range(1, max_k + 1)]
+        wanted = self.bucket(batch)
+        bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
+        zero, line = self._zero.get(bucket), self._line.get(bucket)
         base = zero[1] / zero[0] if zero else None
         fitted = self._fit(line, base)
         if fitted is None:
-            if base is None:
-                return None
+            assert base is not None  # the bucket was measured: one of the two kinds is
             fitted = (base, self.prior_ratio * base)
         intercept, slope = fitted
         if base is None:  # no step without drafting seen: the line less one drafted token
@@ -143,18 +155,29 @@ class GoodputController:
         prior: acceptance a new draft version is assumed to have (optimistic, so it is tried).
         prior_weight: pseudo-steps of that prior.
         decay: forgetting per observed step of a curve (recent traffic counts most).
-        probe_every: half the exploration period, in engine steps (see the module docstring).
+        probe_every: engine steps between steps in which rows that would draft nothing
+            draft one token (module docstring).
+        zero_probe_every: engine steps between steps in which rows that would draft run the
+            target alone.
     """
 
     max_k: int = 8
     prior: float = 0.6
     prior_weight: float = 4.0
     decay: float = 0.995
-    probe_every: int = 16
+    probe_every: int = 32
+    zero_probe_every: int = 128
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
+
+    def __post_init__(self) -> None:
+        if self.probe_every < 2 or self.zero_probe_every < self.probe_every:
+            raise ValueError(
+                f"need 2 <= probe_every <= zero_probe_every, got {self.probe_every}, "
+                f"{self.zero_probe_every}"
+            )
 
     def curve(self, adapter: str, route: str) -> AcceptanceCurve:
         key = (adapter, route)
@@ -173,16 +196,12 @@ class GoodputController:
         return self._chosen[key]
 
     def _choose(self, adapter: str, route: str, batch: int, limit: int) -> int:
-        seconds = self.costs.seconds(batch, limit)
-        if seconds is None:  # nothing measured yet: draft as a fixed-k server would
-            return limit
         rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
-        k = best_k(rates, seconds)
-        phase = self.steps % (2 * self.probe_every)
-        if k == 0 and phase == self.probe_every - 1:
+        k = best_k(rates, self.costs.seconds(batch, limit))
+        if k == 0 and self.steps % self.probe_every == self.probe_every // 2 - 1:
             return 1
-        if k > 0 and phase == 2 * self.probe_every - 1:
-            return 0
+        if k > 0 and self.steps % self.zero_probe_every == self.probe_every - 1:
+            return 0  # on a step the drafting probe never takes (probe_every // 2 apart)
         return k
 
     def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:

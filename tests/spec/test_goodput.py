@@ -59,7 +59,7 @@ def test_curve_counts_positions_reached_and_accepted_with_forgetting():
 
 def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_others():
     costs = StepCosts(prior_ratio=0.5, decay=1.0)
-    assert costs.seconds(batch=4, max_k=2) is None
+    assert costs.seconds(batch=4, max_k=2) == pytest.approx([1.0, 1.5, 2.0])  # the prior alone
     costs.observe(batch=4, k=0, seconds=2.0)
     assert costs.seconds(batch=4, max_k=2) == pytest.approx([2.0, 3.0, 4.0])  # prior slope
     costs.observe(batch=3, k=4, seconds=6.0)  # same bucket (3-4 rows), one width: prior slope
@@ -69,7 +69,12 @@ def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_othe
     costs.observe(batch=4, k=1, seconds=4.0)  # drafting at all has a fixed cost
     fitted = costs.seconds(batch=4, max_k=4)
     assert fitted[0] == pytest.approx(2.0) and fitted[1] > 3.0
-    assert costs.seconds(batch=16, max_k=1) is None  # another bucket
+    # An unmeasured bucket borrows the nearest measured one (ties: the larger batch).
+    assert costs.seconds(batch=16, max_k=4) == pytest.approx(fitted)
+    costs.observe(batch=16, k=0, seconds=8.0)
+    assert costs.seconds(batch=16, max_k=1) == pytest.approx([8.0, 12.0])
+    assert costs.seconds(batch=2, max_k=1)[0] == pytest.approx(2.0)  # nearer to 3-4 rows
+    assert costs.seconds(batch=6, max_k=1)[0] == pytest.approx(8.0)  # 5-8: a tie, the larger
 
 
 def run_steps(controller, adapter, route, count):
@@ -82,24 +87,36 @@ def run_steps(controller, adapter, route, count):
 
 
 def test_controller_stops_drafting_for_a_bad_draft_and_probes():
-    controller = GoodputController(max_k=4, prior=0.6, prior_weight=4.0, probe_every=8)
+    controller = GoodputController(
+        max_k=4, prior=0.6, prior_weight=4.0, probe_every=8, zero_probe_every=32
+    )
     for k in (0, 2, 4):
         controller.observe_step(batch=1, k=k, seconds=1.0 + 0.1 * k)
     assert controller.choose("v1", "sql", batch=1, limit=4) > 0  # optimistic prior
     for _ in range(200):
         controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
-    chosen = run_steps(controller, "v1", "sql", 16)
-    assert chosen.count(0) == 15 and chosen.count(1) == 1  # one probe per 16 engine steps
+    chosen = run_steps(controller, "v1", "sql", 32)
+    assert chosen.count(0) == 28 and chosen.count(1) == 4  # one probe per 8 engine steps
+    assert [i for i, k in enumerate(chosen) if k] == [0, 8, 16, 24]  # steps 3, 11, ... overall
     assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
-    drafting = run_steps(controller, "v1", "code", 16)
-    assert drafting.count(4) == 15 and drafting.count(0) == 1  # the target alone, measured
+    drafting = run_steps(controller, "v1", "code", 32)
+    assert drafting.count(4) == 31 and drafting.count(0) == 1  # the target alone, measured
+    assert drafting.index(0) == 4  # overall step 39 = 32 + 8 - 1: never a drafting probe's
 
 
-def test_controller_respects_the_limit_and_starts_like_a_fixed_k_server():
-    controller = GoodputController(max_k=8)
-    assert controller.choose("v", "", batch=2, limit=5) == 5  # no costs measured yet
+def test_controller_respects_the_limit_and_starts_from_its_priors():
+    controller = GoodputController(max_k=8, prior=0.6, costs=StepCosts(prior_ratio=0.25))
+    # Nothing measured: acceptance 0.6 and a drafted token costing a quarter of a step.
+    assert controller.choose("v", "", batch=2, limit=5) == 2
+    assert controller.choose("v", "", batch=2, limit=1) == 1
     assert controller.choose("v", "", batch=2, limit=0) == 0
     controller.observe_step(batch=2, k=2, seconds=1.0)
     assert controller.choose("v", "", batch=2, limit=3) <= 3
+
+
+@pytest.mark.parametrize("probe_every, zero_probe_every", [(1, 8), (16, 8)])
+def test_controller_refuses_a_probe_schedule_that_collides(probe_every, zero_probe_every):
+    with pytest.raises(ValueError, match="probe_every"):
+        GoodputController(probe_every=probe_every, zero_probe_every=zero_probe_every)
