@@ -60,17 +60,22 @@ class SpecConfig:
     """Speculative decoding defaults; requests may override method, k and K."""
 
     method: Literal["token", "block", "spectr", "none"] = "block"
-    num_spec_tokens: int = 4
+    # k for requests that name none: "auto" (the goodput controller chooses it per request and
+    # step, in 0..max_spec_tokens, from measured acceptance and step costs) or a fixed k >= 1.
+    num_spec_tokens: int | Literal["auto"] = "auto"
     num_drafts: int = 2
     adaptive_threshold: float = 0.0
     log_top_m: int = 32
-    # true: k is chosen per request and step by the goodput controller (at most
-    # max_spec_tokens) unless a request names its k; a request may also send k: "auto".
-    auto_draft_length: bool = False
     max_spec_tokens: int = 8
 
     def __post_init__(self) -> None:
-        _require(self.num_spec_tokens >= 1, "spec.num_spec_tokens", self.num_spec_tokens, ">= 1")
+        _require(
+            self.num_spec_tokens == "auto"
+            or (isinstance(self.num_spec_tokens, int) and self.num_spec_tokens >= 1),
+            "spec.num_spec_tokens",
+            self.num_spec_tokens,
+            '"auto" or >= 1',
+        )
         _require(self.num_drafts >= 1, "spec.num_drafts", self.num_drafts, ">= 1")
         _require(
             0 <= self.adaptive_threshold < 1,
@@ -306,11 +311,15 @@ def _convert(hint: Any, value: Any, name: str) -> Any:
         items = value if isinstance(value, list | tuple) else [value]
         return tuple(_convert(args[0], item, name) for item in items)
     if origin in (typing.Union, types.UnionType):
-        return (
-            value
-            if value is None
-            else _convert(next(a for a in args if a is not type(None)), value, name)
-        )
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arm in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arm, value, name)
+            except ValueError as e:
+                errors.append(str(e).removeprefix(f"{name} must be ").rsplit(", got ", 1)[0])
+        raise ValueError(f"{name} must be {' or '.join(errors)}, got {value!r}")
     if hint is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads 1e-4 as a string

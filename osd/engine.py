@@ -166,7 +166,7 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
         method: Method = "block",
-        num_spec_tokens: int | Literal["auto"] = 4,
+        num_spec_tokens: int | Literal["auto"] = "auto",
         num_drafts: int = 2,
         adapter: str | None = None,
         log: bool = True,
@@ -184,9 +184,9 @@ class SpeculativeDecoder:
             stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
             seed: seed of this request's random streams; None draws one.
             method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
-            num_spec_tokens: tokens drafted per step, k >= 1 (default 4), or ``"auto"``: the
-                goodput controller chooses k in 0..``max_spec_tokens`` each step from the
-                acceptance measured for this adapter and route and the measured step costs.
+            num_spec_tokens: ``"auto"`` (default): the goodput controller chooses k in
+                0..``max_spec_tokens`` each step from the acceptance measured for this adapter
+                and route and the measured step costs; or a fixed k >= 1 drafted every step.
             num_drafts: draft sequences for spectr, K >= 1 (default 2).
             adapter: LoRA adapter of the draft to use; None is the base draft.
             log: collect per-request log data (default True).

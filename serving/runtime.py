@@ -171,8 +171,7 @@ class ReplicaRuntime:
             stop=request.stop_list,
             seed=request.seed,
             method=(spec and spec.method) or defaults.method,
-            num_spec_tokens=(spec and spec.k)
-            or ("auto" if defaults.auto_draft_length else defaults.num_spec_tokens),
+            num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
             num_drafts=(spec and spec.K) or defaults.num_drafts,
             adapter=lease.peft_name,
             log=self.log_writer is not None and request.log,

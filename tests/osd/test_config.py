@@ -46,7 +46,8 @@ def test_overrides_are_typed_and_applied():
         ("nope.port=1", "unknown key"),
         ("serve.port=abc", "serve.port must be int"),
         ("spec.method=beam", "spec.method must be one of"),
-        ("spec.num_spec_tokens=0", "spec.num_spec_tokens must be >= 1"),
+        ("spec.num_spec_tokens=0", 'spec.num_spec_tokens must be "auto" or >= 1'),
+        ("spec.num_spec_tokens=many", "spec.num_spec_tokens must be int or one of"),
         ("serve.port", "a.b=value"),
     ],
 )

@@ -35,6 +35,7 @@ TOY = [
     "model.draft=toy:draft",
     "model.adapters=[general,code]",
     "serve.max_tokens_limit=8",
+    "spec.num_spec_tokens=4",  # fixed: on the toy pair k "auto" drafts nothing (serving conftest)
 ]
 STREAM = "osd:records"  # the default log stream; each test has its own redis-server or reads ids
 

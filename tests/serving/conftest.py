@@ -9,7 +9,15 @@ import pytest
 from osd.config import load_config
 from osd.redis_server import LocalRedis
 
-TOY = ["model.target=toy:target", "model.draft=toy:draft", "model.adapters=[general,code]"]
+# A fixed k: the toy draft costs about what the toy target does, so k "auto" (the default)
+# rightly drafts nothing on it, and these tests are about drafting with adapters. The
+# controller over HTTP has its own test (test_app.py).
+TOY = [
+    "model.target=toy:target",
+    "model.draft=toy:draft",
+    "model.adapters=[general,code]",
+    "spec.num_spec_tokens=4",
+]
 
 
 def free_port() -> int:

@@ -79,7 +79,15 @@ def test_greedy_rows_of_a_mixed_batch_equal_target_greedy(decoder, batched, targ
 
 @pytest.mark.parametrize("method", ["token", "block", "spectr"])
 def test_seeded_request_gives_the_same_tokens_alone_and_batched(decoder, batched, method):
-    kwargs = dict(max_tokens=30, temperature=0.9, top_p=0.95, seed=7, method=method, num_drafts=2)
+    kwargs = dict(
+        max_tokens=30,
+        temperature=0.9,
+        top_p=0.95,
+        seed=7,
+        method=method,
+        num_spec_tokens=4,  # fixed: with "auto" the k of each step depends on earlier traffic
+        num_drafts=2,
+    )
     alone = decoder.generate(PROMPTS[1], adapter="code", **kwargs)
     neighbours = [
         batched.submit(
@@ -101,7 +109,14 @@ def test_seeded_request_gives_the_same_tokens_alone_and_batched(decoder, batched
 
 
 def test_log_data_matches_batch_of_one(decoder, batched):
-    kwargs = dict(max_tokens=20, temperature=0, method="block", adapter="sql", stop_token_ids=[])
+    kwargs = dict(
+        max_tokens=20,
+        temperature=0,
+        method="block",
+        num_spec_tokens=4,
+        adapter="sql",
+        stop_token_ids=[],
+    )
     alone = decoder.generate(PROMPTS[0], **kwargs).log
     others = [batched.submit(decoder.prepare(p, max_tokens=15, seed=3)) for p in PROMPTS[1:]]
     together = batched.submit(decoder.prepare(PROMPTS[0], **kwargs)).result().log
@@ -230,6 +245,11 @@ def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, 
     late = [k for r in results for k in r.stats.draft_lengths[30:]]
     assert late.count(0) > 0.8 * len(late), late  # drafting is off but for probes
     assert sum(late) > 0  # ... and the probes still run
+    for result in results:  # steps without drafting still log the target's top-m rows
+        record = result.log.to_record(request_id="r", domain="sql")
+        assert record.num_drafted.tolist() == result.stats.draft_lengths  # k of every step
+        assert record.target_top_ids.shape[0] == len(result.token_ids) == 60
+        assert record.num_generated == 60
 
 
 class CheapDraftCosts:
