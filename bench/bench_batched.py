@@ -79,6 +79,7 @@ def closed_loop(
     order = iter(range(num_requests))
     ttfts: list[float] = []
     totals = {"tokens": 0, "drafted": 0, "accepted": 0}
+    lengths: list[int] = []  # tokens drafted at each step of every request
 
     def client() -> None:
         while True:
@@ -97,6 +98,7 @@ def closed_loop(
                 totals["tokens"] += len(result.token_ids)
                 totals["drafted"] += result.stats.drafted
                 totals["accepted"] += result.stats.accepted
+                lengths.extend(result.stats.draft_lengths[1:])  # [0]: the prefill's token
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -110,6 +112,8 @@ def closed_loop(
         "ttft_p50_ms": 1000 * statistics.median(ttfts),
         "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else 0.0,
         "tokens": totals["tokens"],
+        "mean_k": statistics.fmean(lengths) if lengths else 0.0,
+        "k_share": {k: round(lengths.count(k) / len(lengths), 3) for k in sorted(set(lengths))},
     }
 
 
@@ -153,11 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--domains", default="sql,prose", help="comma-separated demo domains")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=32, help="requests per measurement")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=32,
+        help="requests per measurement, at least 8 per client (so a measurement spans a few "
+        "hundred engine steps: the controller's cold start is part of it, not all of it)",
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--k", type=int, default=4, help="drafted tokens per step")
     parser.add_argument(
         "--sweep", action="store_true", help="fixed k = 1..8 too (beside --k's and auto)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="measure every variant this many times, in rotation; report the median run",
     )
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--distill-steps", type=int, default=DistillRecipe.steps)
@@ -220,42 +236,55 @@ def main(argv: list[str] | None = None) -> int:
         warm = BatchedEngine(decoder, num_threads=args.threads)
         closed_loop(warm, decoder, prompts, 2, 4, {**greedy, "method": "block"})
         warm.close()
+        names = list(variants)
         for concurrency in levels:
-            for name, extra in variants.items():
-                figures = measure(
-                    decoder,
-                    prompts,
-                    concurrency,
-                    max(args.requests, concurrency),
-                    {**greedy, **extra},
-                    args.max_num_seqs,
-                    args.threads,
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+            for repeat in range(args.repeats):  # rotated, so no variant always runs first
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                    figures = measure(
+                        decoder,
+                        prompts,
+                        concurrency,
+                        max(args.requests, 8 * concurrency),
+                        {**greedy, **variants[name]},
+                        args.max_num_seqs,
+                        args.threads,
+                    )
+                    runs[name].append(figures)
+                    print(json.dumps({"domain": domain, "variant": name, **figures}), flush=True)
+            for name in names:
+                by_rate = sorted(runs[name], key=lambda f: f["tok/s"])
+                median = by_rate[len(by_rate) // 2]
+                k = variants[name].get("num_spec_tokens", 0)
+                rows.append(
+                    {"domain": domain, "variant": name, "conc": concurrency, "k": k, **median}
                 )
-                rows.append({"domain": domain, "variant": name, "conc": concurrency, **figures})
-                print(json.dumps(rows[-1]), flush=True)
-    report(rows, levels, args.k)
+                rows[-1]["tok/s runs"] = [round(f["tok/s"], 1) for f in runs[name]]
+    report(rows, levels)
+    report_controller(rows)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=2)
     return 0
 
 
-def report(rows: list[dict[str, Any]], levels: list[int], k: int) -> None:
-    def find(domain: str, variant: str, conc: int) -> dict[str, Any] | None:
-        for row in rows:
-            if (row["domain"], row["variant"], row["conc"]) == (domain, variant, conc):
-                return row
-        return None
+def find(rows: list[dict[str, Any]], domain: str, variant: str, conc: int) -> dict[str, Any] | None:
+    for row in rows:
+        if (row["domain"], row["variant"], row["conc"]) == (domain, variant, conc):
+            return row
+    return None
 
+
+def report(rows: list[dict[str, Any]], levels: list[int]) -> None:
     table = []
     for row in rows:
-        alone = find(row["domain"], "target alone", row["conc"])
-        first = find(row["domain"], row["variant"], levels[0])
+        alone = find(rows, row["domain"], "target alone", row["conc"])
+        first = find(rows, row["domain"], row["variant"], levels[0])
         speedup = row["tok/s"] / alone["tok/s"] if alone else float("nan")
         bound = ""
         if "auto" not in row["variant"] and row["variant"] != "target alone" and alone:
             cost_ratio = row["draft_ms"] / alone["target_ms"]
-            expected = cost_bound(row["acceptance"], k, cost_ratio)
+            expected = cost_bound(row["acceptance"], row["k"], cost_ratio)
             bound = f"{speedup / expected:.2f} (a={row['acceptance']:.2f}, c={cost_ratio:.2f})"
         table.append(
             [
@@ -282,6 +311,56 @@ def report(rows: list[dict[str, Any]], levels: list[int], k: int) -> None:
             "batch",
             "overhead",
             "vs cost bound",
+        ],
+        table,
+    )
+
+
+def report_controller(rows: list[dict[str, Any]]) -> None:
+    """k = auto against the target alone and the best fixed k of the same run (its marks)."""
+    table = []
+    for row in rows:
+        if row["k"] != "auto":
+            continue
+        draft = row["variant"].split(", ", 1)[1]
+        alone = find(rows, row["domain"], "target alone", row["conc"])
+        fixed = [
+            r
+            for r in rows
+            if (r["domain"], r["conc"]) == (row["domain"], row["conc"])
+            and isinstance(r["k"], int)
+            and r["k"] > 0
+            and r["variant"].endswith(draft)
+        ]
+        if alone is None or not fixed:
+            continue
+        best = max(fixed, key=lambda r: r["tok/s"])
+        peer = max(alone["tok/s"], best["tok/s"])
+        table.append(
+            [
+                f"{row['domain']}: {draft}",
+                row["conc"],
+                f"{row['tok/s']:.0f}",
+                f"{row['mean_k']:.2f}",
+                f"{alone['tok/s']:.0f}",
+                f"k={best['k']}: {best['tok/s']:.0f}",
+                f"{row['tok/s'] / alone['tok/s']:.2f}x",
+                f"{row['tok/s'] / best['tok/s']:.2f}x",
+                f"{row['tok/s'] / peer:.2f}x",
+            ]
+        )
+    print_table(
+        "k = auto against its peers in this run (mark: >= 0.97x the better of the two)",
+        [
+            "domain: draft",
+            "conc",
+            "auto tok/s",
+            "mean k",
+            "target alone",
+            "best fixed k",
+            "vs target",
+            "vs best k",
+            "vs better",
         ],
         table,
     )

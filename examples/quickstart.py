@@ -21,7 +21,7 @@ result = engine.generate(
     adapter="code",
 )
 print(repr(result.text), result.finish_reason)
-print(result.stats.as_dict())  # steps, drafted, accepted, acceptance_rate, tokens_per_step
+print(result.stats.as_dict())  # steps, drafted, accepted, acceptance_rate, mean_draft_length...
 
 for chunk in engine.stream("hello", max_tokens=12, temperature=0, method="token"):
     print(chunk.token_ids, repr(chunk.text))  # tokens as soon as they are verified

@@ -62,6 +62,12 @@ class GenerationStats:
         """Tokens emitted per target call."""
         return self.num_generated / self.steps if self.steps else 0.0
 
+    @property
+    def mean_draft_length(self) -> float:
+        """Tokens drafted per step after the first (whose token the prefill's target gives)."""
+        decode = self.draft_lengths[1:]
+        return sum(decode) / len(decode) if decode else 0.0
+
     def as_dict(self) -> dict[str, float]:
         return {
             "steps": self.steps,
@@ -70,6 +76,7 @@ class GenerationStats:
             "num_generated": self.num_generated,
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_step": self.tokens_per_step,
+            "mean_draft_length": self.mean_draft_length,
         }
 
 

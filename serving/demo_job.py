@@ -2,7 +2,10 @@
 
 Builds (or reuses) the demo models, starts the embedded stack (redis-server, local Ray, the
 Serve app, the trainer), drives the demo workload through the real HTTP API while the domain mix
-shifts, and shows acceptance per domain, tokens/s and adapter versions live. At the end it
+shifts, and shows acceptance per domain, tokens/s and adapter versions live. A share of the
+requests (a window of ``concurrency`` consecutive ones in every ``reference_every``) is sent
+with speculation off: their tokens/s is the target-only reference, measured in the same run,
+that the speculative requests are compared with. At the end it
 writes ``report.json`` and ``report.png`` into the run directory, logs a W&B run (offline by
 default) and stops everything it started, also on Ctrl-C. Every number comes from the running
 system: responses' own speculative stats, the replica's adapter events, the store's versions.
@@ -40,14 +43,35 @@ class Sample:
     adapter: str
     version: int
     status: int
+    drafted: int = 0  # drafted tokens (0: no measurement of acceptance)
+    mean_k: float = 0.0  # tokens drafted per step, as the goodput controller chose them
+    reference: bool = False  # sent with speculation off: the target-only reference
+
+
+def is_reference(index: int, concurrency: int, every: int) -> bool:
+    """Whether workload item ``index`` is sent with speculation off (0: never).
+
+    Windows of ``concurrency`` consecutive items, one window in ``every``: the clients take
+    items in order, so the requests of a window mostly run beside each other, and the replica
+    serves them as a replica with speculation off would.
+    """
+    return every > 0 and (index // max(concurrency, 1)) % every == every - 1
 
 
 class TrafficDriver:
     """Sends workload items in order from a few client threads; keeps every sample."""
 
-    def __init__(self, base_url: str, items: list[Any], model: str, concurrency: int) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        items: list[Any],
+        model: str,
+        concurrency: int,
+        reference_every: int = 10,
+    ) -> None:
         self.url = f"{base_url}/v1/completions"
         self.items, self.model, self.concurrency = items, model, concurrency
+        self.reference_every = reference_every
         self.samples: list[Sample] = []
         self.failures = 0
         self.errors: list[str] = []  # the first few failures, for the report
@@ -71,20 +95,22 @@ class TrafficDriver:
     def done(self) -> bool:
         return not any(t.is_alive() for t in self._threads)
 
-    def _take(self) -> Any:
+    def _take(self) -> tuple[int, Any] | None:
         with self._lock:
             if self._next >= len(self.items) or self._stop.is_set():
                 return None
             self._next += 1
-            return self.items[self._next - 1]
+            return self._next - 1, self.items[self._next - 1]
 
     def _worker(self) -> None:
         with httpx.Client(timeout=300) as client:
-            while (item := self._take()) is not None:
-                self._send(client, item)
+            while (taken := self._take()) is not None:
+                index, item = taken
+                reference = is_reference(index, self.concurrency, self.reference_every)
+                self._send(client, item, reference)
 
-    def _send(self, client: httpx.Client, item: Any) -> None:
-        body = {
+    def _send(self, client: httpx.Client, item: Any, reference: bool) -> None:
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": item.prompt,
             "max_tokens": item.max_tokens,
@@ -93,6 +119,8 @@ class TrafficDriver:
         }
         if item.seed is not None:
             body["seed"] = item.seed
+        if reference:
+            body["spec"] = {"method": "none"}
         start = time.monotonic()
         try:
             response = client.post(self.url, json=body)
@@ -114,6 +142,9 @@ class TrafficDriver:
             adapter=stats["adapter"],
             version=stats["adapter_version"],
             status=200,
+            drafted=stats["drafted"],
+            mean_k=stats["mean_draft_length"],
+            reference=reference,
         )
         with self._lock:
             self.samples.append(sample)
@@ -125,17 +156,32 @@ class TrafficDriver:
                 self.errors.append(reason)
 
 
-def recent_by_domain(samples: list[Sample], window: int = 20) -> dict[str, float]:
-    """Mean acceptance of the last ``window`` requests of each domain."""
-    out: dict[str, list[float]] = {}
-    for sample in samples:
-        out.setdefault(sample.domain, []).append(sample.acceptance)
-    return {d: sum(v[-window:]) / len(v[-window:]) for d, v in out.items()}
+def recent_by_domain(samples: list[Sample], window: int = 20) -> dict[str, dict[str, float]]:
+    """Per domain, over its last ``window`` speculative requests: acceptance (of the drafted
+    tokens; requests that drafted nothing measure none), mean k, and how many requests."""
+    out: dict[str, dict[str, float]] = {}
+    for domain in sorted({s.domain for s in samples}):
+        mine = [s for s in samples if s.domain == domain and not s.reference][-window:]
+        drafted = sum(s.drafted for s in mine)
+        out[domain] = {
+            "acceptance": sum(s.acceptance * s.drafted for s in mine) / drafted
+            if drafted
+            else float("nan"),
+            "mean_k": sum(s.mean_k for s in mine) / len(mine) if mine else float("nan"),
+            "requests": sum(s.domain == domain for s in samples),
+        }
+    return out
 
 
 def tokens_per_second(samples: list[Sample], now: float, span: float = 30.0) -> float:
     recent = [s for s in samples if s.time > now - span]
     return sum(s.tokens for s in recent) / min(span, max(now, 1e-9))
+
+
+def request_rate(samples: list[Sample]) -> float:
+    """Tokens per second of a request while it runs: sum of tokens over sum of latencies."""
+    seconds = sum(s.latency for s in samples)
+    return sum(s.tokens for s in samples) / seconds if seconds > 0 else float("nan")
 
 
 def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
@@ -150,14 +196,23 @@ def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
     )
     table.add_column("domain")
     table.add_column("acceptance (last 20)", justify="right")
+    table.add_column("k chosen (mean)", justify="right")
     table.add_column("requests", justify="right")
-    counts: dict[str, int] = {}
-    for sample in samples:
-        counts[sample.domain] = counts.get(sample.domain, 0) + 1
-    for domain, rate in sorted(recent_by_domain(samples).items()):
-        table.add_row(domain, f"{rate:.3f}", str(counts[domain]))
+    for domain, numbers in recent_by_domain(samples).items():
+        table.add_row(
+            domain,
+            f"{numbers['acceptance']:.3f}",
+            f"{numbers['mean_k']:.2f}",
+            str(int(numbers["requests"])),
+        )
+    # The last 40 of each kind: per-request tokens/s, speculation on against off.
+    spec = request_rate([s for s in samples if not s.reference][-40:])
+    alone = request_rate([s for s in samples if s.reference][-40:])
     versions = ", ".join(f"{a} v{v}" for a, v in health.get("adapters", {}).items())
-    table.caption = f"adapters in service: {versions}"
+    table.caption = (
+        f"per request: {spec:.1f} tok/s speculative, {alone:.1f} tok/s with speculation off "
+        f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}"
+    )
     return table
 
 
@@ -195,7 +250,9 @@ def demo_workload(schedule: str, max_tokens: int, seed: int) -> list[Any]:
     return list(items)
 
 
-def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]:
+def run(
+    config: OSDConfig, items: list[Any], concurrency: int, reference_every: int = 10
+) -> dict[str, Any]:
     """Runs the stack and the traffic; returns what the report needs."""
     from rich.live import Live
 
@@ -211,7 +268,9 @@ def run(config: OSDConfig, items: list[Any], concurrency: int) -> dict[str, Any]
             target=poll_health, args=(stack.base_url, health, events, stop), daemon=True
         )
         poller.start()
-        driver = TrafficDriver(stack.base_url, items, config.serve.model_name, concurrency)
+        driver = TrafficDriver(
+            stack.base_url, items, config.serve.model_name, concurrency, reference_every
+        )
         driver.start()
         with Live(live_view(driver, health, len(items)), refresh_per_second=1) as live:
             while not driver.done:
@@ -253,6 +312,19 @@ def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any
     return sorted(out, key=lambda e: e["time"])
 
 
+def describe_reference(numbers: dict[str, Any]) -> str:
+    """One line of a phase's speculative rate against its reference (report.json's numbers)."""
+
+    def value(key: str, fmt: str) -> str:
+        return "n/a" if numbers[key] is None else format(numbers[key], fmt)
+
+    return (
+        f"speculation off {value('reference', '.1f')} tok/s; speculative right after the shift "
+        f"{value('first_vs_reference', '.2f')}x (k {value('mean_k_first', '.2f')}), at the end "
+        f"{value('last_vs_reference', '.2f')}x (k {value('mean_k_last', '.2f')})"
+    )
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="osd demo", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/demo.yaml")
@@ -264,6 +336,13 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reference-every",
+        type=int,
+        default=10,
+        help="send one window of --concurrency requests in this many with speculation off, as "
+        "the target-only reference (0: none)",
+    )
     parser.add_argument("--workload", help="a JSONL workload to replay instead of the demo's")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
@@ -276,7 +355,7 @@ def main(argv: Sequence[str]) -> int:
             items = load_workload(args.workload)
         else:
             items = demo_workload(args.schedule, args.max_tokens, args.seed)
-        result = run(config, items, args.concurrency)
+        result = run(config, items, args.concurrency, args.reference_every)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)
         return 130
@@ -287,4 +366,7 @@ def main(argv: Sequence[str]) -> int:
             f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "
             f"{numbers['final']:.3f} (rise {numbers['rise']:+.3f})"
         )
+    print("tokens/s per request against the reference requests sent with speculation off:")
+    for phase, numbers in report["reference"].items():
+        print(f"  {phase:6s} {describe_reference(numbers)}")
     return 0

@@ -10,7 +10,13 @@ from typing import Any
 
 from osd.config import OSDConfig
 
-__all__ = ["domain_summary", "rolling", "throughput_series", "write_report"]
+__all__ = [
+    "domain_summary",
+    "reference_summary",
+    "rolling",
+    "throughput_series",
+    "write_report",
+]
 
 
 def rolling(values: list[float], window: int) -> list[float]:
@@ -25,10 +31,15 @@ def rolling(values: list[float], window: int) -> list[float]:
 
 
 def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, float]]:
-    """Per domain: acceptance low after the domain's shift, at the end, and the rise."""
+    """Per domain: acceptance low after the domain's shift, at the end, and the rise.
+
+    Over the speculative requests that drafted (a reference request, or one whose steps all ran
+    the target alone, measures no acceptance).
+    """
     out = {}
-    for domain in sorted({s.domain for s in samples}):
-        series = [s.acceptance for s in samples if s.domain == domain]
+    measured = [s for s in samples if s.drafted and not s.reference]
+    for domain in sorted({s.domain for s in measured}):
+        series = [s.acceptance for s in measured if s.domain == domain]
         smooth = rolling(series, window)
         if len(series) < window:
             continue
@@ -41,6 +52,46 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
             "low": low,
             "final": final,
             "rise": final - low,
+        }
+    return out
+
+
+def _rate(samples: list[Any]) -> float | None:
+    """Tokens per second of a request while it runs (sum of tokens / sum of latencies)."""
+    seconds = sum(s.latency for s in samples)
+    return sum(s.tokens for s in samples) / seconds if samples and seconds > 0 else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def reference_summary(samples: list[Any]) -> dict[str, dict[str, Any]]:
+    """Per phase of the traffic: per-request tokens/s with speculation on against off.
+
+    ``reference``: the phase's requests sent with speculation off (the target alone does not
+    learn, so all of the phase's count); ``first`` and ``last``: the phase's first and last
+    quarter of speculative requests (right after the shift, and after the adapters came);
+    ``mean_k``: the draft length the controller chose, over the same quarters.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for phase in dict.fromkeys(s.phase for s in samples):  # in order of appearance
+        spec = [s for s in samples if s.phase == phase and not s.reference]
+        alone = _rate([s for s in samples if s.phase == phase and s.reference])
+        quarter = max(1, len(spec) // 4)
+        first, last = spec[:quarter], spec[-quarter:]
+        out[phase] = {
+            "requests": len(spec),
+            "reference_requests": sum(s.phase == phase and s.reference for s in samples),
+            "reference": alone,
+            "speculative": _rate(spec),
+            "first": _rate(first),
+            "last": _rate(last),
+            "vs_reference": _ratio(_rate(spec), alone),
+            "first_vs_reference": _ratio(_rate(first), alone),
+            "last_vs_reference": _ratio(_rate(last), alone),
+            "mean_k_first": sum(s.mean_k for s in first) / len(first) if first else None,
+            "mean_k_last": sum(s.mean_k for s in last) / len(last) if last else None,
         }
     return out
 
@@ -71,6 +122,7 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "failures": result["failures"],
         "failure_reasons": result.get("failure_reasons", []),
         "domains": domain_summary(samples),
+        "reference": reference_summary(samples),
         "tokens_per_second": throughput_series(samples),
         "published": published,
         "adapter_events": events,
@@ -90,10 +142,11 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig, (top, middle, rates, bottom) = plt.subplots(4, 1, figsize=(11, 12), sharex=True)
     by_domain: dict[str, list[dict[str, Any]]] = {}
     for sample in report["samples"]:
-        by_domain.setdefault(sample["domain"], []).append(sample)
+        if sample["drafted"] and not sample["reference"]:
+            by_domain.setdefault(sample["domain"], []).append(sample)
     for domain, rows in sorted(by_domain.items()):
         top.plot(
             [r["time"] for r in rows], rolling([r["acceptance"] for r in rows], 10), label=domain
@@ -106,6 +159,28 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     top.set_ylabel("acceptance rate (rolling 10)")
     top.set_title("acceptance per domain; dotted: published, dashed: swapped in (red: rollback)")
     top.legend(loc="lower right")
+    speculative = [s for s in report["samples"] if not s["reference"]]
+    for domain in sorted({s["domain"] for s in speculative}):
+        rows = [s for s in speculative if s["domain"] == domain]
+        middle.plot(
+            [r["time"] for r in rows], rolling([r["mean_k"] for r in rows], 10), label=domain
+        )
+    middle.set_ylabel("k chosen (mean per request, rolling 10)")
+    middle.set_title("draft length the goodput controller chose (0: the target alone)")
+    middle.legend(loc="upper right")
+    for label, reference, style in (("speculative", False, "-"), ("speculation off", True, "--")):
+        rows = [s for s in report["samples"] if s["reference"] is reference]
+        tokens = rolling([r["tokens"] for r in rows], 4 if reference else 20)
+        seconds = rolling([r["latency"] for r in rows], 4 if reference else 20)
+        rates.plot(
+            [r["time"] for r in rows],
+            [t / max(s, 1e-9) for t, s in zip(tokens, seconds, strict=True)],
+            linestyle=style,
+            label=label,
+        )
+    rates.set_ylabel("tokens/s per request")
+    rates.set_title("per-request rate: speculative vs reference requests sent with speculation off")
+    rates.legend(loc="upper left")
     series = report["tokens_per_second"]
     bottom.plot([t for t, _ in series], [v for _, v in series], marker="o")
     bottom.set_ylabel("generated tokens/s")
@@ -132,14 +207,24 @@ def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
         run.log(
             {
                 "time": sample["time"],
-                f"acceptance/{sample['domain']}": sample["acceptance"],
+                **(
+                    {f"acceptance/{sample['domain']}": sample["acceptance"]}
+                    if sample["drafted"]
+                    else {}
+                ),
+                f"k_chosen/{sample['domain']}": sample["mean_k"],
+                "reference": sample["reference"],
                 "tokens": sample["tokens"],
                 "latency": sample["latency"],
+                "tokens_per_second": sample["tokens"] / max(sample["latency"], 1e-9),
             }
         )
     for domain, numbers in report["domains"].items():
         for key, value in numbers.items():
             run.summary[f"{domain}/{key}"] = value
+    for phase, numbers in report["reference"].items():
+        for key, value in numbers.items():
+            run.summary[f"reference/{phase}/{key}"] = value
     run.summary["published_versions"] = len(report["published"])
     run.finish()
     return str(run.dir)

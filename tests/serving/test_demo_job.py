@@ -48,5 +48,10 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
     assert report["requests"] == len(rows) and report["failures"] == 0
     assert {"general", "code"} <= set(report["domains"])
     assert all(0.0 <= s["acceptance"] <= 1.0 for s in report["samples"])
+    # Items 18, 19 (a window of --concurrency 2, one in 10) went with speculation off.
+    reference = [i for i, s in enumerate(report["samples"]) if s["reference"]]
+    assert len(reference) == 2 and all(report["samples"][i]["drafted"] == 0 for i in reference)
+    assert report["reference"]["code"]["reference"] > 0  # items 16-31 are the code phase
+    assert all(0 <= s["mean_k"] <= 8 for s in report["samples"])
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert list(tmp_path.glob("wandb/offline-run-*"))

@@ -1,0 +1,60 @@
+"""The demo report's arithmetic on hand-made samples (no stack)."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving.demo_job import Sample, describe_reference, is_reference, recent_by_domain
+from serving.demo_report import domain_summary, reference_summary
+
+
+def sample(phase, tokens, latency, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
+    return Sample(
+        time=0.0,
+        domain=phase,
+        phase=phase,
+        acceptance=acceptance,
+        tokens=tokens,
+        latency=latency,
+        adapter="general",
+        version=0,
+        status=200,
+        drafted=0 if reference else drafted,
+        mean_k=0.0 if reference else mean_k,
+        reference=reference,
+    )
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "every", "expected"),
+    [(2, 10, [18, 19, 38, 39]), (1, 4, [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]), (4, 0, [])],
+)
+def test_reference_requests_come_in_windows_of_the_concurrency(concurrency, every, expected):
+    assert [i for i in range(40) if is_reference(i, concurrency, every)] == expected
+
+
+def test_reference_summary_compares_each_phase_with_its_own_reference_requests():
+    samples = [sample("sql", 10, 1.0) for _ in range(4)]  # 10 tok/s right after the shift
+    samples += [sample("sql", 30, 1.0, mean_k=4.0) for _ in range(4)]  # 30 tok/s at the end
+    samples += [sample("sql", 40, 2.0, reference=True), sample("sql", 20, 1.0, reference=True)]
+    samples += [sample("prose", 5, 1.0)]  # a phase without reference requests
+    summary = reference_summary(samples)
+    sql = summary["sql"]
+    assert sql["reference"] == pytest.approx(20.0) and sql["reference_requests"] == 2
+    assert sql["first_vs_reference"] == pytest.approx(0.5)
+    assert sql["last_vs_reference"] == pytest.approx(1.5)
+    assert sql["vs_reference"] == pytest.approx(1.0)
+    assert (sql["mean_k_first"], sql["mean_k_last"]) == (2.0, 4.0)
+    assert summary["prose"]["reference"] is None and summary["prose"]["vs_reference"] is None
+    assert "n/a" in describe_reference(summary["prose"])
+    assert "1.50x (k 4.00)" in describe_reference(sql)
+
+
+def test_acceptance_comes_from_requests_that_drafted():
+    samples = [sample("sql", 10, 1.0, acceptance=0.8) for _ in range(10)]
+    samples += [sample("sql", 10, 1.0, drafted=0, acceptance=0.0, mean_k=0.0) for _ in range(5)]
+    samples += [sample("sql", 10, 1.0, reference=True, acceptance=0.0)]
+    assert domain_summary(samples)["sql"]["final"] == pytest.approx(0.8)
+    recent = recent_by_domain(samples)["sql"]
+    assert recent["acceptance"] == pytest.approx(0.8) and recent["requests"] == 16
+    assert recent["mean_k"] == pytest.approx(2.0 * 10 / 15)
