@@ -43,6 +43,8 @@ class GenerationStats:
         num_generated: tokens emitted.
         draft_lengths: tokens drafted at each step (0: the target alone, e.g. the first token).
         accepted_lengths: drafted tokens kept at each step.
+        decode_seconds: wall seconds from the first token to the last (the decode part of the
+            latency: what speculation changes; queueing and prefill come before it).
     """
 
     steps: int = 0
@@ -51,6 +53,7 @@ class GenerationStats:
     num_generated: int = 0
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,6 +80,7 @@ class GenerationStats:
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_step": self.tokens_per_step,
             "mean_draft_length": self.mean_draft_length,
+            "decode_seconds": self.decode_seconds,
         }
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from osd.config import OSDConfig, load_config
-from serving.demo_report import write_report
+from serving.demo_report import decode_rate, write_report
 from serving.stack import LocalStack, install_signal_handlers
 
 __all__ = ["Sample", "TrafficDriver", "main"]
@@ -46,6 +46,7 @@ class Sample:
     drafted: int = 0  # drafted tokens (0: no measurement of acceptance)
     mean_k: float = 0.0  # tokens drafted per step, as the goodput controller chose them
     reference: bool = False  # sent with speculation off: the target-only reference
+    decode_seconds: float = 0.0  # the replica's time from the first token to the last
 
 
 def is_reference(index: int, concurrency: int, every: int) -> bool:
@@ -144,6 +145,7 @@ class TrafficDriver:
             status=200,
             drafted=stats["drafted"],
             mean_k=stats["mean_draft_length"],
+            decode_seconds=stats["decode_seconds"],
             reference=reference,
         )
         with self._lock:
@@ -178,12 +180,6 @@ def tokens_per_second(samples: list[Sample], now: float, span: float = 30.0) -> 
     return sum(s.tokens for s in recent) / min(span, max(now, 1e-9))
 
 
-def request_rate(samples: list[Sample]) -> float:
-    """Tokens per second of a request while it runs: sum of tokens over sum of latencies."""
-    seconds = sum(s.latency for s in samples)
-    return sum(s.tokens for s in samples) / seconds if seconds > 0 else float("nan")
-
-
 def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
     """A rich table of the run so far."""
     from rich.table import Table
@@ -205,12 +201,12 @@ def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
             f"{numbers['mean_k']:.2f}",
             str(int(numbers["requests"])),
         )
-    # The last 40 of each kind: per-request tokens/s, speculation on against off.
-    spec = request_rate([s for s in samples if not s.reference][-40:])
-    alone = request_rate([s for s in samples if s.reference][-40:])
+    # The last 40 of each kind: decode tokens/s, speculation on against off.
+    spec = decode_rate([s for s in samples if not s.reference][-40:]) or float("nan")
+    alone = decode_rate([s for s in samples if s.reference][-40:]) or float("nan")
     versions = ", ".join(f"{a} v{v}" for a, v in health.get("adapters", {}).items())
     table.caption = (
-        f"per request: {spec:.1f} tok/s speculative, {alone:.1f} tok/s with speculation off "
+        f"decoding: {spec:.1f} tok/s per request speculative, {alone:.1f} with speculation off "
         f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}"
     )
     return table
@@ -366,7 +362,7 @@ def main(argv: Sequence[str]) -> int:
             f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "
             f"{numbers['final']:.3f} (rise {numbers['rise']:+.3f})"
         )
-    print("tokens/s per request against the reference requests sent with speculation off:")
+    print("decode tokens/s per request against the reference requests (speculation off):")
     for phase, numbers in report["reference"].items():
         print(f"  {phase:6s} {describe_reference(numbers)}")
     return 0

@@ -11,6 +11,7 @@ from typing import Any
 from osd.config import OSDConfig
 
 __all__ = [
+    "decode_rate",
     "domain_summary",
     "reference_summary",
     "rolling",
@@ -44,7 +45,7 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
         if len(series) < window:
             continue
         settled = smooth[window - 1 :]  # full windows only
-        low = min(settled[: max(1, len(settled) // 3)])
+        low = max(0.0, min(settled[: max(1, len(settled) // 3)]))  # rolling sums' -0.0
         final = sum(series[-window:]) / window
         out[domain] = {
             "requests": len(series),
@@ -56,10 +57,13 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
     return out
 
 
-def _rate(samples: list[Any]) -> float | None:
-    """Tokens per second of a request while it runs (sum of tokens / sum of latencies)."""
-    seconds = sum(s.latency for s in samples)
-    return sum(s.tokens for s in samples) / seconds if samples and seconds > 0 else None
+def decode_rate(samples: list[Any]) -> float | None:
+    """Tokens per second while requests decode: tokens after the first over the replica's time
+    from first token to last, summed over ``samples`` (queueing, HTTP and prefill, the same
+    with speculation on or off, left out; so is the bias of short requests towards them)."""
+    seconds = sum(s.decode_seconds for s in samples)
+    tokens = sum(max(s.tokens - 1, 0) for s in samples)
+    return tokens / seconds if samples and seconds > 0 else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -67,7 +71,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def reference_summary(samples: list[Any]) -> dict[str, dict[str, Any]]:
-    """Per phase of the traffic: per-request tokens/s with speculation on against off.
+    """Per phase of the traffic: decode tokens/s with speculation on against off.
 
     ``reference``: the phase's requests sent with speculation off (the target alone does not
     learn, so all of the phase's count); ``first`` and ``last``: the phase's first and last
@@ -77,19 +81,19 @@ def reference_summary(samples: list[Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for phase in dict.fromkeys(s.phase for s in samples):  # in order of appearance
         spec = [s for s in samples if s.phase == phase and not s.reference]
-        alone = _rate([s for s in samples if s.phase == phase and s.reference])
+        alone = decode_rate([s for s in samples if s.phase == phase and s.reference])
         quarter = max(1, len(spec) // 4)
         first, last = spec[:quarter], spec[-quarter:]
         out[phase] = {
             "requests": len(spec),
             "reference_requests": sum(s.phase == phase and s.reference for s in samples),
             "reference": alone,
-            "speculative": _rate(spec),
-            "first": _rate(first),
-            "last": _rate(last),
-            "vs_reference": _ratio(_rate(spec), alone),
-            "first_vs_reference": _ratio(_rate(first), alone),
-            "last_vs_reference": _ratio(_rate(last), alone),
+            "speculative": decode_rate(spec),
+            "first": decode_rate(first),
+            "last": decode_rate(last),
+            "vs_reference": _ratio(decode_rate(spec), alone),
+            "first_vs_reference": _ratio(decode_rate(first), alone),
+            "last_vs_reference": _ratio(decode_rate(last), alone),
             "mean_k_first": sum(s.mean_k for s in first) / len(first) if first else None,
             "mean_k_last": sum(s.mean_k for s in last) / len(last) if last else None,
         }
@@ -170,16 +174,16 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     middle.legend(loc="upper right")
     for label, reference, style in (("speculative", False, "-"), ("speculation off", True, "--")):
         rows = [s for s in report["samples"] if s["reference"] is reference]
-        tokens = rolling([r["tokens"] for r in rows], 4 if reference else 20)
-        seconds = rolling([r["latency"] for r in rows], 4 if reference else 20)
+        tokens = rolling([max(r["tokens"] - 1, 0) for r in rows], 4 if reference else 20)
+        seconds = rolling([r["decode_seconds"] for r in rows], 4 if reference else 20)
         rates.plot(
             [r["time"] for r in rows],
             [t / max(s, 1e-9) for t, s in zip(tokens, seconds, strict=True)],
             linestyle=style,
             label=label,
         )
-    rates.set_ylabel("tokens/s per request")
-    rates.set_title("per-request rate: speculative vs reference requests sent with speculation off")
+    rates.set_ylabel("decode tokens/s per request")
+    rates.set_title("decode rate: speculative vs reference requests sent with speculation off")
     rates.legend(loc="upper left")
     series = report["tokens_per_second"]
     bottom.plot([t for t, _ in series], [v for _, v in series], marker="o")
@@ -216,7 +220,8 @@ def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
                 "reference": sample["reference"],
                 "tokens": sample["tokens"],
                 "latency": sample["latency"],
-                "tokens_per_second": sample["tokens"] / max(sample["latency"], 1e-9),
+                "decode_tokens_per_second": max(sample["tokens"] - 1, 0)
+                / max(sample["decode_seconds"], 1e-9),
             }
         )
     for domain, numbers in report["domains"].items():

@@ -7,6 +7,7 @@ step turns the rows of one step into flat tensors once, and writes back what it 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -94,6 +95,7 @@ class Row:
     finish_reason: FinishReason | None = None
     on_chunk: Callable[[StreamChunk], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    first_token_at: float = 0.0  # perf_counter() of the first emitted token (0: none yet)
 
     def __post_init__(self) -> None:
         self.seq = list(self.request.prompt_ids)
@@ -146,6 +148,9 @@ class Row:
         stats.num_generated += len(token_ids)
         stats.draft_lengths.append(num_drafted)
         stats.accepted_lengths.append(num_accepted)
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        stats.decode_seconds = now - self.first_token_at
         text = self.assembler.add(token_ids)
         if self.assembler.stopped:
             finish = "stop"

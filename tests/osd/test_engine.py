@@ -237,3 +237,4 @@ def test_per_step_counts_are_in_the_stats_with_or_without_logging(engine):
     assert unlogged.stats.accepted_lengths == logged.log.num_accepted.tolist()
     assert sum(unlogged.stats.draft_lengths) == unlogged.stats.drafted > 0
     assert unlogged.stats.draft_lengths[0] == 0  # the first token came with the prefill
+    assert 0 < unlogged.stats.decode_seconds == unlogged.stats.as_dict()["decode_seconds"]

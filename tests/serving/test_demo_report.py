@@ -8,14 +8,16 @@ from serving.demo_job import Sample, describe_reference, is_reference, recent_by
 from serving.demo_report import domain_summary, reference_summary
 
 
-def sample(phase, tokens, latency, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
+def sample(phase, tokens, seconds, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
+    """A finished request: ``tokens + 1`` tokens, the last ``tokens`` in ``seconds``."""
     return Sample(
         time=0.0,
         domain=phase,
         phase=phase,
         acceptance=acceptance,
-        tokens=tokens,
-        latency=latency,
+        tokens=tokens + 1,
+        latency=seconds + 0.5,
+        decode_seconds=seconds,
         adapter="general",
         version=0,
         status=200,
