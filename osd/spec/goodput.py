@@ -8,7 +8,9 @@ tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a st
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
 past statistics, never on the target's output for the step it decides, so every verifier stays
 exact. Exploration runs on one engine-wide schedule: once every ``probe_every`` steps rows
-that would draft nothing draft one token (is the draft better now?), and once every
+that would draft nothing draft one token (is the draft better now?; a route whose probes keep
+finding the draft bad is probed half as often after each, down to one probe step in
+``2 ** max_backoff``), and once every
 ``zero_probe_every`` steps rows that would draft run the target alone (what does a step
 without drafting cost? Without it a controller that drafts never measures the alternative; the
 cost of the target alone drifts slowly, so this probe is rarer). All rows probe on the same
@@ -48,11 +50,15 @@ class AcceptanceCurve:
     Attributes:
         reached: (weighted) steps in which position i + 1 was drafted with 1..i accepted.
         accepted: (weighted) steps in which position i + 1 was accepted too.
+        backoff: while the draft is off (k = 0) on this route, it is probed on one probe step
+            in ``2 ** backoff`` (each probe that leaves it off doubles the wait, up to a cap).
     """
 
     max_k: int
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    backoff: int = 0
+    last_probe: int = -1  # the engine step of the last probe (one backoff step per probe)
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.max_k
@@ -70,11 +76,19 @@ class AcceptanceCurve:
             self.accepted[i] += 1.0 if num_accepted > i else 0.0
 
     def rates(self, prior: float, prior_weight: float) -> list[float]:
-        """a_1..a_max_k: the counts shrunk towards ``prior`` by ``prior_weight`` pseudo-steps."""
-        return [
-            (accepted + prior * prior_weight) / (reached + prior_weight)
-            for reached, accepted in zip(self.reached, self.accepted, strict=True)
-        ]
+        """a_1..a_max_k: position 1's counts shrunk towards ``prior`` by ``prior_weight``
+        pseudo-steps, each later position's towards the estimate before it.
+
+        A chained prior: a position with little evidence is assumed as good as the one before
+        it, not as the optimistic prior. With a constant prior a draft that fails at position 1
+        kept positions 2..k at that prior (they are only reached when position 1 is accepted),
+        so one noisy cost estimate could make k = max_k look worth it.
+        """
+        out, previous = [], prior
+        for reached, accepted in zip(self.reached, self.accepted, strict=True):
+            previous = (accepted + previous * prior_weight) / (reached + prior_weight)
+            out.append(previous)
+        return out
 
 
 @dataclass
@@ -159,6 +173,8 @@ class GoodputController:
             draft one token (module docstring).
         zero_probe_every: engine steps between steps in which rows that would draft run the
             target alone.
+        max_backoff: a route whose draft stays off is probed on one probe step in at most
+            ``2 ** max_backoff`` (every ``probe_every * 2 ** max_backoff`` engine steps).
     """
 
     max_k: int = 8
@@ -170,12 +186,15 @@ class GoodputController:
     decay: float = 0.995
     probe_every: int = 32
     zero_probe_every: int = 128
+    max_backoff: int = 3
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
 
     def __post_init__(self) -> None:
+        if self.max_backoff < 0:
+            raise ValueError(f"need max_backoff >= 0, got {self.max_backoff}")
         if self.probe_every < 2 or self.zero_probe_every < self.probe_every:
             raise ValueError(
                 f"need 2 <= probe_every <= zero_probe_every, got {self.probe_every}, "
@@ -199,13 +218,22 @@ class GoodputController:
         return self._chosen[key]
 
     def _choose(self, adapter: str, route: str, batch: int, limit: int) -> int:
-        rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
-        k = best_k(rates, self.costs.seconds(batch, limit))
-        if k == 0 and self.steps % self.probe_every == self.probe_every // 2 - 1:
+        curve = self.curve(adapter, route)
+        k = best_k(curve.rates(self.prior, self.prior_weight), self.costs.seconds(batch, limit))
+        if k > 0:
+            curve.backoff = 0
+            if self.steps % self.zero_probe_every == self.probe_every - 1:
+                return 0  # on a step the drafting probe never takes (probe_every // 2 apart)
+            return k
+        if self.steps % self.probe_every != self.probe_every // 2 - 1:
+            return 0
+        if curve.last_probe == self.steps:  # another row of this step: the same probe
             return 1
-        if k > 0 and self.steps % self.zero_probe_every == self.probe_every - 1:
-            return 0  # on a step the drafting probe never takes (probe_every // 2 apart)
-        return k
+        if (self.steps // self.probe_every) % (1 << curve.backoff) == 0:
+            curve.last_probe = self.steps
+            curve.backoff = min(curve.backoff + 1, self.max_backoff)
+            return 1
+        return 0
 
     def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)

@@ -232,6 +232,8 @@ def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, 
     probes, and the output is still the target's."""
     decoder = SpeculativeDecoder(target_model, unrelated_draft, max_spec_tokens=4)
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    # Probe steps every 4 engine steps (backing off to one in 32), so the run shows them.
+    engine.controller.probe_every = 4
     try:
         handles = [
             engine.submit(decoder.prepare(p, max_tokens=60, temperature=0, num_spec_tokens="auto"))

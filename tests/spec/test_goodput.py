@@ -57,6 +57,16 @@ def test_curve_counts_positions_reached_and_accepted_with_forgetting():
     assert curve.reached[0] == pytest.approx(2 * 0.5 + 1)
 
 
+def test_positions_without_evidence_are_assumed_as_good_as_the_one_before():
+    curve = AcceptanceCurve(max_k=4)
+    for _ in range(40):  # position 1 fails every time: positions 2..4 are never reached
+        curve.observe(num_drafted=4, num_accepted=0, decay=1.0)
+    rates = curve.rates(prior=0.9, prior_weight=4.0)
+    assert rates[0] == pytest.approx(3.6 / 44)
+    assert rates[1:] == pytest.approx([rates[0]] * 3)  # not the optimistic 0.9
+    assert AcceptanceCurve(max_k=3).rates(prior=0.9, prior_weight=4.0) == [0.9] * 3
+
+
 def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_others():
     costs = StepCosts(prior_ratio=0.5, decay=1.0)
     assert costs.seconds(batch=4, max_k=2) == pytest.approx([1.0, 1.5, 2.0])  # the prior alone
@@ -95,9 +105,15 @@ def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     assert controller.choose("v1", "sql", batch=1, limit=4) > 0  # optimistic prior
     for _ in range(200):
         controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
-    chosen = run_steps(controller, "v1", "sql", 32)
-    assert chosen.count(0) == 28 and chosen.count(1) == 4  # one probe per 8 engine steps
-    assert [i for i, k in enumerate(chosen) if k] == [0, 8, 16, 24]  # steps 3, 11, ... overall
+    chosen = run_steps(controller, "v1", "sql", 128)  # engine steps 3..130
+    # Probe steps are 3, 11, 19, ... (one in 8); each probe that finds the draft still bad
+    # doubles the wait, up to one probe step in 2 ** max_backoff = 8.
+    assert [i + 3 for i, k in enumerate(chosen) if k] == [3, 19, 35, 67]
+    assert set(chosen) == {0, 1}
+    for _ in range(200):  # the draft got better on this route (its traffic changed)
+        controller.observe_row("v1", "sql", num_drafted=4, num_accepted=4)
+    assert controller.choose("v1", "sql", batch=1, limit=4) == 4
+    assert controller.curve("v1", "sql").backoff == 0  # probing starts over if it fails again
     assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
