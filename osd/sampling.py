@@ -18,7 +18,17 @@ import torch
 
 from osd.devices import to_device
 
-__all__ = ["RowSampling", "SamplingParams", "logits_to_probs", "rows_to_probs", "sample_from_probs"]
+__all__ = [
+    "GREEDY_BELOW",
+    "RowSampling",
+    "SamplingParams",
+    "logits_to_probs",
+    "rows_to_probs",
+    "sample_from_probs",
+]
+
+
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily (vLLM draws the same line)
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,9 @@ class SamplingParams:
     """How tokens are chosen from a model's logits.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Must be >= 0.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. Must be >= 0;
+            below ``GREEDY_BELOW`` it is greedy too (set to 0: dividing logits by a subnormal
+            temperature overflows to NaN, and this close to 0 the distribution is the argmax).
         top_p: nucleus mass kept, in (0, 1]; 1 keeps everything.
         top_k: number of most likely tokens kept; 0 keeps everything.
     """
@@ -38,6 +50,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:

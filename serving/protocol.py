@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from osd.record import MAX_ID_BYTES
+from osd.sampling import GREEDY_BELOW
 
 __all__ = [
     "APIError",
@@ -60,9 +61,6 @@ def error_body(
 ) -> dict[str, Any]:
     """The OpenAI error envelope."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-_GREEDY_BELOW = 1e-5  # temperatures under this decode greedily
 
 
 def _check_unicode(text: str) -> None:
@@ -114,9 +112,8 @@ class _Common(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
-        # Dividing logits by a subnormal temperature overflows to NaN; this close to 0 the
-        # distribution is the argmax anyway (vLLM draws the same line).
-        return 0.0 if temperature < _GREEDY_BELOW else temperature
+        # As the engine does (osd.sampling.SamplingParams): responses and records say 0.
+        return 0.0 if temperature < GREEDY_BELOW else temperature
 
     @field_validator("domain")
     @classmethod

@@ -59,6 +59,17 @@ def test_greedy_with_unrelated_draft_equals_target(
     assert result.token_ids == greedy_references[0]
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 9e-6])
+def test_a_temperature_too_small_for_float32_is_greedy(engine, greedy_references, temperature):
+    # Logits / 1e-38 overflow to inf and the probabilities to NaN; a NaN ratio made the
+    # verifier accept every drafted token.
+    result = engine.generate(
+        PROMPTS[0], max_tokens=100, temperature=temperature, seed=1, stop_token_ids=[]
+    )
+    assert result.token_ids == greedy_references[0]
+    assert result.log.to_record(request_id="r").temperature == 0.0
+
+
 def test_stream_yields_the_same_tokens_as_generate(engine):
     kwargs = dict(
         max_tokens=40,
