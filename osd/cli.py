@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from osd.config import ConfigError
+
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS = {
     "demo-models": ("osd.demo.cli", "build, check or describe the offline demo model pair"),
@@ -24,7 +26,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     module_name, _ = SUBCOMMANDS[args.command]
-    return int(importlib.import_module(module_name).main(args.args) or 0)
+    try:
+        return int(importlib.import_module(module_name).main(args.args) or 0)
+    except ConfigError as e:  # a config that cannot be used: one line, no traceback
+        print(f"osd {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ and float32 elsewhere, so nothing hard-codes the CPU.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import types
 import typing
@@ -19,7 +20,9 @@ from typing import Any, Literal
 import yaml
 
 __all__ = [
+    "BUILTIN_CONFIGS",
     "AdapterConfig",
+    "ConfigError",
     "LogConfig",
     "ModelConfig",
     "OSDConfig",
@@ -28,10 +31,16 @@ __all__ = [
     "TrainerConfig",
     "WandbConfig",
     "config_from_dict",
+    "config_path",
+    "is_loopback",
     "load_config",
     "resolve_device",
     "resolve_dtype",
 ]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used: the message names the file (if any) and the problem."""
 
 
 @dataclass(frozen=True)
@@ -131,9 +140,28 @@ class ServeConfig:
     max_tokens_limit: int = 1024
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 120.0
+    # Bearer keys every /v1/* route requires (empty: none). OSD_API_KEYS (comma-separated, e.g.
+    # from a compose .env) fills them when the config names none. /health and /metrics stay open.
+    api_keys: tuple[str, ...] = ()
+    # Serving without keys on an address other than loopback must be asked for explicitly.
+    allow_unauthenticated: bool = False
+
+    def check_access(self) -> None:
+        """Raises ConfigError when this would serve without keys beyond loopback unasked (the
+        serving entry points call it before they start; a trainer reading the same file
+        does not)."""
+        if not (self.api_keys or self.allow_unauthenticated or is_loopback(self.host)):
+            raise ConfigError(
+                f"serve.host {self.host!r} is reachable from other machines and serve.api_keys "
+                "is empty: set serve.api_keys (or OSD_API_KEYS), or serve.allow_unauthenticated: "
+                "true to serve without keys"
+            )
 
     def __post_init__(self) -> None:
         _require(0 < self.port < 65536, "serve.port", self.port, "in 1..65535")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("serve.api_keys must be non-empty, without surrounding spaces")
+
         _require(self.num_replicas >= 1, "serve.num_replicas", self.num_replicas, ">= 1")
         _require(
             self.max_ongoing_requests >= 1,
@@ -248,23 +276,66 @@ class OSDConfig:
     run_dir: str = "runs/latest"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 def _require(ok: bool, name: str, value: Any, expected: str) -> None:
     if not ok:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+BUILTIN_CONFIGS = ("demo",)  # shipped in the package: osd/configs/<name>.yaml
+
+
+def config_path(path: str | Path) -> Path:
+    """The file a ``--config`` value names: a path (relative to the current directory), or the
+    name of a config shipped with the package (``demo``: the embedded local default)."""
+    given = Path(path)
+    if given.is_file():
+        return given
+    if str(path) in BUILTIN_CONFIGS:
+        import importlib.resources
+
+        return Path(str(importlib.resources.files("osd") / "configs" / f"{path}.yaml"))
+    raise ConfigError(
+        f"{path}: no such config file (looked in {Path.cwd()}; built-in configs: "
+        f"{', '.join(BUILTIN_CONFIGS)})"
+    )
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> OSDConfig:
     """Loads a YAML config (or the defaults) and applies ``a.b=value`` overrides.
 
-    ``${VAR}`` in the file is replaced from the environment (unset variables stay as written).
+    ``path`` is a file (relative to the current directory) or a built-in config's name
+    (:func:`config_path`). ``${VAR}`` in the file is replaced from the environment (unset
+    variables stay as written); ``OSD_API_KEYS`` fills ``serve.api_keys`` when it is empty.
 
     Raises:
-        ValueError: on unknown keys, malformed overrides or values of the wrong type.
+        ConfigError (a ValueError): a missing or unreadable file, bad YAML, unknown keys,
+            malformed overrides or values of the wrong type; the message names the file.
     """
+    file = None if path is None else config_path(path)
+    try:
+        return _load(file, overrides)
+    except ConfigError:
+        raise
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        problem = " ".join(str(e).split())  # one line (YAML's errors span several)
+        raise ConfigError(problem if path is None else f"{path}: {problem}") from e
+
+
+def _load(path: Path | None, overrides: list[str] | None) -> OSDConfig:
     data: dict[str, Any] = {}
     if path is not None:
         # ${VAR} in the file is taken from the environment (e.g. a Redis password).
-        loaded = yaml.safe_load(os.path.expandvars(Path(path).read_text())) or {}
+        loaded = yaml.safe_load(os.path.expandvars(path.read_text())) or {}
         if not isinstance(loaded, dict):
             raise ValueError(
                 f"{path}: the top level must be a mapping, got {type(loaded).__name__}"
@@ -281,6 +352,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             if not isinstance(node, dict):
                 raise ValueError(f"override {override!r}: {part} is not a section")
         node[leaf] = yaml.safe_load(raw) if raw else ""
+    env_keys = [k.strip() for k in os.environ.get("OSD_API_KEYS", "").split(",") if k.strip()]
+    serve = data.setdefault("serve", {})
+    if env_keys and isinstance(serve, dict) and not serve.get("api_keys"):
+        serve["api_keys"] = env_keys
     return config_from_dict(OSDConfig, data)
 
 

@@ -2,19 +2,22 @@
 
 ``/v1/completions``, ``/v1/chat/completions`` (streaming over SSE with
 ``stream_options.include_usage``), ``/v1/models``, ``/health`` and ``/metrics``. Every bad
-request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a hang.
+request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a hang. With
+``serve.api_keys`` every ``/v1/*`` route wants ``Authorization: Bearer <key>`` (what OpenAI
+clients send): 401 otherwise, keys compared in constant time and never logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import os
 from collections.abc import AsyncGenerator
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,14 +31,38 @@ __all__ = ["create_api"]
 logger = logging.getLogger(__name__)
 
 
+def bearer_key_check(keys: tuple[str, ...]) -> Any:
+    """A FastAPI dependency that refuses a request without one of ``keys`` as its bearer
+    token (none: every request passes)."""
+    wanted = [key.encode() for key in keys]
+
+    async def check(request: Request) -> None:
+        if not wanted:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
+        # Every key compared, each in constant time: the time says nothing about which matched.
+        matched = [hmac.compare_digest(given, key) for key in wanted]
+        if not given or not any(matched):
+            raise APIError(
+                401,
+                "missing or invalid API key: send Authorization: Bearer <key>",
+                code="invalid_api_key",
+            )
+
+    return check
+
+
 def create_api(runtime: ReplicaRuntime) -> FastAPI:
     """Builds the FastAPI app serving ``runtime``."""
     app = FastAPI(title="osd", version="0.1.0")
     serve = runtime.config.serve
+    authorized = [Depends(bearer_key_check(serve.api_keys))]
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -64,18 +91,18 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def metrics() -> Response:
         return Response(runtime.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
             "data": [{"id": serve.model_name, "object": "model", "created": 0, "owned_by": "osd"}],
         }
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, dependencies=authorized)
     async def completions(request: Request) -> JSONResponse | StreamingResponse:
         return await _handle(runtime, request, "completion")
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, dependencies=authorized)
     async def chat(request: Request) -> JSONResponse | StreamingResponse:
         return await _handle(runtime, request, "chat")
 

@@ -60,8 +60,10 @@ class OSDReplica:
 
 
 def build_app(config: OSDConfig, redis_url: str = "") -> Any:
-    """A bound Serve application for ``config``."""
+    """A bound Serve application for ``config``; ConfigError if it would serve without keys
+    beyond loopback unasked (``ServeConfig.check_access``)."""
     s = config.serve
+    s.check_access()
     deployment: Any = serve.deployment(
         OSDReplica,
         name="osd",
@@ -75,10 +77,11 @@ def build_app(config: OSDConfig, redis_url: str = "") -> Any:
 
 
 def app_builder(args: dict[str, Any]) -> Any:
-    """Entry point for ``serve run``: ``args`` holds ``config`` (a path), ``overrides`` and
-    ``redis_url`` (default: the ``REDIS_URL`` environment variable, else the config's)."""
+    """Entry point for ``serve run``: ``args`` holds ``config`` (a path, or a built-in config's
+    name; default ``demo``, the embedded local default), ``overrides`` and ``redis_url``
+    (default: the ``REDIS_URL`` environment variable, else the config's)."""
     overrides = args.get("overrides") or []
-    config = load_config(args.get("config"), list(overrides))
+    config = load_config(args.get("config") or "demo", list(overrides))
     return build_app(config, args.get("redis_url") or os.environ.get("REDIS_URL", ""))
 
 

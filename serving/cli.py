@@ -25,6 +25,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
     config = load_config(args.config, args.overrides)
+    config.serve.check_access()  # before anything starts
 
     import ray
     from ray import serve

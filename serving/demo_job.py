@@ -323,7 +323,9 @@ def describe_reference(numbers: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="osd demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument(
+        "--config", default="demo", help="a YAML file, or demo: the built-in local default"
+    )
     parser.add_argument(
         "--schedule",
         default="prose:40,code:200,sql:200,mixed:80",
@@ -343,6 +345,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
     config = load_config(args.config, args.overrides)
+    config.serve.check_access()  # before anything starts
     install_signal_handlers()
     try:
         if args.workload:

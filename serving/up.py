@@ -12,11 +12,14 @@ from serving.stack import LocalStack, install_signal_handlers
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="osd up", description=__doc__)
-    parser.add_argument("--config", default="configs/demo.yaml")
+    parser.add_argument(
+        "--config", default="demo", help="a YAML file, or demo: the built-in local default"
+    )
     parser.add_argument("--no-trainer", action="store_true", help="serve only")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
     config = load_config(args.config, args.overrides)
+    config.serve.check_access()  # before anything starts
     install_signal_handlers()
     stack = LocalStack(config, with_trainer=not args.no_trainer)
     try:

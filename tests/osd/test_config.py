@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from osd.config import OSDConfig, load_config, resolve_dtype
+from osd.config import BUILTIN_CONFIGS, OSDConfig, load_config, resolve_dtype
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -19,7 +19,9 @@ def test_every_config_file_loads(path):
         for app in data["applications"]:
             module, _, attr = app["import_path"].partition(":")
             assert attr and (CONFIGS.parent / (module.replace(".", "/") + ".py")).exists()
-            load_config(CONFIGS.parent / app["args"]["config"], app["args"]["overrides"])
+            named = app["args"]["config"]  # a path in the checkout, or a built-in config
+            path = named if named in BUILTIN_CONFIGS else CONFIGS.parent / named
+            load_config(path, app["args"]["overrides"])
     else:
         assert isinstance(load_config(path), OSDConfig)
 
