@@ -45,6 +45,13 @@ def test_ties_go_to_the_shorter_draft():
     assert best_k([0.0] * 4, [1.0] * 5) == 0
 
 
+def test_a_tolerance_prefers_the_shortest_near_best_draft():
+    seconds = [1.0 + 0.2 * k for k in range(9)]  # rates 1, 1.417, 1.564, 1.583, 1.541, ...
+    assert best_k([0.7] * 8, seconds, tolerance=0.0) == 3
+    assert best_k([0.7] * 8, seconds, tolerance=0.03) == 2  # 1.564 >= 0.97 * 1.583
+    assert best_k([0.7] * 8, seconds, tolerance=0.5) == 0  # the target alone wins near-ties
+
+
 def test_curve_counts_positions_reached_and_accepted_with_forgetting():
     curve = AcceptanceCurve(max_k=4)
     curve.observe(num_drafted=4, num_accepted=2, decay=1.0)  # positions 1, 2 kept, 3 rejected
@@ -123,9 +130,10 @@ def test_controller_stops_drafting_for_a_bad_draft_and_probes():
 
 
 def test_controller_respects_the_limit_and_starts_from_its_priors():
-    controller = GoodputController(max_k=8, prior=0.6, costs=StepCosts(prior_ratio=0.25))
-    # Nothing measured: acceptance 0.6 and a drafted token costing a quarter of a step.
-    assert controller.choose("v", "", batch=2, limit=5) == 2
+    controller = GoodputController(max_k=8, prior=0.9, costs=StepCosts(prior_ratio=0.25))
+    # Nothing measured: acceptance 0.9 and a drafted token costing a quarter of a step; rates
+    # 2.05 / 2.08 / 2.09 at k = 4 / 5 / 6, and 4 is within 3 % of the best.
+    assert controller.choose("v", "", batch=2, limit=8) == 4
     assert controller.choose("v", "", batch=2, limit=1) == 1
     assert controller.choose("v", "", batch=2, limit=0) == 0
     controller.observe_step(batch=2, k=2, seconds=1.0)
