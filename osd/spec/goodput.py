@@ -15,7 +15,8 @@ finding the draft bad is probed half as often after each, down to one probe step
 ``2 ** max_backoff``), and once every
 ``zero_probe_every`` steps rows that would draft run the target alone (what does a step
 without drafting cost? Without it a controller that drafts never measures the alternative; the
-cost of the target alone drifts slowly, so this probe is rarer). All rows probe on the same
+cost of the target alone drifts slowly, so this probe is rarer), and once every
+``width_probe_every`` steps rows that draft draft one token more or one less. All rows probe on the same
 steps: probes spread over rows would make most steps of a batch pay for drafting. Before a batch
 size has been measured its costs are borrowed from the nearest measured one, and before
 anything is measured from a prior ratio, so a cold replica does not start at ``max_k``.
@@ -179,6 +180,8 @@ class GoodputController:
             target alone.
         max_backoff: a route whose draft stays off is probed on one probe step in at most
             ``2 ** max_backoff`` (every ``probe_every * 2 ** max_backoff`` engine steps).
+        width_probe_every: engine steps between steps in which rows that draft draft one
+            token more or one less (alternately).
         tolerance: the shortest k whose expected rate is within this share of the best wins.
     """
 
@@ -192,6 +195,7 @@ class GoodputController:
     probe_every: int = 32
     zero_probe_every: int = 128
     max_backoff: int = 3
+    width_probe_every: int = 16
     # Near its best, tokens/s is flat in k while the estimates are noisy, deep positions most:
     # the shortest k within 3 % of the best is chosen (on the demo pair the plain argmax
     # drafted 5-7 where 3-4 were best, 10 % slower; and k = 0 wins its near-ties).
@@ -204,6 +208,11 @@ class GoodputController:
     def __post_init__(self) -> None:
         if self.max_backoff < 0:
             raise ValueError(f"need max_backoff >= 0, got {self.max_backoff}")
+        if self.width_probe_every < 4 or self.width_probe_every % 2 or self.probe_every % 2:
+            raise ValueError(
+                f"need even probe_every and width_probe_every >= 4, got {self.probe_every}, "
+                f"{self.width_probe_every}"
+            )
         if self.probe_every < 2 or self.zero_probe_every < self.probe_every:
             raise ValueError(
                 f"need 2 <= probe_every <= zero_probe_every, got {self.probe_every}, "
@@ -234,6 +243,12 @@ class GoodputController:
             curve.backoff = 0
             if self.steps % self.zero_probe_every == self.probe_every - 1:
                 return 0  # on a step the drafting probe never takes (probe_every // 2 apart)
+            if self.steps % self.width_probe_every == self.width_probe_every // 2 - 1:
+                # One width either side, alternately: keeps the cost line and the acceptance of
+                # the next position measured around the choice (without it a controller that
+                # settled on k = 1 saw too little of wider steps to leave it).
+                wider = (self.steps // self.width_probe_every) % 2 == 0
+                return min(k + 1, limit) if wider else max(k - 1, 1)
             return k
         if self.steps % self.probe_every != self.probe_every // 2 - 1:
             return 0

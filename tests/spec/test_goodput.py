@@ -124,9 +124,11 @@ def test_controller_stops_drafting_for_a_bad_draft_and_probes():
     assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
     for _ in range(200):
         controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
-    drafting = run_steps(controller, "v1", "code", 32)
-    assert drafting.count(4) == 31 and drafting.count(0) == 1  # the target alone, measured
-    assert drafting.index(0) == 4  # overall step 39 = 32 + 8 - 1: never a drafting probe's
+    drafting = run_steps(controller, "v1", "code", 32)  # engine steps 131..162
+    # Step 135: the target alone, measured (one in 32; step 135 is also a width probe's, which
+    # yields); step 151: one token less, a width probe (one in 16, alternately wider: step 167).
+    assert drafting[4] == 0 and drafting[20] == 3
+    assert drafting.count(4) == 30
 
 
 def test_controller_respects_the_limit_and_starts_from_its_priors():
@@ -140,7 +142,15 @@ def test_controller_respects_the_limit_and_starts_from_its_priors():
     assert controller.choose("v", "", batch=2, limit=3) <= 3
 
 
-@pytest.mark.parametrize("probe_every, zero_probe_every", [(1, 8), (16, 8)])
-def test_controller_refuses_a_probe_schedule_that_collides(probe_every, zero_probe_every):
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"probe_every": 1, "zero_probe_every": 8},
+        {"probe_every": 16, "zero_probe_every": 8},
+        {"probe_every": 7},
+        {"width_probe_every": 2},
+    ],
+)
+def test_controller_refuses_a_probe_schedule_that_collides(schedule):
     with pytest.raises(ValueError, match="probe_every"):
-        GoodputController(probe_every=probe_every, zero_probe_every=zero_probe_every)
+        GoodputController(**schedule)
