@@ -10,16 +10,15 @@ tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a st
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on
 past statistics, never on the target's output for the step it decides, so every verifier stays
 exact. Exploration runs on one engine-wide schedule: once every ``probe_every`` steps rows
-that would draft nothing draft one token (is the draft better now?; a route whose probes keep
+that would draft nothing draft one token (is the draft better now? A route whose probes keep
 finding the draft bad is probed half as often after each, down to one probe step in
-``2 ** max_backoff``), and once every
-``zero_probe_every`` steps rows that would draft run the target alone (what does a step
-without drafting cost? Without it a controller that drafts never measures the alternative; the
-cost of the target alone drifts slowly, so this probe is rarer), and once every
-``width_probe_every`` steps rows that draft draft one token more or one less. All rows probe on the same
-steps: probes spread over rows would make most steps of a batch pay for drafting. Before a batch
-size has been measured its costs are borrowed from the nearest measured one, and before
-anything is measured from a prior ratio, so a cold replica does not start at ``max_k``.
+``2 ** max_backoff``); once every ``zero_probe_every`` steps rows that would draft run the
+target alone (what does a step without drafting cost? Without it a controller that drafts never
+measures the alternative; that cost drifts slowly, so this probe is rarer); and once every
+``width_probe_every`` steps rows that draft draft one token more or one less. All rows probe on
+the same steps: probes spread over rows would make most steps of a batch pay for drafting.
+Before a batch size has been measured its costs are borrowed from the nearest measured one, and
+before anything is measured from a prior ratio, so a cold replica does not start at ``max_k``.
 Deterministic given its inputs; pure (no clocks: the caller passes measured seconds). With k
 chosen from live statistics a seed fixes a request's output distribution, not its exact text.
 """
