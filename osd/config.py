@@ -218,6 +218,9 @@ class TrainerConfig:
     consumer: str = ""  # consumer name in the group; empty: <hostname>-<pid>
     claim_idle_ms: int = 60_000  # take over entries other consumers left pending this long
     seed: int = 0  # replay sampling
+    # torch intra-op threads of the trainer on a CPU; 0: chosen from the cores it may use and
+    # what shares them (osd.threads).
+    torch_threads: int = 0
 
     def __post_init__(self) -> None:
         _require(self.learning_rate > 0, "trainer.learning_rate", self.learning_rate, "> 0")
@@ -249,6 +252,7 @@ class TrainerConfig:
         _require(
             self.max_record_wait_s > 0, "trainer.max_record_wait_s", self.max_record_wait_s, "> 0"
         )
+        _require(self.torch_threads >= 0, "trainer.torch_threads", self.torch_threads, ">= 0")
         _require(self.claim_idle_ms >= 0, "trainer.claim_idle_ms", self.claim_idle_ms, ">= 0")
         _require(bool(self.group), "trainer.group", self.group, "a non-empty consumer group")
 
