@@ -16,7 +16,9 @@ Publishing is three steps, in this order, so a crash never exposes a half-writte
 
 `load` trusts nothing it reads: it checks size, sha256, that the bytes are a safetensors file
 (never pickle; `torch.load` is not used anywhere), the base model hash, the rank, and the shapes
-the caller expects. Backends: `osd.adapter_store_dir.DirectoryAdapterStore` (shared filesystem)
+the caller expects. History is bounded: `collect_garbage` deletes versions no rollback or replica
+needs any more (the rules are in `osd.adapter_retention`; replicas name what they hold with
+`report_held`). Backends: `osd.adapter_store_dir.DirectoryAdapterStore` (shared filesystem)
 and `osd.adapter_store_redis.RedisAdapterStore`; `open_adapter_store` picks one by location.
 Peft and base-model helpers live in `osd.adapter_lora`.
 """
@@ -27,7 +29,7 @@ import abc
 import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ from osd.adapter_manifest import (
     check_adapter_name,
     check_version,
 )
+from osd.adapter_retention import check_replica_id, encode_held, held_by_any, unkept_versions
 from osd.closing import Closeable
 
 __all__ = [
@@ -63,7 +66,6 @@ __all__ = [
     "AdapterStoreUnavailable",
     "AdapterSubscription",
     "AdapterTooLarge",
-    "PointerPollSubscription",
     "PublishConflict",
     "adapter_store_location",
     "open_adapter_store",
@@ -138,6 +140,19 @@ class AdapterStore(abc.ABC):
     def _compare_and_set(self, name: str, expected: int | None, new: int) -> None:
         """Atomically: if the pointer names `expected` and version `new` is complete, point at
         `new` and notify; raises PublishConflict or AdapterNotFound otherwise."""
+
+    @abc.abstractmethod
+    def _delete_version(self, name: str, version: int) -> bool:
+        """Deletes a stored version unless the pointer names it, atomically with that check
+        (against `_compare_and_set`); True if it deleted it. A reader never sees half of it."""
+
+    @abc.abstractmethod
+    def _write_held(self, replica_id: str, report: bytes, ttl_s: float) -> None:
+        """Stores a replica's report, replacing its last one, to expire after `ttl_s` seconds."""
+
+    @abc.abstractmethod
+    def _read_held(self) -> list[bytes]:
+        """Every unexpired report (expired ones may be removed on the way)."""
 
     # The API.
 
@@ -258,6 +273,8 @@ class AdapterStore(abc.ABC):
             )
         payload = self._read_weights(name, version)
         if payload is None:
+            if self._read_manifest(name, version) is None:  # deleted meanwhile
+                raise AdapterNotFound(f"adapter {name!r} has no version {version} any more")
             raise AdapterIntegrityError(f"{manifest.ref}: manifest present but weights missing")
         return manifest, decode_weights(manifest, payload, expected_shapes)
 
@@ -279,6 +296,58 @@ class AdapterStore(abc.ABC):
             check_version("expected_current", expected_current, base=True)
         self._compare_and_set(name, expected_current, to_version)
 
+    def report_held(
+        self, replica_id: str, held: Mapping[str, Iterable[int]], *, ttl_s: float
+    ) -> None:
+        """Tells `collect_garbage` which versions a replica holds (adapter name -> versions),
+        for `ttl_s` seconds; replicas repeat it every reconcile interval."""
+        check_replica_id(replica_id)
+        if not (math.isfinite(ttl_s) and ttl_s > 0):
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self._write_held(replica_id, encode_held(held, ttl_s), ttl_s)
+
+    def held_versions(self, name: str) -> set[int]:
+        """The versions of `name` that some replica's unexpired report names."""
+        check_adapter_name(name)
+        return set(held_by_any(self._read_held(), name))
+
+    def collect_garbage(self, name: str, *, keep_versions: int, grace_s: float) -> list[int]:
+        """Deletes the versions of `name` that are not current, not among the `keep_versions`
+        newest predecessors, held by no replica, and were published over `grace_s` ago.
+
+        Cheap when there is nothing to delete: a listing, the pointer, and one manifest read
+        per version outside the kept history.
+
+        Returns:
+            The versions deleted, ascending.
+
+        Raises:
+            AdapterStoreUnavailable, AdapterStoreError: the store failed; what was deleted
+                before stays deleted.
+        """
+        if not (math.isfinite(grace_s) and grace_s >= 0):
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        candidates = unkept_versions(self.list_versions(name), self.current(name), keep_versions)
+        if not candidates:
+            return []
+        held = self.held_versions(name)
+        cutoff = time.time() - grace_s
+        deleted = []
+        for version in candidates:
+            if version in held or not self._published_before(name, version, cutoff):
+                continue
+            if self._delete_version(name, version):
+                deleted.append(version)
+        return deleted
+
+    def _published_before(self, name: str, version: int, cutoff: float) -> bool:
+        try:
+            return self.manifest(name, version).created_at < cutoff
+        except AdapterNotFound:
+            return False  # deleted already
+        except AdapterIntegrityError:
+            return True  # never loads anyway: nothing to protect
+
     def changed_pointers(self, known: Mapping[str, int | None]) -> list[AdapterEvent]:
         """Reconciliation: an event per adapter name whose pointer differs from `known`.
 
@@ -291,41 +360,6 @@ class AdapterStore(abc.ABC):
             if version != known.get(name):
                 events.append(AdapterEvent(name=name, version=version))
         return events
-
-
-class PointerPollSubscription(AdapterSubscription):
-    """Notifications made by polling every pointer (`changed_pointers`) every `interval_s`.
-
-    The notification of backends without a message channel (a shared filesystem); it reports
-    the moves since it was created, coalescing several moves of one name into one event.
-    """
-
-    def __init__(self, store: AdapterStore, interval_s: float = 1.0) -> None:
-        if not (math.isfinite(interval_s) and interval_s > 0):
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
-        self._store = store
-        self._interval_s = interval_s
-        self._known: dict[str, int | None] = {n: store.current(n) for n in store.names()}
-        self._pending: list[AdapterEvent] = []
-        self._closed = False
-
-    def get(self, timeout_s: float) -> AdapterEvent | None:
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while not self._closed:
-            if not self._pending:
-                self._pending = self._store.changed_pointers(self._known)
-                for event in self._pending:
-                    self._known[event.name] = event.version
-            if self._pending:
-                return self._pending.pop(0)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            time.sleep(min(self._interval_s, remaining))
-        return None
-
-    def close(self) -> None:
-        self._closed = True
 
 
 def adapter_store_location(config: Any, redis_url: str) -> str:

@@ -7,13 +7,17 @@ Layout under `root`::
     <name>/CURRENT                          the pointer: the current version number
     <name>/LAST_VERSION                     the last version number handed out
     <name>/.lock                            `flock`ed around allocation and pointer moves
-    <name>/.tmp-*                           versions being written; never read (removed
-                                            by a later publish once an hour old)
+    <name>/.tmp-*                           versions being written or deleted; never read
+                                            (removed by a later publish once an hour old)
+    .held/<replica-id>.json                 what a replica holds (`report_held`); stale once
+                                            older than its TTL by the file server's clock
 
 A version is written into a fresh `.tmp-*` directory (files and directory fsynced) and renamed to
 `v<version>` in one `os.rename`, so `v<version>` either does not exist or is complete. The pointer
 is replaced with `os.replace` under the lock, after checking that it still names the expected
-version (compare-and-set). There is no message channel: `subscribe` polls the pointers.
+version (compare-and-set). A version is deleted under the same lock, unless the pointer names it,
+by renaming it to a `.tmp-*` name first, so a reader finds it whole or not at all (a file already
+open reads on). There is no message channel: `subscribe` polls the pointers.
 
 Filesystem errors that may pass by themselves (disk full, over quota, I/O or network-filesystem
 trouble) raise `AdapterStoreUnavailable`, like a Redis outage: a trainer keeps training and
@@ -26,15 +30,18 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from osd.adapter_manifest import (
     BASE_VERSION,
+    AdapterEvent,
     AdapterManifest,
     AdapterNotFound,
     AdapterStoreError,
@@ -42,12 +49,14 @@ from osd.adapter_manifest import (
     PublishConflict,
     check_adapter_name,
 )
-from osd.adapter_store import DEFAULT_MAX_BYTES, AdapterStore, PointerPollSubscription
+from osd.adapter_retention import decode_held
+from osd.adapter_store import DEFAULT_MAX_BYTES, AdapterStore, AdapterSubscription
 
-__all__ = ["DirectoryAdapterStore"]
+__all__ = ["DirectoryAdapterStore", "PointerPollSubscription"]
 
 WEIGHTS_FILE = "adapter.safetensors"
 MANIFEST_FILE = "manifest.json"
+HELD_DIR = ".held"
 _VERSION_DIR_RE = re.compile(r"v([1-9][0-9]*)")
 
 
@@ -233,3 +242,77 @@ class DirectoryAdapterStore(AdapterStore):
             if new != BASE_VERSION and not (self._version_dir(name, new) / MANIFEST_FILE).is_file():
                 raise AdapterNotFound(f"adapter {name!r} has no version {new}")
             _replace_durably(directory / "CURRENT", f"{new}\n".encode())
+
+    def _delete_version(self, name: str, version: int) -> bool:
+        with _os_errors(f"delete {name} v{version}"):
+            with self._locked(name) as directory:
+                source = self._version_dir(name, version)
+                if _read_int(directory / "CURRENT") == version or not source.is_dir():
+                    return False
+                doomed = directory / f".tmp-del-v{version}-{uuid.uuid4().hex}"
+                os.rename(source, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)  # leftovers go with the stale temps
+        return True
+
+    def _write_held(self, replica_id: str, report: bytes, ttl_s: float) -> None:
+        held = self.root / HELD_DIR
+        tmp = held / f".{replica_id}.tmp-{uuid.uuid4().hex}"
+        with _os_errors(f"write {held / replica_id}.json"):
+            held.mkdir(exist_ok=True)
+            try:  # not fsynced: a report lost in a crash is replaced within an interval
+                tmp.write_bytes(report)
+                os.replace(tmp, held / f"{replica_id}.json")
+            finally:
+                tmp.unlink(missing_ok=True)
+
+    def _read_held(self) -> list[bytes]:
+        held, reports = self.root / HELD_DIR, []
+        with _os_errors(f"read the reports under {held}"):
+            if not held.is_dir():
+                return []
+            probe = held / ".now"
+            probe.touch()  # the file server's clock, which dated the reports too
+            now = probe.stat().st_mtime
+            for path in held.glob("*.json"):
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    modified, raw = path.stat().st_mtime, path.read_bytes()
+                    if modified + decode_held(raw)[0] >= now:
+                        reports.append(raw)
+                    elif modified + _STALE_TEMP_S < now:
+                        path.unlink()  # a replica gone for an hour
+        return reports
+
+
+class PointerPollSubscription(AdapterSubscription):
+    """Notifications made by polling every pointer (`changed_pointers`) every `interval_s`.
+
+    The notification of backends without a message channel (a shared filesystem); it reports
+    the moves since it was created, coalescing several moves of one name into one event.
+    """
+
+    def __init__(self, store: AdapterStore, interval_s: float = 1.0) -> None:
+        if not (math.isfinite(interval_s) and interval_s > 0):
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self._store = store
+        self._interval_s = interval_s
+        self._known: dict[str, int | None] = {n: store.current(n) for n in store.names()}
+        self._pending: list[AdapterEvent] = []
+        self._closed = False
+
+    def get(self, timeout_s: float) -> AdapterEvent | None:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not self._closed:
+            if not self._pending:
+                self._pending = self._store.changed_pointers(self._known)
+                for event in self._pending:
+                    self._known[event.name] = event.version
+            if self._pending:
+                return self._pending.pop(0)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(self._interval_s, remaining))
+        return None
+
+    def close(self) -> None:
+        self._closed = True

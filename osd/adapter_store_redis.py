@@ -8,12 +8,19 @@ Keys (``<name>`` is an adapter name, which never contains ':')::
     osd:adapter:<name>:last_version         INCR counter handing out version numbers
     osd:adapter:<name>:current              the pointer
     osd:adapter-names                       set of adapter names
+    osd:adapters:held:<replica-id>          what a replica holds (`report_held`), with a TTL
+    osd:adapters:held-by                    set of replica ids that reported
 
 A version's weights, manifest and index entries are written in one MULTI/EXEC transaction,
 WATCHing the two version keys so an existing version is never overwritten. The pointer moves in
 a Lua script that compares, checks the target version is complete, sets and PUBLISHes
-``{"name": ..., "version": ...}`` on channel ``osd:adapters``, all atomically. The keys of one
+``{"name": ..., "version": ...}`` on channel ``osd:adapters``, all atomically; a version is
+deleted by another script that first checks the pointer does not name it. The keys of one
 adapter are not hash-tagged: this is for a single Redis (with AOF), not Redis Cluster.
+
+A Redis at its ``maxmemory`` (policy ``noeviction``, which keeps adapter keys safe) refuses
+writes with an OOM error: that is `AdapterStoreUnavailable`, since it passes once the log stream
+is trimmed or old versions are deleted (reads, deletes and trims still work then).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ _log = logging.getLogger(__name__)
 
 CHANNEL = "osd:adapters"
 NAMES_KEY = "osd:adapter-names"
+HELD_PREFIX = "osd:adapters:held:"
+HELD_BY_KEY = "osd:adapters:held-by"
 DEFAULT_REDIS_MAX_BYTES = 64 * 2**20  # Redis strings are capped at 512 MiB; stay well below.
 
 # KEYS: pointer, manifest of the new version. ARGV: expected ('' = none), new, channel, message.
@@ -56,6 +65,27 @@ if ARGV[2] ~= '0' and redis.call('EXISTS', KEYS[2]) == 0 then return {-1, actual
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return {1, actual}
+"""
+
+
+# KEYS: pointer, versions index, weights, manifest. ARGV: version. Returns 1 deleted, 0 not.
+_DELETE_SCRIPT = """
+if (redis.call('GET', KEYS[1]) or '') == ARGV[1] then return 0 end
+local found = redis.call('UNLINK', KEYS[3], KEYS[4])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if found > 0 then return 1 end
+return 0
+"""
+
+# KEYS: the held-by set. ARGV: the report key prefix. Returns the unexpired reports, dropping
+# the ids whose report expired (in the same script, so a replica reporting again stays listed).
+_READ_HELD_SCRIPT = """
+local reports = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local report = redis.call('GET', ARGV[1] .. id)
+  if report then table.insert(reports, report) else redis.call('SREM', KEYS[1], id) end
+end
+return reports
 """
 
 
@@ -92,6 +122,11 @@ def _redis_errors(what: str) -> Iterator[None]:
         raise AdapterStoreError(f"Redis rejected the credentials while {what}: {exc}") from exc
     except (redis.ConnectionError, redis.TimeoutError) as exc:  # also BusyLoadingError
         raise AdapterStoreUnavailable(f"Redis unreachable while {what}: {exc}") from exc
+    except redis.exceptions.OutOfMemoryError as exc:
+        raise AdapterStoreUnavailable(
+            f"Redis is full (maxmemory) while {what}: {exc}; the log stream's trimming or "
+            "collect_garbage frees room, or raise maxmemory"
+        ) from exc
     except redis.RedisError as exc:
         raise AdapterStoreError(f"Redis failed while {what}: {exc}") from exc
 
@@ -116,6 +151,8 @@ class RedisAdapterStore(AdapterStore):
         self.url = url
         self._client = connect(url, socket_timeout_s=socket_timeout_s)
         self._cas = self._client.register_script(_CAS_SCRIPT)
+        self._delete = self._client.register_script(_DELETE_SCRIPT)
+        self._held = self._client.register_script(_READ_HELD_SCRIPT)
 
     def __repr__(self) -> str:
         return f"RedisAdapterStore({redact_url(self.url)!r})"
@@ -197,6 +234,23 @@ class RedisAdapterStore(AdapterStore):
             raise PublishConflict(name, expected, _as_version(actual, pointer), new)
         if status == -1:
             raise AdapterNotFound(f"adapter {name!r} has no version {new}")
+
+    def _delete_version(self, name: str, version: int) -> bool:
+        keys = [_key(name, suffix) for suffix in ("current", "versions")]
+        keys += [_key(name, f"v{version}:{part}") for part in ("weights", "manifest")]
+        with _redis_errors(f"deleting {name} v{version}"):
+            return bool(self._delete(keys=keys, args=[str(version)]))
+
+    def _write_held(self, replica_id: str, report: bytes, ttl_s: float) -> None:
+        key = HELD_PREFIX + replica_id
+        with _redis_errors(f"writing {key}"), self._client.pipeline() as pipe:
+            pipe.set(key, report, px=max(1, round(ttl_s * 1e3)))
+            pipe.sadd(HELD_BY_KEY, replica_id)
+            pipe.execute()
+
+    def _read_held(self) -> list[bytes]:
+        with _redis_errors(f"reading the reports in {HELD_BY_KEY}"):
+            return [_as_bytes(r) or b"" for r in self._held(keys=[HELD_BY_KEY], args=[HELD_PREFIX])]
 
 
 class RedisSubscription(AdapterSubscription):
