@@ -108,11 +108,14 @@ class LogConfig:
     redis_url: str = ""  # empty: start a local redis-server (embedded default)
     stream: str = "osd:records"
     maxlen: int = 200_000
+    # Redis memory the stream may take (bytes); 0: bound by maxlen only (docs/capacity.md).
+    max_bytes: int = 0
     queue_size: int = 10_000
     enabled: bool = True
 
     def __post_init__(self) -> None:
         _require(self.maxlen >= 1, "log.maxlen", self.maxlen, ">= 1")
+        _require(self.max_bytes >= 0, "log.max_bytes", self.max_bytes, ">= 0")
         _require(self.queue_size >= 1, "log.queue_size", self.queue_size, ">= 1")
 
 
@@ -193,6 +196,14 @@ class AdapterConfig:
     reconcile_interval_s: float = 1.0
     rollback_window: int = 1024  # drafted tokens (~20 requests) per version before judging it
     rollback_margin: float = 0.05  # roll back when acceptance drops by more than this
+    # Versions kept besides the current one (rollbacks need >= 1), and how long any version
+    # stays after it was published; replicas' held versions are never deleted.
+    keep_versions: int = 4
+    gc_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _require(self.keep_versions >= 1, "adapters.keep_versions", self.keep_versions, ">= 1")
+        _require(self.gc_grace_s >= 0, "adapters.gc_grace_s", self.gc_grace_s, ">= 0")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,10 @@ store raises `PublishConflict`, the new version stays stored but not current, an
 reloads the version that is current into both slots and goes on training from it (after a
 rollback to the base draft, `BASE_VERSION`, it starts over from the base draft). Nothing is ever
 clobbered.
+
+After each publish the store deletes the versions no one needs any more
+(`AdapterStore.collect_garbage`: `keep_versions` predecessors, held and young versions stay), so
+the store's memory stays bounded; a failure there is logged and tried again next time.
 """
 
 from __future__ import annotations
@@ -35,13 +39,23 @@ class Publisher:
     Args:
         store: the adapter store the replicas follow.
         trainer: holds the candidate and current slots of every adapter.
+        keep_versions, gc_grace_s: the bounded history (`adapters.keep_versions`,
+            `adapters.gc_grace_s`); see `AdapterStore.collect_garbage`.
     """
 
-    def __init__(self, store: AdapterStore, trainer: DraftTrainer) -> None:
+    def __init__(
+        self,
+        store: AdapterStore,
+        trainer: DraftTrainer,
+        *,
+        keep_versions: int = 4,
+        gc_grace_s: float = 60.0,
+    ) -> None:
         self.store, self.trainer = store, trainer
+        self.keep_versions, self.gc_grace_s = keep_versions, gc_grace_s
         self.base_hash = base_model_hash(trainer.model)
         self.versions: dict[str, int | None] = dict.fromkeys(trainer.adapters)
-        self.num_conflicts = 0
+        self.num_conflicts = self.num_deleted = 0
 
     def restore(self, adapter: str) -> int | None:
         """Loads the store's current version of `adapter` into both slots.
@@ -113,4 +127,20 @@ class Publisher:
             return None
         self.versions[adapter] = manifest.version
         self.trainer.promote(adapter)
+        self.collect_garbage(adapter)
         return manifest
+
+    def collect_garbage(self, adapter: str) -> list[int]:
+        """Deletes the versions of `adapter` outside its bounded history; returns them. Never
+        raises for the store: old versions wait for the next publish."""
+        try:
+            deleted = self.store.collect_garbage(
+                adapter, keep_versions=self.keep_versions, grace_s=self.gc_grace_s
+            )
+        except AdapterStoreError as exc:
+            _log.warning("%s: old versions not deleted now (%s)", adapter, exc)
+            return []
+        if deleted:
+            self.num_deleted += len(deleted)
+            _log.info("%s: deleted old versions %s", adapter, deleted)
+        return deleted

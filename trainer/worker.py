@@ -128,7 +128,13 @@ class TrainerWorker:
         self.trainer = build_draft_trainer(config, self.adapters, draft, base_model_id)
         self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
         self.store = store or open_adapter_store(adapter_store_location(config, redis_url))
-        self.publisher = Publisher(self.store, self.trainer)
+        retention = config.adapters
+        self.publisher = Publisher(
+            self.store,
+            self.trainer,
+            keep_versions=retention.keep_versions,
+            gc_grace_s=retention.gc_grace_s,
+        )
         self.tracker: Tracker = tracker or NullTracker()
         self.reader = LogReader(
             redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
