@@ -5,6 +5,10 @@ periodically (notifications can be lost). A new version is fetched and validated
 base-model hash, shapes; safetensors only) off the decode path and swapped in for new requests;
 a refused version is counted and serving continues on the current one. The live monitor compares
 each version's acceptance with its predecessor's over a window and rolls back a worse one.
+
+Each reconciliation also reports the versions this replica holds (current and previous slot) to
+the store, with a TTL of a few intervals, so the store's garbage collection never deletes a
+version a replica may roll back to (`AdapterStore.report_held`, `osd.adapter_retention`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from osd.adapter_manifest import (
     AdapterStoreUnavailable,
     PublishConflict,
 )
+from osd.adapter_retention import make_replica_id
 from osd.adapter_store import AdapterStore, open_adapter_store
 from osd.config import OSDConfig
 from osd.spec.loop import single_threaded_torch
@@ -33,6 +38,11 @@ from serving.runtime import ReplicaRuntime
 __all__ = ["AdapterWatcher", "LiveMonitor", "refusal_reason"]
 
 logger = logging.getLogger(__name__)
+
+# A held-versions report outlives this many reconcile intervals (at least HELD_TTL_MIN_S), so a
+# slow load or a Redis hiccup does not let the versions it names go.
+HELD_TTL_INTERVALS = 10
+HELD_TTL_MIN_S = 10.0
 
 # What a refused version's error says -> the `reason` label of osd_adapter_refusals_total, so an
 # operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
@@ -125,9 +135,11 @@ class AdapterWatcher:
         reconcile_interval_s: float = 1.0,
         window: int = 64,
         margin: float = 0.05,
+        replica_id: str | None = None,
     ) -> None:
         self.runtime, self.store = runtime, store
         self.interval = reconcile_interval_s
+        self.replica_id = replica_id or make_replica_id()
         self.monitor = LiveMonitor(window, margin)
         runtime.monitor = self.monitor
         self.base_hash = base_model_hash(runtime.slots.model)
@@ -175,6 +187,20 @@ class AdapterWatcher:
                 continue
             self.handle(AdapterEvent(adapter, version))
         self.check_rollbacks()
+        self.report_held()
+
+    def report_held(self) -> None:
+        """Tells the store which versions this replica holds, so they are not deleted."""
+        slots = self.runtime.slots
+        held = {
+            name: [v for v in (slots.current(name), slots.previous(name)) if v]
+            for name in slots.adapters
+        }
+        ttl_s = max(HELD_TTL_MIN_S, HELD_TTL_INTERVALS * self.interval)
+        try:
+            self.store.report_held(self.replica_id, held, ttl_s=ttl_s)
+        except AdapterStoreError as exc:
+            logger.warning("cannot report held versions: %s", exc)
 
     def handle(self, event: AdapterEvent) -> None:
         slots, name, version = self.runtime.slots, event.name, event.version
