@@ -8,6 +8,10 @@ exponential backoff, then drops it (reason redis_error); meanwhile the queue fil
 what does not fit (reason queue_full), so memory stays bounded. The backoff is kept across batches
 until a round trip succeeds, so writing resumes by itself within `backoff_max_s` of Redis's return.
 
+Bound: at most `maxlen` entries and, with `max_bytes`, what fits in that much Redis memory by the
+measured record sizes (`osd.stream_budget`). Entries a full Redis refuses are redis_error drops,
+and the writer then trims the stream by a quarter: the log gives way, never adapter versions.
+
 Accounting: every `log` call of a record that was not opted out counts once in `logged` and ends
 as exactly one of `written` (Redis confirmed it) or `dropped`, by reason: queue_full, redis_error,
 encode_error, closed (logged after `close`, or unsent at its deadline) or internal_error (not
@@ -28,12 +32,17 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
 from osd.closing import Closeable
 from osd.record import Record
 from osd.redis_server import check_credentials, connect, redact_url
+from osd.stream_budget import StreamBudget
+
+if TYPE_CHECKING:
+    from osd.config import LogConfig
 
 __all__ = ["DROP_REASONS", "LogWriter", "WriterMetrics"]
 
@@ -65,6 +74,8 @@ class WriterMetrics:
         last_write_ms: duration of the last successful pipeline.
         ewma_write_ms: exponentially weighted mean of that duration (alpha 0.1).
         max_write_ms: the longest successful pipeline.
+        trim_len: the ``MAXLEN ~`` sent now (`maxlen`, or less by `max_bytes`).
+        mean_record_bytes: moving average of the packed records' size.
     """
 
     logged: int
@@ -78,6 +89,8 @@ class WriterMetrics:
     last_write_ms: float
     ewma_write_ms: float
     max_write_ms: float
+    trim_len: int
+    mean_record_bytes: float
 
 
 def _check_arguments(stream: str, counts: dict[str, int], durations: dict[str, float]) -> None:
@@ -99,6 +112,8 @@ class LogWriter(Closeable):
         stream: stream key.
         maxlen: approximate cap on the stream length (``MAXLEN ~``; Redis trims whole
             macro-nodes, so the length can exceed it by up to about 100 entries by default).
+        max_bytes: Redis memory the stream may take, turned into a smaller cap on its length
+            from the measured record sizes; 0: `maxlen` alone.
         queue_size: records held in memory while Redis is slow or down; more are dropped.
         batch_size: records per pipeline at most.
         flush_interval_s: how long the thread waits for a first record before checking for close.
@@ -118,6 +133,7 @@ class LogWriter(Closeable):
         stream: str = "osd:records",
         *,
         maxlen: int = 100_000,
+        max_bytes: int = 0,
         queue_size: int = 10_000,
         batch_size: int = 64,
         flush_interval_s: float = 0.05,
@@ -142,6 +158,7 @@ class LogWriter(Closeable):
             },
         )
         self.url, self.stream, self.maxlen = url, stream, maxlen
+        self.budget = StreamBudget(maxlen, max_bytes)
         self.batch_size, self.flush_interval_s = batch_size, flush_interval_s
         self.socket_timeout_s, self.max_attempts = socket_timeout_s, max_attempts
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
@@ -167,6 +184,13 @@ class LogWriter(Closeable):
         self._deadline = float("inf")
         self._thread = threading.Thread(target=self._run, name="osd-log-writer", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def from_config(cls, url: str, log: LogConfig) -> LogWriter:
+        """A writer as the config's `log` section says (stream, maxlen, max_bytes, queue_size)."""
+        return cls(
+            url, log.stream, maxlen=log.maxlen, max_bytes=log.max_bytes, queue_size=log.queue_size
+        )
 
     def log(self, record: Record, *, opt_out: bool = False) -> bool:
         """Queues `record` for writing and returns at once; never raises.
@@ -210,6 +234,8 @@ class LogWriter(Closeable):
                 last_write_ms=self._last_ms,
                 ewma_write_ms=self._ewma_ms,
                 max_write_ms=self._max_ms,
+                trim_len=self.budget.trim_len,
+                mean_record_bytes=self.budget.mean_payload_bytes,
             )
 
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -273,6 +299,7 @@ class LogWriter(Closeable):
         for record in batch:
             try:
                 payloads.append(record.pack())
+                self.budget.observe(len(payloads[-1]))
             except Exception:
                 _log.exception("log writer: could not pack a record; dropped")
                 self._count_drops("encode_error", 1)
@@ -287,7 +314,9 @@ class LogWriter(Closeable):
             try:
                 pipe = self._client.pipeline(transaction=False)
                 for data in payloads:
-                    pipe.xadd(self.stream, {"r": data}, maxlen=self.maxlen, approximate=True)
+                    pipe.xadd(
+                        self.stream, {"r": data}, maxlen=self.budget.trim_len, approximate=True
+                    )
                 results = pipe.execute(raise_on_error=False)
             except redis.RedisError as exc:
                 self._on_failure(exc)
@@ -302,6 +331,10 @@ class LogWriter(Closeable):
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:  # e.g. OOM: the server refused these entries; retrying would not help
             _log.warning("log writer: Redis refused %d entries: %s", len(errors), errors[0])
+        if any(isinstance(e, redis.exceptions.OutOfMemoryError) for e in errors):
+            self._give_way()
+        elif not errors:
+            self.budget.on_accepted()
         with self._lock:
             if not self._connected:
                 _log.info("log writer: Redis at %s is back", redact_url(self.url))
@@ -313,6 +346,16 @@ class LogWriter(Closeable):
             self._max_ms = max(self._max_ms, elapsed_ms)
             ewma = self._ewma_ms or elapsed_ms
             self._ewma_ms = ewma + _EWMA_ALPHA * (elapsed_ms - ewma)
+
+    def _give_way(self) -> None:
+        """Redis is at its maxmemory: trims the stream by a quarter (XTRIM is allowed then)."""
+        try:
+            self.budget.on_full(int(self._client.xlen(self.stream)))
+            trimmed = self._client.xtrim(self.stream, maxlen=self.budget.trim_len, approximate=True)
+        except redis.RedisError as exc:
+            _log.warning("log writer: could not trim %s to make room: %s", self.stream, exc)
+            return
+        _log.warning("log writer: Redis is full; trimmed %s entries of %s", trimmed, self.stream)
 
     def _on_failure(self, exc: redis.RedisError) -> None:
         with self._lock:
