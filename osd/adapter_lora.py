@@ -8,6 +8,12 @@ Only safetensors is read: a weights file that is anything else (a pickle under a
 name, say) is refused before and by the safetensors parser; `torch.load` is never called.
 Supported LoRA configurations are plain ones (one rank and alpha, no rsLoRA/DoRA, no patterns,
 no modules_to_save, no bias), so that the manifest says everything a replica needs.
+
+A version carries LoRA tensors only. With ``lm_head`` (or an embedding) among the target modules
+peft would also save the frozen base layer by default ("save_embedding_layers"): the demo draft's
+lm_head made 1.57 MB of each 1.96 MB version, identical in every one, and installing it would
+overwrite the replica's own base weights. Versions stored that way still load: the base copy is
+dropped on the way in.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ def _lora_rank_dim(key: str) -> int | None:
     if "lora_B" in parts or "lora_embedding_B" in parts:
         return -1
     return None
+
+
+def _is_base_copy(key: str) -> bool:
+    """Whether `key` is a base-model weight peft saved beside the LoRA tensors."""
+    return _lora_rank_dim(key) is None and bool(_PEFT_WRAPPER_PARTS & set(key.split(".")))
 
 
 def _check_tensors(weights: Mapping[str, Tensor], rank: int) -> None:
@@ -156,6 +167,7 @@ def decode_weights(
             f"{manifest.ref}: weights are not valid safetensors: {exc}"
         ) from exc
     _check_tensors(weights, manifest.rank)
+    weights = {k: v for k, v in weights.items() if not _is_base_copy(k)}
     if expected_shapes is not None:
         check_lora_shapes(weights, expected_shapes)
     return weights
@@ -248,7 +260,9 @@ def lora_state_dict(peft_model: Any, adapter_name: str) -> dict[str, Tensor]:
     from peft import get_peft_model_state_dict
 
     _lora_config(peft_model, adapter_name)
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    state = get_peft_model_state_dict(
+        peft_model, adapter_name=adapter_name, save_embedding_layers=False
+    )
     return {key: value.detach().to("cpu").clone() for key, value in state.items()}
 
 
@@ -257,7 +271,9 @@ def lora_shapes(peft_model: Any, adapter_name: str) -> dict[str, tuple[int, ...]
     from peft import get_peft_model_state_dict
 
     _lora_config(peft_model, adapter_name)
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    state = get_peft_model_state_dict(
+        peft_model, adapter_name=adapter_name, save_embedding_layers=False
+    )
     return {key: tuple(value.shape) for key, value in state.items()}
 
 

@@ -126,3 +126,42 @@ def test_installed_adapter_can_be_made_trainable(spec, code_weights, tmp_path):
     install_adapter(model, "code-v1", manifest, weights, trainable=True)
     assert all(p.requires_grad for n, p in model.named_parameters() if ".code-v1." in n)
     torch.testing.assert_close(lora_state_dict(model, "code-v1"), dict(weights))
+
+
+def _lm_head_draft(seed: int):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(tiny_base(), config, adapter_name="general").eval()
+
+
+def test_versions_carry_lora_tensors_only_not_the_base_lm_head(tmp_path):
+    trained, replica = _lm_head_draft(seed=1), _lm_head_draft(seed=2)
+    weights = lora_state_dict(trained, "general")
+    assert all(".lora_A." in key or ".lora_B." in key for key in weights)
+    assert any("lm_head.lora_B" in key for key in weights)
+    spec = adapter_spec(trained, "general", BASE_MODEL_ID)
+    # A version stored before carries the base lm_head too: it still loads, without it.
+    base_copy = "base_model.model.lm_head.base_layer.weight"
+    lm_head = trained.get_output_embeddings().base_layer.weight
+    store = DirectoryAdapterStore(tmp_path)
+    store.publish("general", weights, spec, expected_current=None)
+    store.publish("general", {**weights, base_copy: lm_head.detach()}, spec, expected_current=1)
+    shapes = lora_shapes(replica, "general")
+    slim, fat = (store.manifest("general", v).num_weight_bytes for v in (1, 2))
+    assert fat - slim >= lm_head.numel() * 4
+    for version in (1, 2):
+        manifest, loaded = store.load(
+            "general", version, expected_base_model_hash=None, expected_shapes=shapes
+        )
+        install_adapter(replica, f"general-v{version}", manifest, loaded)
+        torch.testing.assert_close(
+            _logits(replica, f"general-v{version}"),
+            _logits(trained, "general"),
+            rtol=1e-5,
+            atol=1e-6,
+        )
