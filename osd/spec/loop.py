@@ -12,7 +12,6 @@ request's chunks that blocks until the loop produces them.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ from osd.spec.goodput import GoodputController
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.scheduler import BatchLimits, num_to_admit
 from osd.spec.step import prefill, run_step
+from osd.threads import usable_cores
 
 if TYPE_CHECKING:
     from osd.engine import SpeculativeDecoder
@@ -37,20 +37,11 @@ __all__ = [
     "LoopStats",
     "RequestHandle",
     "single_threaded_torch",
-    "usable_cores",
 ]
 
 log = logging.getLogger(__name__)
 
 _END = object()
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def single_threaded_torch() -> None:
