@@ -37,6 +37,7 @@ from osd.demo.progress import Progress
 from osd.demo.recipe import DOMAINS, Recipe, recipe_for
 from osd.demo.training import encode_streams, new_model, train_model
 from osd.demo.vocab import train_tokenizer
+from osd.threads import threads_applied
 
 __all__ = [
     "STAGES",
@@ -243,6 +244,7 @@ def _run_stage(ctx: _Context, stage: str) -> None:
         "seconds": round(time.perf_counter() - started, 2),
         "cpu_seconds": round(time.process_time() - cpu_started, 2),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": _versions(),
         "info": info,
@@ -283,17 +285,6 @@ def _locked(root: Path, progress: Progress) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-@contextlib.contextmanager
-def _num_threads(num_threads: int | None) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def build_demo_models(
     cache_dir: Path | str | None = None,
     scale: str = "full",
@@ -301,7 +292,7 @@ def build_demo_models(
     progress: bool = True,
     force: bool = False,
     stop_after_stage: str | None = None,
-    num_threads: int | None = 2,
+    num_threads: int | None = None,
     on_train_step: Callable[[str, int], None] | None = None,
 ) -> DemoModelPaths:
     """Builds (or finds in the cache) the demo target/draft pair, tokenizer and corpus.
@@ -312,8 +303,9 @@ def build_demo_models(
         progress: report stages and training progress on stderr.
         force: rebuild every stage even if cached.
         stop_after_stage: return after this stage (e.g. ``"corpus"`` for the workloads only).
-        num_threads: torch threads while building (restored after); a fixed count keeps CPU
-            results reproducible across machines. None leaves torch's setting alone.
+        num_threads: torch threads while building (restored after); None: chosen from the
+            cores this process may use (:mod:`osd.threads`; ``OSD_TORCH_THREADS`` overrides).
+            The weights depend slightly on the count: pin it to reproduce them elsewhere.
         on_train_step: called as ``(stage, finished_steps)`` after each training step; tests
             raise from it to simulate an interruption.
 
@@ -332,7 +324,11 @@ def build_demo_models(
         # Stages appear atomically (renamed into place), so no lock is needed to find them.
         reporter.message(f"[osd demo-models] cached: {root}")
         return DemoModelPaths(root, recipe.hash, recipe.scale, ())
-    with _locked(root, reporter), _num_threads(num_threads):
+    with (
+        _locked(root, reporter),
+        threads_applied("build", num_threads or 0) as threads,
+    ):
+        reporter.message(f"[osd demo-models] {threads.describe()}")
         (root / "recipe.json").write_text(
             json.dumps({"hash": recipe.hash, "recipe": recipe.to_dict()}, indent=2)
         )

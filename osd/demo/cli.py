@@ -40,7 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     _common(build)
     build.add_argument("--force", action="store_true", help="rebuild every stage")
     build.add_argument("--quiet", action="store_true", help="no progress output")
-    build.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    build.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: every core this process may use; OSD_TORCH_THREADS)",
+    )
     path = sub.add_parser("path", help="print the directory (exit 1 if not fully built)")
     _common(path)
     report = sub.add_parser("report", help="print measured numbers of the built pair")

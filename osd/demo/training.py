@@ -28,8 +28,10 @@ __all__ = [
     "TrainResult",
     "encode_streams",
     "new_model",
+    "new_optimizer",
     "sample_batch",
     "train_model",
+    "train_step",
 ]
 
 _WEIGHTS, _OPTIMIZER, _STATE = "weights.safetensors", "optimizer.safetensors", "state.json"
@@ -125,7 +127,8 @@ def _learning_rate(recipe: TrainRecipe, step: int) -> float:
     return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
 
 
-def _optimizer(model: torch.nn.Module, recipe: TrainRecipe) -> torch.optim.AdamW:
+def new_optimizer(model: torch.nn.Module, recipe: TrainRecipe) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on norms and biases)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -180,6 +183,25 @@ def _load_checkpoint(
     return [float(x) for x in state["losses"]]
 
 
+def train_step(
+    model: LlamaForCausalLM,
+    opt: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    recipe: TrainRecipe,
+    step: int,
+) -> float:
+    """One optimizer step of next-token loss on a (B, T + 1) batch; returns the loss."""
+    for group in opt.param_groups:
+        group["lr"] = _learning_rate(recipe, step)
+    logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
 def train_model(
     model: LlamaForCausalLM,
     streams: Mapping[str, torch.Tensor],
@@ -205,7 +227,7 @@ def train_model(
             tests use it to simulate an interruption.
     """
     started = time.perf_counter()
-    opt = _optimizer(model, recipe)
+    opt = new_optimizer(model, recipe)
     losses = _load_checkpoint(checkpoint_dir, model, opt, key)
     resumed_from = len(losses)
     model.train()
@@ -213,17 +235,7 @@ def train_model(
     try:
         for step in range(resumed_from, recipe.steps):
             batch = sample_batch(streams, recipe, step)  # (B, T + 1)
-            for group in opt.param_groups:
-                group["lr"] = _learning_rate(recipe, step)
-            logits = model(input_ids=batch[:, :-1]).logits  # (B, T, V)
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), batch[:, 1:].flatten()
-            )
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
+            losses.append(train_step(model, opt, batch, recipe, step))
             bar.update(step + 1, losses[-1])
             if (step + 1) % recipe.checkpoint_every == 0 and step + 1 < recipe.steps:
                 _save_checkpoint(checkpoint_dir, model, opt, key, losses)
