@@ -34,3 +34,18 @@ def test_dockerfile_copies_the_packages():
     dockerfile = (ROOT / "Dockerfile").read_text()
     for package in ("osd", "serving", "trainer", "configs"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def _bytes(size: str) -> int:
+    units = {"kb": 2**10, "mb": 2**20, "gb": 2**30}
+    return int(size[:-2]) * units[size[-2:].lower()] if size[-2:].lower() in units else int(size)
+
+
+def test_compose_redis_is_bounded_and_never_evicts_with_the_log_well_under_it():
+    command = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["redis"][
+        "command"
+    ]
+    assert command[command.index("--maxmemory-policy") + 1] == "noeviction"  # adapter keys stay
+    maxmemory = _bytes(command[command.index("--maxmemory") + 1])
+    log = load_config(ROOT / "configs/production.yaml").log
+    assert 0 < log.max_bytes <= maxmemory // 2  # room for adapter versions (docs/capacity.md)
