@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import deque
@@ -25,12 +26,15 @@ from osd.generation import GenerationResult, StreamChunk
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
 from osd.spec.scheduler import BatchLimits
+from osd.threads import threads_for
 from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
 from serving.metrics import ReplicaMetrics
 from serving.protocol import APIError, ChatRequest, CompletionRequest, new_id
 from serving.router import AdapterRouter, RouteDecision
 
 __all__ = ["Job", "ReplicaRuntime"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,6 +74,9 @@ class ReplicaRuntime:
         self.slots = AdapterSlots(draft, adapters)
         self.engine.draft.guard = self.slots.model_lock.reading
         serve = config.serve
+        # The decode loop's threads: this replica's share of the cores it may use (osd.threads).
+        self.threads = threads_for("replica", serve.torch_threads)
+        logger.info(self.threads.describe())
         self.batch = BatchedEngine(
             self.engine,
             BatchLimits(
@@ -79,7 +86,7 @@ class ReplicaRuntime:
                 max_model_len=serve.max_model_len,
                 max_waiting=serve.max_ongoing_requests,
             ),
-            num_threads=serve.torch_threads or None,
+            num_threads=self.threads.num_threads,
         )
         self.router = AdapterRouter(adapters, general=adapters[0])
         self.metrics = ReplicaMetrics()

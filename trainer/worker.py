@@ -45,6 +45,7 @@ from osd.config import OSDConfig, resolve_device
 from osd.log_reader import LogReader
 from osd.model_sources import load_draft
 from osd.record import Record
+from osd.threads import threads_applied
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import Example, adapters_for, is_held_out, window_key
 from trainer.judge import judge_domains
@@ -355,11 +356,18 @@ class TrainerWorker:
         exit_when_idle_s: float | None = None,
     ) -> int:
         """Runs rounds until `stop` is set, `max_rounds` ran, or (with `exit_when_idle_s`) no
-        record arrived and no round ran for that long.
+        record arrived and no round ran for that long, on `trainer.torch_threads` threads.
 
         Returns:
             The number of rounds run.
         """
+        with threads_applied("trainer", self.cfg.torch_threads) as threads:  # osd.threads
+            _log.info(threads.describe())
+            return self._run_rounds(stop, max_rounds, exit_when_idle_s)
+
+    def _run_rounds(
+        self, stop: threading.Event | None, max_rounds: int | None, exit_when_idle_s: float | None
+    ) -> int:
         stop = self._stop = stop or threading.Event()
         rounds, idle_since = 0, time.monotonic()
         while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
