@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.demo import build_demo_models, load_corpus_split
@@ -177,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--distill-steps", type=int, default=DistillRecipe.steps)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    add_threads_argument(parser)
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads = apply_bench_threads(args.threads)
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     distilled: dict[str, Any] = {}
 
     def distill() -> None:  # in a thread that ends: see below
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(threads)
         texts = {
             d: [doc.text for doc in load_corpus_split(paths.corpus, d, "train")] for d in domains
         }
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                     "adapter": adapter,
                     "route": domain,
                 }
-        warm = BatchedEngine(decoder, num_threads=args.threads)
+        warm = BatchedEngine(decoder, num_threads=threads)
         closed_loop(warm, decoder, prompts, 2, 4, {**greedy, "method": "block"})
         warm.close()
         names = list(variants)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                         max(args.requests, 8 * concurrency),
                         {**greedy, **variants[name]},
                         args.max_num_seqs,
-                        args.threads,
+                        threads,
                     )
                     runs[name].append(figures)
                     print(json.dumps({"domain": domain, "variant": name, **figures}), flush=True)

@@ -22,8 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
+from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.demo import DOMAINS, build_demo_models, load_corpus_split
@@ -144,15 +143,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--distill-steps", type=int, default=DistillRecipe.steps)
     parser.add_argument("--prompts", type=int, default=20, help="held-out prompts per domain")
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--threads", type=int, default=2)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads = apply_bench_threads(args.threads)
     domains = [d.strip() for d in args.distill_domains.split(",") if d.strip()]
     unknown = sorted(set(domains) - set(DOMAINS))
     if unknown:
         parser.error(f"unknown domains {unknown}; choose from {list(DOMAINS)}")
     started = time.perf_counter()
-    paths = build_demo_models(args.cache_dir, args.scale, num_threads=args.threads)
+    paths = build_demo_models(args.cache_dir, args.scale, num_threads=threads)
     report = measure_report(
         paths,
         num_prompts=args.prompts,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from bench.cpu import add_threads_argument, apply_bench_threads
 from osd import SpeculativeDecoder
 from osd.testing import tiny_llama
 
@@ -85,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ks", default="2,4,8")
-    parser.add_argument("--threads", type=int, default=2)
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    threads = apply_bench_threads(args.threads)
     if args.target and args.draft:
         target = AutoModelForCausalLM.from_pretrained(args.target).eval()
         draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode forward: target {t_ms:.2f} ms, draft {d_ms:.2f} ms, ratio {t_ms / d_ms:.1f}x")
     print(
         f"greedy, {len(prompts)} prompts x {n} new tokens, best of {args.repeats}, "
-        f"{args.threads} threads\n"
+        f"{threads} threads\n"
     )
 
     def hf(assistant: Any = None, k: int = 0) -> Callable[[], int]:

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.cpu import add_threads_argument, apply_bench_threads
 from osd import SpeculativeDecoder
 from osd.config import load_config, resolve_device
 from osd.log_writer import LogWriter
@@ -232,9 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=20.0, help="latency run, seconds")
     parser.add_argument("--rate", type=float, default=20.0, help="records per second logged")
     parser.add_argument("--no-demo", action="store_true", help="skip the demo pair")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (tiny models)")
+    add_threads_argument(parser)
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    apply_bench_threads(args.threads)
     torch.manual_seed(0)
     pairs = [toy_pair()]
     demo = None if args.no_demo else demo_pair()

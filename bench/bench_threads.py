@@ -1,0 +1,205 @@
+"""CPU threads and OpenMP's wait policy, before and after ``osd.threads``, alone and beside a busy
+process: a training step of the demo target (what the demo build spends its time on) and a
+batched decode step of it (what a replica does).
+
+    python -m bench.bench_threads              # step times, ~3 min on 2 cores
+    python -m bench.bench_threads --build      # also whole forced builds (~45 min on 2 cores)
+    python -m bench.bench_threads --scale tiny --steps 2 --warmup 1   # smoke run, seconds
+
+Run it on a machine with nothing else running: it starts the one busy process itself (a child
+doing 512 x 512 matmuls in a loop with torch's default threads and wait policy). Each
+configuration runs in a fresh process, since OpenMP reads the wait policy when torch loads:
+
+- ``before``: torch's default thread count and wait policy (on 2 cores what the build used);
+- ``after``: the build's choice (every usable core alone) with ``OMP_WAIT_POLICY=PASSIVE``, as
+  the ``osd`` command sets it;
+- ``after, shared``: the choice of a process the local stack starts beside another
+  (``OSD_TORCH_PROCESSES=2``: a replica and the trainer).
+
+Prints a table of medians (ms) and, with ``--build``, build seconds; ``--json`` saves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.tables import print_table
+
+CONFIGS: dict[str, dict[str, str]] = {
+    "before": {},
+    "after": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "after, shared": {"OMP_WAIT_POLICY": "PASSIVE", "OSD_TORCH_PROCESSES": "2"},
+}
+SITUATIONS = ("alone", "beside a busy process")
+_OURS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OSD_TORCH_THREADS", "OSD_TORCH_PROCESSES")
+_BUSY = (
+    "import torch\n"
+    "a = torch.randn(512, 512)\n"
+    "a @ a\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    a @ a\n"
+)
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without any thread settings, plus ``extra``."""
+    return {k: v for k, v in os.environ.items() if k not in _OURS} | extra
+
+
+def _start_busy() -> subprocess.Popen[str]:
+    busy = subprocess.Popen(
+        [sys.executable, "-c", _BUSY], env=_env({}), stdout=subprocess.PIPE, text=True
+    )
+    assert busy.stdout is not None
+    busy.stdout.readline()  # computing from here on
+    return busy
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _child(config: str, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    command = [sys.executable, "-m", "bench.bench_threads", "--child", mode, "--config", config]
+    command += ["--scale", args.scale, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    done = subprocess.run(
+        command, env=_env(CONFIGS[config]), capture_output=True, text=True, check=False
+    )
+    if done.returncode:
+        raise RuntimeError(f"{config} ({mode}) failed:\n{done.stderr[-3000:]}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _median_ms(seconds: list[float]) -> float:
+    return 1000 * statistics.median(seconds)
+
+
+def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, Any]:
+    """Times training and decode steps of the scale's target in this process (random tokens:
+    the time of a step does not depend on them)."""
+    import torch
+
+    from osd.demo.recipe import recipe_for
+    from osd.demo.training import new_model, new_optimizer, train_step
+    from osd.threads import apply_threads
+
+    recipe = recipe_for(scale)
+    threads = torch.get_num_threads()
+    if config != "before":
+        threads = apply_threads("build").num_threads
+    vocab = recipe.tokenizer.vocab_size
+    model = new_model(recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
+    train = recipe.target_train
+    opt = new_optimizer(model, train)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(3, vocab, (train.batch_size, train.seq_len + 1), generator=gen)
+    train_s = []
+    for step in range(warmup + steps):
+        started = time.perf_counter()
+        train_step(model, opt, batch, train, step)
+        train_s.append(time.perf_counter() - started)
+    model.eval()
+    decode_s = []
+    with torch.inference_mode():
+        prompt = batch[:, : min(64, train.seq_len)]  # (B, P): 8 rows at full scale
+        out = model(input_ids=prompt, use_cache=True)
+        cache, next_ids = out.past_key_values, out.logits[:, -1:].argmax(-1)  # (B, 1)
+        room = recipe.target.max_positions - prompt.shape[1] - warmup
+        for _ in range(warmup + min(4 * steps, room)):
+            started = time.perf_counter()
+            out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)
+            cache, next_ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            decode_s.append(time.perf_counter() - started)
+    return {
+        "threads": threads,
+        "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "train_ms": _median_ms(train_s[warmup:]),
+        "decode_ms": _median_ms(decode_s[warmup:]),
+    }
+
+
+def _build_child(config: str, scale: str) -> dict[str, Any]:
+    """Times a whole forced build (every stage) into a temporary cache."""
+    import torch
+
+    from osd.demo import build_demo_models
+
+    threads = None if config != "before" else torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as cache:
+        started = time.perf_counter()
+        build_demo_models(cache, scale, progress=False, force=True, num_threads=threads)
+        return {"build_s": time.perf_counter() - started}
+
+
+def _measure(args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    results: dict[str, dict[str, dict[str, Any]]] = {s: {} for s in SITUATIONS}
+    for situation in SITUATIONS:
+        busy = _start_busy() if situation != "alone" else None
+        try:
+            for config in CONFIGS:
+                row = _child(config, args, "steps")
+                if args.build:
+                    row |= _child(config, args, "build")
+                results[situation][config] = row
+                print(json.dumps({"situation": situation, "config": config, **row}), flush=True)
+        finally:
+            if busy is not None:
+                _stop(busy)
+    return results
+
+
+def _print(results: dict[str, dict[str, dict[str, Any]]], build: bool) -> None:
+    alone, busy = (results[s] for s in SITUATIONS)
+    header = ["config", "threads", "OMP_WAIT_POLICY", "train alone", "train busy", "decode alone"]
+    header += ["decode busy"] + (["build alone (s)", "build busy (s)"] if build else [])
+    rows = []
+    for config in CONFIGS:
+        row = [config, alone[config]["threads"], alone[config]["wait_policy"]]
+        row += [f"{r[config][key]:.1f}" for key in ("train_ms", "decode_ms") for r in (alone, busy)]
+        row += [f"{r[config]['build_s']:.0f}" for r in (alone, busy)] if build else []
+        rows.append(row)
+    print_table("demo target, median step (ms); busy: beside one busy torch process", header, rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--scale", choices=["tiny", "full"], default="full")
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps (median)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--build", action="store_true", help="also time whole forced builds")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--child", choices=["steps", "build"], help=argparse.SUPPRESS)
+    parser.add_argument("--config", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child == "steps":
+        print(json.dumps(_steps_child(args.config, args.scale, args.steps, args.warmup)))
+        return 0
+    if args.child == "build":
+        print(json.dumps(_build_child(args.config, args.scale)))
+        return 0
+    print(f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable", flush=True)
+    results = _measure(args)
+    _print(results, args.build)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
