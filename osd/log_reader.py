@@ -148,6 +148,7 @@ class LogReader:
         self._connected = True
         self._group_ready = False
         self._ack_backlog: list[str] = []
+        self.last_ack_at = 0.0  # Unix time Redis last confirmed an acknowledgement (0: never)
         self._acked: OrderedDict[str, None] = OrderedDict()  # the latest acknowledged ids
         self._remember_acks = remember_acks
         self._counts = dict.fromkeys(
@@ -377,6 +378,7 @@ class LogReader:
             return 0
         del self._ack_backlog[: len(backlog)]
         self._counts["acked"] += int(acked)
+        self.last_ack_at = time.time()
         for entry_id in backlog:
             self._acked[entry_id] = None
             self._acked.move_to_end(entry_id)

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API of a replica (FastAPI), independent of Ray.
 
 ``/v1/completions``, ``/v1/chat/completions`` (streaming over SSE with
-``stream_options.include_usage``), ``/v1/models``, ``/health`` and ``/metrics``. Every bad
-request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a hang. With
-``serve.api_keys`` every ``/v1/*`` route wants ``Authorization: Bearer <key>`` (what OpenAI
-clients send): 401 otherwise, keys compared in constant time and never logged.
+``stream_options.include_usage``), ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
+Every bad request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a
+hang. With ``serve.api_keys`` every ``/v1/*`` route wants ``Authorization: Bearer <key>``
+(what OpenAI clients send): 401 otherwise, keys compared in constant time and never logged.
 """
 
 from __future__ import annotations
@@ -78,14 +78,32 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(error_body(str(exc.errors()[:1])), status_code=400)
 
+    def loop() -> dict[str, Any]:
+        if runtime.health is None:
+            return {"status": "ok", "checks": {}, "problems": []}
+        return runtime.health.report()  # the last probe's: answering costs nothing
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        """Liveness: 200 while the process answers. The body says whether the loop around
+        the replica works (``status``: ok or degraded, with ``problems``)."""
+        report = loop()
         return {
-            "status": "ok",
+            "status": report["status"],
+            "problems": report["problems"],
             "pid": os.getpid(),
             "adapters": {a: runtime.slots.current(a) for a in runtime.slots.adapters},
             "adapter_events": list(runtime.adapter_events)[-20:],
         }
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 while the replica can serve (a degraded loop costs records and
+        adapter updates, never requests), 503 when its decode loop stopped. The body has
+        every part of the loop (serving.health)."""
+        serving = runtime.batch.alive
+        body = {"ready": serving, **loop()}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,6 +15,7 @@ from ray import serve
 
 from osd.config import OSDConfig, config_from_dict, load_config
 from serving.api import create_api
+from serving.health import LoopHealth
 from serving.runtime import ReplicaRuntime
 
 __all__ = ["OSDReplica", "app_builder", "build_app"]
@@ -42,6 +43,14 @@ class OSDReplica:
 
             self.watcher = AdapterWatcher.from_config(self.runtime, self.config, url)
             self.watcher.start()
+        self.health = self.runtime.health = LoopHealth(
+            self.runtime,
+            redis_url=url,
+            store=self.watcher.store if self.watcher is not None else None,
+            stream=self.config.log.stream,
+            group=self.config.trainer.group,
+            refused=self.watcher.refused if self.watcher is not None else set,
+        ).start()
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_api(self.runtime)
@@ -53,6 +62,9 @@ class OSDReplica:
 
     def __del__(self) -> None:
         watcher, runtime = getattr(self, "watcher", None), getattr(self, "runtime", None)
+        health = getattr(self, "health", None)
+        if health is not None:
+            health.stop()
         if watcher is not None:
             watcher.stop()
         if runtime is not None:

@@ -87,6 +87,35 @@ class ReplicaMetrics:
             ["adapter", "reason"],
             registry=r,
         )
+        # The loop around the replica (serving.health), set at each probe.
+        self.loop_part_ok = Gauge(
+            "osd_loop_part_ok",
+            "1 if this part of the loop works (or is off), 0 if degraded",
+            ["part"],
+            registry=r,
+        )
+        self.trainer_lag = Gauge(
+            "osd_trainer_lag_records", "Records never delivered to the trainer's group", registry=r
+        )
+        self.trainer_pending = Gauge(
+            "osd_trainer_pending_records",
+            "Records the trainer read but has not acknowledged",
+            registry=r,
+        )
+        self.trainer_heartbeat_age = Gauge(
+            "osd_trainer_heartbeat_age_seconds", "Age of the trainer's last heartbeat", registry=r
+        )
+        self.trainer_last_ack_age = Gauge(
+            "osd_trainer_last_ack_age_seconds",
+            "Time since the trainer last acknowledged a record",
+            registry=r,
+        )
+        self.adapter_behind = Gauge(
+            "osd_adapter_behind",
+            "1 while the replica serves another version than the published one",
+            ["adapter"],
+            registry=r,
+        )
         self.router_fallbacks = Counter(
             "osd_router_fallbacks", "Unknown drafts sent to general", registry=r
         )

@@ -93,6 +93,7 @@ class ReplicaRuntime:
         self.log_writer = log_writer
         self.monitor: Any = None  # set by the adapter watcher: observe(adapter, version, acc)
         self.adapter_events: deque[dict[str, Any]] = deque(maxlen=100)  # swaps, rollbacks...
+        self.health: Any = None  # set by the replica's wiring: serving.health.LoopHealth
         limit = config.serve.max_ongoing_requests
         # Threads that wait on rows' outputs (the decoding happens in the batch loop).
         self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="rows")

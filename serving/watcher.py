@@ -170,6 +170,10 @@ class AdapterWatcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def refused(self) -> set[tuple[str, int]]:
+        """The (adapter, version) pairs this replica refused to load or rolled back."""
+        return set(self._refused)
+
     def start(self) -> None:
         self.reconcile()  # pick up current versions before serving the first request
         self._thread.start()

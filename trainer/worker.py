@@ -48,6 +48,7 @@ from osd.record import Record
 from osd.threads import threads_applied
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import Example, adapters_for, is_held_out, window_key
+from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData
@@ -156,6 +157,13 @@ class TrainerWorker:
         # Audit hook: called after each step with the adapter and the stream entry ids it
         # trained on for the first time (the reliability tests count trainings per entry).
         self.on_trained: Callable[[str, list[str]], None] | None = None
+        self.loop_at = time.time()  # the loop last came round (or a step ended): the heartbeat
+        self.heartbeat = Heartbeat(
+            redis_url,
+            config.log.stream,
+            cfg.group,
+            lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds),
+        )
         self._resume()
 
     def _resume(self) -> None:
@@ -274,6 +282,7 @@ class TrainerWorker:
             self._unpublished[adapter].extend(e.arrived_at for e in fresh)
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
+            self.loop_at = time.time()
         report.train_s = time.perf_counter() - started
         self.stats.add_round(report)
         self.judge_and_publish(adapter, report)
@@ -370,7 +379,10 @@ class TrainerWorker:
     ) -> int:
         stop = self._stop = stop or threading.Event()
         rounds, idle_since = 0, time.monotonic()
+        if not self.heartbeat.started:
+            self.heartbeat.start()  # replicas' /health sees the trainer consume
         while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
+            self.loop_at = time.time()
             before = self.stats.read + self.stats.claimed
             report = self.run_once(block_ms=200 if exit_when_idle_s is not None else 1000)
             rounds += report is not None
@@ -385,7 +397,9 @@ class TrainerWorker:
         return rounds
 
     def close(self) -> None:
-        """Sends leftover acknowledgements and closes the reader, store and tracker."""
+        """Stops the heartbeat; sends leftover acknowledgements and closes the reader, store
+        and tracker."""
+        self.heartbeat.close()
         self.reader.close()
         close_store = getattr(self.store, "close", None)
         if callable(close_store):

@@ -189,6 +189,11 @@ class BatchedEngine:
         self._wake.set()
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """Whether the decode loop runs (it stops only when closed, or on a bug)."""
+        return self._thread.is_alive()
+
     def close(self, timeout: float = 10.0) -> None:
         """Stops the loop; requests still in it end with an error."""
         self._stop.set()

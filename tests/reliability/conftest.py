@@ -27,6 +27,7 @@ from osd.config import OSDConfig, load_config
 from osd.log_writer import LogWriter
 from osd.redis_server import LocalRedis
 from serving.api import create_api
+from serving.health import HealthLimits, LoopHealth
 from serving.runtime import ReplicaRuntime
 from serving.watcher import AdapterWatcher
 
@@ -135,10 +136,13 @@ def running_replica(
     store: AdapterStore | None = None,
     reconcile_interval_s: float = 0.2,
     rollback_window: int = 64,
+    health_limits: HealthLimits | None = None,
+    health_interval_s: float = 0.5,
 ) -> Iterator[Replica]:
     """A replica wired as `serving.app.OSDReplica` wires one: a log writer on `redis_url` (if
-    given) and an adapter watcher on `store` (if given, its live monitor judging versions over
-    `rollback_window` drafted tokens), started before the first request."""
+    given), an adapter watcher on `store` (if given, its live monitor judging versions over
+    `rollback_window` drafted tokens), started before the first request, and its loop health
+    probe."""
     writer = None
     if redis_url is not None:
         log = config.log
@@ -150,10 +154,21 @@ def running_replica(
             runtime, store, reconcile_interval_s=reconcile_interval_s, window=rollback_window
         )
         watcher.start()
+    health = runtime.health = LoopHealth(
+        runtime,
+        redis_url=redis_url or "",
+        store=store,
+        stream=config.log.stream,
+        group=config.trainer.group,
+        refused=watcher.refused if watcher is not None else set,
+        limits=health_limits,
+        interval_s=health_interval_s,
+    ).start()
     try:
         with TestClient(create_api(runtime), raise_server_exceptions=False) as client:
             yield Replica(runtime, client, writer, watcher)
     finally:
+        health.stop()
         if watcher is not None:
             watcher.stop()
         runtime.close()

@@ -28,11 +28,12 @@ WRITER_ACL = "on >{pw} resetkeys ~{stream} resetchannels -@all +ping +xadd"
 # read adapter versions, hear notifications, and move a pointer back on rollback. The rollback
 # is a Lua compare-and-set (GET/EXISTS/SET/PUBLISH) that declares the pointer and the target's
 # manifest as its keys, and Redis wants write access to every key a script declares; weights
-# stay read-only.
+# stay read-only. Its health probe reads the trainer's heartbeat and the group's lag.
 REPLICA_ACL = (
-    "on >{pw} resetkeys ~{stream} %R~osd:adapter:* %RW~osd:adapter:*:current "
-    "%RW~osd:adapter:*:manifest resetchannels &osd:adapters "
-    "-@all +ping +xadd +get +exists +set +publish +subscribe +evalsha +script|load"
+    "on >{pw} resetkeys ~{stream} %R~{stream}:trainer:* %R~osd:adapter:* "
+    "%RW~osd:adapter:*:current %RW~osd:adapter:*:manifest resetchannels &osd:adapters "
+    "-@all +ping +xadd +get +exists +set +publish +subscribe +evalsha +script|load "
+    "+hgetall +xinfo|groups"
 )
 
 
