@@ -149,6 +149,11 @@ class LocalRedis(Closeable):
         """Whether the server process is alive."""
         return self._proc is not None and self._proc.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """How the last server process ended (negative: the signal); None while it runs."""
+        return None if self._proc is None else self._proc.poll()
+
     def log_tail(self, num_lines: int = 20) -> str:
         """The last lines the server wrote to its log."""
         try:

@@ -14,6 +14,7 @@ system: responses' own speculative stats, the replica's adapter events, the stor
 from __future__ import annotations
 
 import argparse
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -180,7 +181,24 @@ def tokens_per_second(samples: list[Sample], now: float, span: float = 30.0) -> 
     return sum(s.tokens for s in recent) / min(span, max(now, 1e-9))
 
 
-def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
+def describe_loop(health: dict[str, Any], supervision: dict[str, dict[str, Any]]) -> str:
+    """One line on the loop: the replica's health verdict with its problems, and what the
+    stack restarted (or gave up on)."""
+    status = health.get("status", "unknown")
+    line = f"loop: {status}" + "".join(f"; {p}" for p in health.get("problems", []))
+    for name, part in supervision.items():
+        if part["state"] != "running" or part["restarts"]:
+            line += f"; {name} {part['state']}, restarted {part['restarts']}x"
+            line += f" (last: {part['last_exit']})" if part["last_exit"] else ""
+    return line
+
+
+def live_view(
+    driver: TrafficDriver,
+    health: dict[str, Any],
+    total: int,
+    supervision: dict[str, dict[str, Any]] | None = None,
+) -> Any:
     """A rich table of the run so far."""
     from rich.table import Table
 
@@ -207,7 +225,8 @@ def live_view(driver: TrafficDriver, health: dict[str, Any], total: int) -> Any:
     versions = ", ".join(f"{a} v{v}" for a, v in health.get("adapters", {}).items())
     table.caption = (
         f"decoding: {spec:.1f} tok/s per request speculative, {alone:.1f} with speculation off "
-        f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}"
+        f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}\n"
+        + describe_loop(health, supervision or {})
     )
     return table
 
@@ -268,10 +287,12 @@ def run(
             stack.base_url, items, config.serve.model_name, concurrency, reference_every
         )
         driver.start()
-        with Live(live_view(driver, health, len(items)), refresh_per_second=1) as live:
+        view = functools.partial(live_view, driver, health, len(items))
+        with Live(view(stack.supervision()), refresh_per_second=1) as live:
             while not driver.done:
                 time.sleep(1.0)
-                live.update(live_view(driver, health, len(items)))
+                live.update(view(stack.supervision()))
+        supervision = stack.supervision()
         published = _published_versions(stack.redis_url, config)
     finally:
         stop.set()
@@ -286,6 +307,7 @@ def run(
         "events": sorted(events.values(), key=lambda e: e["time"]),
         "published": published,
         "run_dir": stack.run_dir,
+        "loop": {"last_health": describe_loop(health, supervision), "restarts": supervision},
     }
 
 
@@ -360,6 +382,7 @@ def main(argv: Sequence[str]) -> int:
         return 130
     report = write_report(result, Path(result["run_dir"]), config)
     print(f"report: {report['paths']}")
+    print(result["loop"]["last_health"])
     for domain, numbers in report["domains"].items():
         print(
             f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "

@@ -125,6 +125,7 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "requests": len(samples),
         "failures": result["failures"],
         "failure_reasons": result.get("failure_reasons", []),
+        "loop": result.get("loop", {}),
         "domains": domain_summary(samples),
         "reference": reference_summary(samples),
         "tokens_per_second": throughput_series(samples),

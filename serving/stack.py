@@ -1,9 +1,12 @@
 """The embedded local stack: a private redis-server, a local Ray, the Serve app and the trainer.
 
-Used by ``osd up`` (serve until stopped) and ``osd demo`` (drive traffic, report). Everything it
-starts it stops again, in reverse order, also on Ctrl-C or SIGTERM: the trainer runs as a child
-process in its own process group, Ray's local cluster is shut down, and the redis-server
-child is stopped.
+Used by ``osd up`` (serve until stopped) and ``osd demo`` (drive traffic, report). While it runs,
+a supervisor (`serving.supervisor`) restarts a redis-server or trainer that dies: Redis on the
+same port and data directory (its append-only file keeps published versions and unread
+records), the trainer from the store's pointers and its consumer group's pending entries.
+Everything it starts it stops again, in reverse order, also on Ctrl-C or SIGTERM: the trainer
+runs as a child process in its own process group, Ray's local cluster is shut down, and the
+redis-server child is stopped.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from osd.config import OSDConfig
 from osd.model_sources import uses_demo_models
 from osd.process import die_with_parent_preexec
 from osd.redis_server import LocalRedis
+from osd.threads import child_env
+from serving.supervisor import Supervised, Supervisor
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
 
@@ -86,8 +91,14 @@ class LocalStack(Closeable):
         self.redis: LocalRedis | None = None
         self.redis_url = config.log.redis_url
         self.trainer: subprocess.Popen[bytes] | None = None
+        self.supervisor: Supervisor | None = None
         self.ray_session_dir = ""
         self._ray_started = False
+
+    @property
+    def _torch_processes(self) -> int:
+        """osd processes running torch on this machine's cores: replicas and the trainer."""
+        return self.config.serve.num_replicas + int(self.with_trainer)
 
     @property
     def base_url(self) -> str:
@@ -112,7 +123,35 @@ class LocalStack(Closeable):
         except BaseException:
             self.close()
             raise
+        self.supervisor = Supervisor(self._supervised()).start()
         return self
+
+    def _supervised(self) -> list[Supervised]:
+        parts = []
+        if self.redis is not None:
+            redis = self.redis
+            parts.append(
+                Supervised(
+                    "redis-server",
+                    lambda: _exit_status(redis.exit_code),
+                    redis.restart,  # same port and data directory: the AOF is read back
+                    hint=str(redis.log_path),
+                )
+            )
+        if self.trainer is not None:
+            parts.append(
+                Supervised(
+                    "trainer",
+                    lambda: _exit_status(self.trainer.poll() if self.trainer else None),
+                    self._start_trainer,
+                    hint=str(self.run_dir / "trainer.log"),
+                )
+            )
+        return parts
+
+    def supervision(self) -> dict[str, dict[str, Any]]:
+        """Per supervised process: state (running, restarting, failed), restarts, last exit."""
+        return self.supervisor.status() if self.supervisor is not None else {}
 
     def _build_models(self) -> None:
         if uses_demo_models(self.config.model):  # build once here, not in each replica
@@ -135,7 +174,7 @@ class LocalStack(Closeable):
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
+            runtime_env={"env_vars": child_env(self._torch_processes)},
         )
         self._ray_started = True
         node = getattr(ray._private.worker, "_global_node", None)  # to find its processes
@@ -162,7 +201,7 @@ class LocalStack(Closeable):
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=die_with_parent_preexec(),  # no orphaned trainer if this process is killed
-            env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
+            env={**os.environ, **child_env(self._torch_processes)},
         )
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:
@@ -186,6 +225,9 @@ class LocalStack(Closeable):
             self._close()
 
     def _close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()  # first: nothing is restarted while it is being stopped
+            self.supervisor = None
         if self.trainer is not None and self.trainer.poll() is None:
             _stop_process_group(self.trainer)
         self.trainer = None
@@ -211,6 +253,12 @@ class LocalStack(Closeable):
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _exit_status(code: int | None) -> str | None:
+    if code is None:
+        return None
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
 @contextlib.contextmanager

@@ -25,11 +25,14 @@ def main(argv: Sequence[str]) -> int:
     try:
         stack.start()
         trainer_pid = stack.trainer.pid if stack.trainer is not None else None
+        redis_pid = f" (pid {stack.redis.pid})" if stack.redis is not None else ""
         print(
             f"osd is up: {stack.base_url}/v1 (model {config.serve.model_name!r})\n"
-            f"  redis: {stack.redis_url.split('@')[-1]}   trainer pid: {trainer_pid}\n"
+            f"  redis: {stack.redis_url.split('@')[-1]}{redis_pid}   trainer pid: {trainer_pid}\n"
             f"  ray session: {stack.ray_session_dir}\n"
-            f"  run dir: {stack.run_dir}\nCtrl-C stops everything.",
+            f"  run dir: {stack.run_dir}\n"
+            f"  loop health: {stack.base_url}/ready (a redis-server or trainer that dies is "
+            "restarted)\nCtrl-C stops everything.",
             flush=True,
         )
         threading.Event().wait()

@@ -60,3 +60,18 @@ def test_acceptance_comes_from_requests_that_drafted():
     recent = recent_by_domain(samples)["sql"]
     assert recent["acceptance"] == pytest.approx(0.8) and recent["requests"] == 16
     assert recent["mean_k"] == pytest.approx(2.0 * 10 / 15)
+
+
+def test_the_live_line_on_the_loop_names_problems_and_restarts():
+    from serving.demo_job import describe_loop
+
+    health = {"status": "degraded", "problems": ["trainer: no heartbeat for 40 s"]}
+    supervision = {
+        "redis-server": {"state": "running", "restarts": 0, "last_exit": ""},
+        "trainer": {"state": "failed", "restarts": 5, "last_exit": "exit code 1"},
+    }
+    assert describe_loop(health, supervision) == (
+        "loop: degraded; trainer: no heartbeat for 40 s; trainer failed, restarted 5x "
+        "(last: exit code 1)"
+    )
+    assert describe_loop({"status": "ok", "problems": []}, {}) == "loop: ok"

@@ -1,7 +1,9 @@
-"""``osd up``: the embedded stack starts, serves, and Ctrl-C leaves no process behind."""
+"""``osd up``: the embedded stack starts, serves, restarts a redis-server and a trainer that die,
+and Ctrl-C leaves no process behind (the restarted ones included)."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -41,6 +43,13 @@ def wait_for_line(process, pattern, timeout_s):
     raise AssertionError("".join(lines))
 
 
+def loop_health(port: int) -> dict:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+    except httpx.HTTPError as exc:
+        return {"status": f"unanswered: {exc}"}
+
+
 @pytest.mark.parametrize("when", ["while-serving", "during-start"])
 def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
     port = free_port()
@@ -71,6 +80,19 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
             trainer = re.search(r"trainer pid: (\d+)", lines).group(1)
             models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
             assert models["data"][0]["id"] == "osd"
+            # The stack restarts a redis-server and a trainer that die, and the loop mends.
+            redis_pid = re.search(r"redis: \S+ \(pid (\d+)\)", lines).group(1)
+            os.kill(int(trainer), signal.SIGKILL)
+            os.kill(int(redis_pid), signal.SIGKILL)
+            restarted = ""
+            while not ("trainer restarted" in restarted and "redis-server restarted" in restarted):
+                restarted += "".join(wait_for_line(process, r" restarted \(", timeout_s=60))
+            assert "redis-server died (killed by signal 9)" in restarted, restarted
+            assert "trainer died (killed by signal 9)" in restarted, restarted
+            deadline = time.monotonic() + 120
+            while (health := loop_health(port))["status"] != "ok":
+                assert time.monotonic() < deadline, health
+                time.sleep(1)
         # Keep reading its output: a full pipe would block the shutdown it prints about.
         threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
         if when == "during-start":
