@@ -2,11 +2,29 @@
 
 Lossless speculative decoding (token, block and SpecTr verification) over Hugging Face models,
 with drafts distilled online from the target's logged distributions. See README.md.
+
+The names below load on first use: importing ``osd`` (or ``osd.cli``) does not load torch, so
+the command line can set ``OMP_WAIT_POLICY`` before OpenMP reads it (osd.threads).
 """
 
-from osd.engine import SpeculativeDecoder
-from osd.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
-from osd.sampling import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from osd.engine import SpeculativeDecoder
+    from osd.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
+    from osd.sampling import SamplingParams
+
+_HOMES = {
+    "SpeculativeDecoder": "osd.engine",
+    "GenerationLog": "osd.generation",
+    "GenerationResult": "osd.generation",
+    "GenerationStats": "osd.generation",
+    "StreamChunk": "osd.generation",
+    "SamplingParams": "osd.sampling",
+}
 
 __all__ = [
     "GenerationLog",
@@ -16,3 +34,11 @@ __all__ = [
     "SpeculativeDecoder",
     "StreamChunk",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'osd' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
