@@ -46,9 +46,9 @@ from osd.demo.report import load_pair
 from osd.log_writer import LogWriter
 from osd.record import Record
 from osd.redis_server import LocalRedis
-from trainer.draft_trainer import DraftTrainer, peft_name
+from trainer.draft_trainer import DraftTrainer, build_draft_trainer, peft_name
 from trainer.examples import is_held_out
-from trainer.worker import TrainerWorker, build_draft_trainer
+from trainer.worker import TrainerWorker
 
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 

@@ -24,13 +24,13 @@ from torch import Tensor
 from osd.acceptance import AcceptanceEstimate, estimate_acceptance
 from osd.adapter_lora import adapter_spec, check_lora_shapes, lora_shapes, lora_state_dict
 from osd.adapter_manifest import AdapterSpec
-from osd.config import ModelConfig
+from osd.config import ModelConfig, OSDConfig, resolve_device
 from osd.losses import LossName, distillation_loss
-from osd.model_sources import attach_lora_adapters
+from osd.model_sources import attach_lora_adapters, load_draft
 from osd.record import Record
 from trainer.examples import Batch, PositionMode, collate
 
-__all__ = ["DraftTrainer", "Slot", "StepStats", "peft_name"]
+__all__ = ["DraftTrainer", "Slot", "StepStats", "build_draft_trainer", "peft_name"]
 
 Slot = Literal["candidate", "current"]
 
@@ -214,3 +214,27 @@ class DraftTrainer:
     def promote(self, adapter: str) -> None:
         """Makes the candidate the current version (after it was published)."""
         self.set_weights(adapter, self.weights(adapter, "candidate"), ["current"])
+
+
+def build_draft_trainer(
+    config: OSDConfig, adapters: Sequence[str], draft: Any = None, base_model_id: str | None = None
+) -> DraftTrainer:
+    """The trainer's draft in fp32 (bf16 autocast on CUDA) with `adapters`, set up as the
+    `trainer` section says (loss, learning rate, device, seed); `draft` defaults to the
+    configured base draft."""
+    cfg = config.trainer
+    device = resolve_device(cfg.device)
+    if draft is None:
+        draft, source = load_draft(config.model, device=device, dtype="float32")
+        base_model_id = base_model_id or source
+    return DraftTrainer(
+        draft.float(),
+        config.model,
+        adapters,
+        base_model_id=base_model_id or config.model.draft,
+        loss=cfg.loss,
+        learning_rate=cfg.learning_rate,
+        device=device,
+        eval_batch_records=cfg.batch_records,
+        seed=cfg.seed,
+    )

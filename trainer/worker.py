@@ -30,7 +30,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,12 +41,11 @@ from osd.adapter_store import (
     adapter_store_location,
     open_adapter_store,
 )
-from osd.config import OSDConfig, resolve_device
+from osd.config import OSDConfig
 from osd.log_reader import LogReader
-from osd.model_sources import load_draft
 from osd.record import Record
 from osd.threads import threads_applied
-from trainer.draft_trainer import DraftTrainer
+from trainer.draft_trainer import build_draft_trainer
 from trainer.examples import Example, adapters_for, is_held_out, window_key
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
@@ -55,7 +54,7 @@ from trainer.replay import AckTracker, AdapterData
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
 
-__all__ = ["RoundReport", "TrainerWorker", "WorkerStats", "build_draft_trainer"]
+__all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
 
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
@@ -75,30 +74,6 @@ def _entry_time(entry_id: str) -> float:
     """Unix seconds from a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
     head = entry_id.partition("-")[0]
     return int(head) / 1e3 if head.isdigit() else 0.0
-
-
-def build_draft_trainer(
-    config: OSDConfig, adapters: Sequence[str], draft: Any = None, base_model_id: str | None = None
-) -> DraftTrainer:
-    """The trainer's draft in fp32 (bf16 autocast on CUDA) with `adapters`, set up as the
-    `trainer` section says (loss, learning rate, device, seed); `draft` defaults to the
-    configured base draft."""
-    cfg = config.trainer
-    device = resolve_device(cfg.device)
-    if draft is None:
-        draft, source = load_draft(config.model, device=device, dtype="float32")
-        base_model_id = base_model_id or source
-    return DraftTrainer(
-        draft.float(),
-        config.model,
-        adapters,
-        base_model_id=base_model_id or config.model.draft,
-        loss=cfg.loss,
-        learning_rate=cfg.learning_rate,
-        device=device,
-        eval_batch_records=cfg.batch_records,
-        seed=cfg.seed,
-    )
 
 
 class TrainerWorker:
