@@ -397,8 +397,9 @@ class LogReader:
     def _call(self, fn: Callable[[], _T], *, wait: bool = True) -> _T | None:
         """Runs one Redis call, creating the group first if needed (again if Redis lost it).
 
-        Connection errors become None after a backoff wait (with `wait`; else the wait is only
-        noted, in `_retry_at`); rejected credentials a ValueError.
+        Connection errors, and writes refused by a full Redis (maxmemory), become None after a
+        backoff wait (with `wait`; else the wait is only noted, in `_retry_at`); rejected
+        credentials a ValueError.
         """
         try:
             if not self._group_ready:
@@ -414,7 +415,11 @@ class LogReader:
             raise ValueError(
                 f"Redis at {redact_url(self.url)} rejected the credentials in the URL: {exc}"
             ) from exc
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except (
+            redis.ConnectionError,
+            redis.TimeoutError,
+            redis.exceptions.OutOfMemoryError,
+        ) as exc:
             self._on_connection_error(exc, wait)
             return None
         if not self._connected:
