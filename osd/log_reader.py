@@ -49,6 +49,8 @@ _log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _DEAD_MAXLEN = 10_000
 _REMEMBER_ACKS = 65_536
+# Errors that pass by themselves: an outage, or a full Redis (maxmemory) refusing a write.
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError)
 _Entry = tuple[bytes, dict[bytes, bytes] | None]
 
 
@@ -415,11 +417,7 @@ class LogReader:
             raise ValueError(
                 f"Redis at {redact_url(self.url)} rejected the credentials in the URL: {exc}"
             ) from exc
-        except (
-            redis.ConnectionError,
-            redis.TimeoutError,
-            redis.exceptions.OutOfMemoryError,
-        ) as exc:
+        except _TRANSIENT as exc:
             self._on_connection_error(exc, wait)
             return None
         if not self._connected:
