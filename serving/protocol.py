@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from osd.record import MAX_ID_BYTES
 from osd.sampling import GREEDY_BELOW
+from serving.openai_fields import FieldRefused, check_fields
 
 __all__ = [
     "APIError",
@@ -188,6 +189,10 @@ def parse_request(
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     model = CompletionRequest if kind == "completion" else ChatRequest
+    try:  # what osd does not implement is refused by name, never silently ignored
+        data = check_fields(data, model.model_fields)
+    except FieldRefused as exc:
+        raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:

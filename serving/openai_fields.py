@@ -1,0 +1,226 @@
+"""Which request fields osd implements, which it accepts as harmless, and which it refuses.
+
+A field the client sends is never silently dropped when it asks for something osd does not do:
+a new user of the official ``openai`` client would otherwise get a 200 that ignored
+``logprobs``, ``echo`` or ``response_format`` and never know. Every top-level field of OpenAI's
+completions and chat completions requests (``openai.types.CompletionCreateParams`` and
+``openai.types.chat.CompletionCreateParams``; a test reads them from the installed package, so
+a field a new version adds fails it until it is classified here), the vLLM extras clients
+commonly send, and osd's own fields fall in one of three groups:
+
+* **Implemented** (:data:`IMPLEMENTED`, plus osd's own fields on the request model): used.
+* **Accepted and ignored** (:data:`HARMLESS`): ignoring them changes nothing a client can see in
+  the answer. Each entry says why.
+* **Refused unless default** (:data:`REFUSED`): a value that asks for behaviour osd does not
+  provide is answered 400 ``unsupported_parameter`` naming the field. The field's no-op value
+  (``logprobs: false``, ``echo: false``, ``best_of: 1``, ``n: 1``, ``response_format:
+  {"type": "text"}``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
+  and others) send defaults on every request.
+
+A field in none of them (a typo such as ``max_token``) is refused with 400
+``unknown_parameter`` naming it: a misspelt ``max_tokens`` silently ignored is the same failure
+as an ignored ``logprobs``. vLLM's extras get the same treatment as OpenAI's refused fields, so
+a client written for vLLM that sends their defaults keeps working.
+
+Every optional OpenAI or vLLM field sent as ``null`` means "the default", as in OpenAI's API;
+such fields, and refused or harmless fields at their no-op value, are removed before the request
+model validates the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HARMLESS", "IMPLEMENTED", "REFUSED", "FieldRefused", "Refused", "check_fields"]
+
+# Used by osd (serving.protocol's request models). The sampling penalties, logit_bias and
+# min_p are implemented by the request model's own fields.
+IMPLEMENTED: frozenset[str] = frozenset(
+    {
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "stream",
+        "stream_options",  # include_usage
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_p",
+    }
+)
+
+# Accepted whatever their value, because ignoring them changes nothing in the answer.
+HARMLESS: Mapping[str, str] = {
+    "user": "an end-user label for the provider's abuse monitoring; the text does not depend on it",
+    "safety_identifier": "the same as user, under its newer name",
+    "metadata": "tags for stored completions; osd stores none, and refuses store: true",
+    "prompt_cache_key": "a routing hint for OpenAI's prompt cache, best effort there too",
+    "prompt_cache_retention": "how long OpenAI keeps a prompt cache; osd keeps none",
+    "prompt_cache_options": "breakpoints and lifetimes of OpenAI's prompt cache; osd has none",
+    "parallel_tool_calls": "only means something with tools, which are refused",
+}
+
+
+def _is_false(value: Any, _: Mapping[str, Any]) -> bool:
+    return value is None or value is False
+
+
+def _is_int(*allowed: int) -> Callable[[Any, Mapping[str, Any]], bool]:
+    def check(value: Any, _: Mapping[str, Any]) -> bool:
+        return value is None or (type(value) is int and value in allowed)
+
+    return check
+
+
+def _is_one_of(*allowed: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    def check(value: Any, _: Mapping[str, Any]) -> bool:
+        return any(value == a and type(value) is type(a) for a in (None, *allowed))
+
+    return check
+
+
+def _is_empty(value: Any, _: Mapping[str, Any]) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _no_tool_choice(tools: str) -> Callable[[Any, Mapping[str, Any]], bool]:
+    # "auto" without tools (or functions) chooses none: the same as not sending it.
+    def check(value: Any, data: Mapping[str, Any]) -> bool:
+        return value is None or value == "none" or (value == "auto" and not data.get(tools))
+
+    return check
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field osd does not implement.
+
+    Attributes:
+        asks: what a non-default value asks for, in the error message.
+        is_default: whether a value (given the whole request) is the field's no-op.
+    """
+
+    asks: str
+    is_default: Callable[[Any, Mapping[str, Any]], bool]
+
+
+REFUSED: Mapping[str, Refused] = {
+    # OpenAI, both endpoints
+    "n": Refused("several choices per request", _is_int(1)),
+    "logprobs": Refused("log probabilities of the returned tokens", _is_false),
+    "top_logprobs": Refused("log probabilities of the most likely tokens", _is_int(0)),
+    "response_format": Refused(
+        "structured output (JSON mode or a JSON schema)", _is_one_of({"type": "text"})
+    ),
+    "store": Refused("storing completions for later retrieval", _is_false),
+    "service_tier": Refused(
+        "a latency or price tier; osd serves every request alike", _is_one_of("auto", "default")
+    ),
+    # OpenAI completions
+    "echo": Refused("the prompt echoed before the completion", _is_false),
+    "best_of": Refused("several candidates generated server-side", _is_int(1)),
+    "suffix": Refused("text inserted after the completion (fill in the middle)", _is_one_of("")),
+    # OpenAI chat
+    "tools": Refused("tool calling", _is_empty),
+    "tool_choice": Refused("tool calling", _no_tool_choice("tools")),
+    "functions": Refused("function calling", _is_empty),
+    "function_call": Refused("function calling", _no_tool_choice("functions")),
+    "audio": Refused("audio output", _is_empty),
+    "modalities": Refused("output modalities other than text", _is_one_of(["text"])),
+    "prediction": Refused(
+        "a predicted output as the draft; osd drafts with its own adapters", _is_empty
+    ),
+    "web_search_options": Refused("web search", _is_empty),
+    "reasoning_effort": Refused("a reasoning model's effort", _is_one_of("none")),
+    "verbosity": Refused("a reasoning model's verbosity", _is_one_of("medium")),
+    "moderation": Refused("moderation of the input and output", _is_empty),
+    # vLLM extras, with vLLM's defaults (which are osd's behaviour)
+    "ignore_eos": Refused("generating past the end-of-sequence token", _is_false),
+    "min_tokens": Refused("a minimum completion length", _is_int(0)),
+    "stop_token_ids": Refused("stop token ids over HTTP", _is_empty),
+    "skip_special_tokens": Refused("special tokens in the text", _is_one_of(True)),
+    "spaces_between_special_tokens": Refused("special-token spacing in the text", _is_one_of(True)),
+    "include_stop_str_in_output": Refused("the stop string in the text", _is_false),
+    "add_generation_prompt": Refused("chat prompts without a generation prompt", _is_one_of(True)),
+    "continue_final_message": Refused("continuing the last assistant message", _is_false),
+    "use_beam_search": Refused("beam search", _is_false),
+    "length_penalty": Refused("beam search", _is_one_of(1.0, 1)),
+    "prompt_logprobs": Refused("log probabilities of the prompt tokens", _is_int(0)),
+    "guided_json": Refused("structured output", _is_empty),
+    "guided_regex": Refused("structured output", _is_empty),
+    "guided_choice": Refused("structured output", _is_empty),
+    "guided_grammar": Refused("structured output", _is_empty),
+    "structured_outputs": Refused("structured output", _is_empty),
+    "chat_template": Refused("a chat template of the client's", _is_empty),
+    "chat_template_kwargs": Refused("chat template arguments", _is_empty),
+    "truncate_prompt_tokens": Refused("prompt truncation", _is_empty),
+    "priority": Refused("scheduling priorities", _is_int(0)),
+}
+
+# Required fields are left for the request model to report when null.
+_REQUIRED = frozenset({"model", "prompt", "messages"})
+
+
+class FieldRefused(ValueError):
+    """A request field osd refuses: ``param`` names it, ``code`` says why."""
+
+    def __init__(self, param: str, message: str, code: str) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any]:
+    """Refuses what osd does not do; returns the fields left for the request model.
+
+    Args:
+        data: the decoded JSON body of a completions or chat completions request.
+        own: the request model's field names (osd's own fields among them).
+
+    Returns:
+        ``data`` without nulls for optional OpenAI or vLLM fields and without refused or
+        harmless fields at their no-op value.
+
+    Raises:
+        FieldRefused: naming the first field that is refused (code ``unsupported_parameter``)
+            or that nobody defines (``unknown_parameter``).
+    """
+    kept: dict[str, Any] = {}
+    for name, value in data.items():
+        refused = REFUSED.get(name)
+        if refused is not None:
+            if not refused.is_default(value, data):
+                raise FieldRefused(
+                    name,
+                    f"{name} is not supported by osd: it asks for {refused.asks}, which osd does "
+                    f"not provide (got {_short(value)}); leave it out or send its default",
+                    "unsupported_parameter",
+                )
+            continue
+        if name in HARMLESS:
+            continue
+        if name not in IMPLEMENTED and name not in own:
+            raise FieldRefused(
+                name,
+                f"{name} is not a parameter osd knows (neither OpenAI's, vLLM's nor osd's "
+                "own); check its spelling",
+                "unknown_parameter",
+            )
+        if value is None and name in IMPLEMENTED and name not in _REQUIRED:
+            continue  # OpenAI's null: the default (osd's own fields keep theirs for the model)
+        kept[name] = value
+    return kept
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
