@@ -312,13 +312,16 @@ def run(
 
 
 def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
-    from osd.adapter_store import adapter_store_location, open_adapter_store
+    from osd.adapter_store import AdapterNotFound, adapter_store_location, open_adapter_store
 
     store = open_adapter_store(adapter_store_location(config, redis_url))
     out = []
     for name in config.model.adapters:
         for version in store.list_versions(name):
-            manifest = store.manifest(name, version)
+            try:
+                manifest = store.manifest(name, version)
+            except AdapterNotFound:  # the trainer deleted it meanwhile (bounded history)
+                continue
             out.append(
                 {
                     "adapter": name,
