@@ -89,6 +89,11 @@ def _is_one_of(*allowed: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
     return check
 
 
+def _is_null(value: Any, _: Mapping[str, Any]) -> bool:
+    # For fields whose mere presence asks for something (web_search_options: {} searches).
+    return value is None
+
+
 def _is_empty(value: Any, _: Mapping[str, Any]) -> bool:
     return value is None or value == [] or value == {}
 
@@ -135,15 +140,15 @@ REFUSED: Mapping[str, Refused] = {
     "tool_choice": Refused("tool calling", _no_tool_choice("tools")),
     "functions": Refused("function calling", _is_empty),
     "function_call": Refused("function calling", _no_tool_choice("functions")),
-    "audio": Refused("audio output", _is_empty),
+    "audio": Refused("audio output", _is_null),
     "modalities": Refused("output modalities other than text", _is_one_of(["text"])),
     "prediction": Refused(
-        "a predicted output as the draft; osd drafts with its own adapters", _is_empty
+        "a predicted output as the draft; osd drafts with its own adapters", _is_null
     ),
-    "web_search_options": Refused("web search", _is_empty),
+    "web_search_options": Refused("web search", _is_null),
     "reasoning_effort": Refused("a reasoning model's effort", _is_one_of("none")),
     "verbosity": Refused("a reasoning model's verbosity", _is_one_of("medium")),
-    "moderation": Refused("moderation of the input and output", _is_empty),
+    "moderation": Refused("moderation of the input and output", _is_null),
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)
     "ignore_eos": Refused("generating past the end-of-sequence token", _is_false),
     "min_tokens": Refused("a minimum completion length", _is_int(0)),
@@ -156,14 +161,14 @@ REFUSED: Mapping[str, Refused] = {
     "use_beam_search": Refused("beam search", _is_false),
     "length_penalty": Refused("beam search", _is_one_of(1.0, 1)),
     "prompt_logprobs": Refused("log probabilities of the prompt tokens", _is_int(0)),
-    "guided_json": Refused("structured output", _is_empty),
-    "guided_regex": Refused("structured output", _is_empty),
-    "guided_choice": Refused("structured output", _is_empty),
-    "guided_grammar": Refused("structured output", _is_empty),
-    "structured_outputs": Refused("structured output", _is_empty),
-    "chat_template": Refused("a chat template of the client's", _is_empty),
+    "guided_json": Refused("structured output", _is_null),
+    "guided_regex": Refused("structured output", _is_null),
+    "guided_choice": Refused("structured output", _is_null),
+    "guided_grammar": Refused("structured output", _is_null),
+    "structured_outputs": Refused("structured output", _is_null),
+    "chat_template": Refused("a chat template of the client's", _is_null),
     "chat_template_kwargs": Refused("chat template arguments", _is_empty),
-    "truncate_prompt_tokens": Refused("prompt truncation", _is_empty),
+    "truncate_prompt_tokens": Refused("prompt truncation", _is_null),
     "priority": Refused("scheduling priorities", _is_int(0)),
 }
 

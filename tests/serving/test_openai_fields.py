@@ -1,0 +1,255 @@
+"""Every field of OpenAI's completions and chat requests is implemented, harmlessly ignored or
+refused with a 400 naming it; never silently ignored when it asks for something (issue 14).
+
+The fields come from the installed ``openai`` package's request types, so a field a new version
+adds fails ``test_every_openai_field_has_a_row`` until it is classified in
+``serving.openai_fields`` and given a row here. Requests go through a Ray-free replica's app.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from openai.types import CompletionCreateParams as CompletionParams
+from openai.types.chat import CompletionCreateParams as ChatParams
+
+from serving.openai_fields import HARMLESS, IMPLEMENTED, REFUSED
+from tests.reliability.conftest import Replica, running_replica, toy_config
+
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+BASE = {
+    "completion": {"model": "osd", "prompt": "the cat", "max_tokens": 2},
+    "chat": {"model": "osd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
+REQUIRED = ("model", "prompt", "messages")  # in every request already
+
+
+def openai_fields(params: Any) -> set[str]:
+    """The top-level fields of an openai request type (a union of streaming/non-streaming)."""
+    return {name for t in typing.get_args(params) for name in typing.get_type_hints(t)}
+
+
+FIELDS = {"completion": openai_fields(CompletionParams), "chat": openai_fields(ChatParams)}
+
+ACCEPTED, REFUSE = "accepted", "refused"
+# field -> (a value that is not the default, what osd answers)
+NON_DEFAULT: dict[str, tuple[Any, str]] = {
+    "max_tokens": (3, ACCEPTED),
+    "max_completion_tokens": (3, ACCEPTED),
+    "temperature": (0.5, ACCEPTED),
+    "top_p": (0.9, ACCEPTED),
+    "seed": (7, ACCEPTED),
+    "stop": (["\n", "zz"], ACCEPTED),
+    "stream": (True, ACCEPTED),
+    "stream_options": ({"include_usage": True}, ACCEPTED),
+    "presence_penalty": (0.5, ACCEPTED),
+    "frequency_penalty": (0.5, ACCEPTED),
+    "logit_bias": ({"1": 5}, ACCEPTED),
+    "user": ("alice", ACCEPTED),
+    "safety_identifier": ("alice-hash", ACCEPTED),
+    "metadata": ({"team": "search"}, ACCEPTED),
+    "prompt_cache_key": ("my-app", ACCEPTED),
+    "prompt_cache_retention": ("24h", ACCEPTED),
+    "prompt_cache_options": ({"mode": "explicit", "ttl": "30m"}, ACCEPTED),
+    "parallel_tool_calls": (False, ACCEPTED),
+    "n": (2, REFUSE),
+    "logprobs": (2, REFUSE),  # chat: true (CHAT_VALUES)
+    "top_logprobs": (2, REFUSE),
+    "echo": (True, REFUSE),
+    "best_of": (2, REFUSE),
+    "suffix": (" the end", REFUSE),
+    "response_format": ({"type": "json_object"}, REFUSE),
+    "store": (True, REFUSE),
+    "service_tier": ("priority", REFUSE),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE),
+    "tool_choice": ("required", REFUSE),
+    "functions": ([{"name": "f"}], REFUSE),
+    "function_call": ({"name": "f"}, REFUSE),
+    "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
+    "modalities": (["text", "audio"], REFUSE),
+    "prediction": ({"type": "content", "content": "the cat sat"}, REFUSE),
+    "web_search_options": ({"search_context_size": "low"}, REFUSE),
+    "reasoning_effort": ("high", REFUSE),
+    "verbosity": ("low", REFUSE),
+    "moderation": ({"model": "omni-moderation-latest"}, REFUSE),
+}
+CHAT_VALUES = {"logprobs": True}
+
+# field -> its no-op values, which clients (LangChain and others) send on every request
+DEFAULTS: dict[str, list[Any]] = {
+    "n": [1, None],
+    "logprobs": [False, None],
+    "top_logprobs": [0, None],
+    "echo": [False, None],
+    "best_of": [1, None],
+    "suffix": [None, ""],
+    "response_format": [{"type": "text"}, None],
+    "store": [False, None],
+    "service_tier": ["auto", "default", None],
+    "tools": [[], None],
+    "tool_choice": ["none", "auto", None],
+    "functions": [[], None],
+    "function_call": ["none", "auto", None],
+    "audio": [None],
+    "modalities": [["text"], None],
+    "prediction": [None],
+    "web_search_options": [None],
+    "reasoning_effort": ["none", None],
+    "verbosity": ["medium", None],
+    "moderation": [None],
+    "stream_options": [None],
+    "temperature": [None],
+    "top_p": [None],
+    "stream": [None, False],
+    "seed": [None],
+    "stop": [None],
+    "presence_penalty": [None],
+    "frequency_penalty": [None],
+    "logit_bias": [None],
+}
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[Replica]:
+    with running_replica(toy_config()) as replica:
+        yield replica
+
+
+def post(replica: Replica, kind: str, **fields: Any) -> Any:
+    return replica.client.post(PATHS[kind], json={**BASE[kind], **fields})
+
+
+def assert_refused(response: Any, field: str, code: str = "unsupported_parameter") -> None:
+    assert response.status_code == 400, (field, response.text)
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (field, code), error
+    assert error["message"].startswith(field), error
+    assert error["type"] == "invalid_request_error"
+
+
+def assert_answered(response: Any, field: str) -> None:
+    assert response.status_code == 200, (field, response.text)
+    if response.headers["content-type"].startswith("text/event-stream"):
+        assert response.text.endswith("data: [DONE]\n\n")
+    else:
+        assert response.json()["choices"]
+
+
+def non_default_cases() -> list[Any]:
+    return [
+        pytest.param(kind, field, id=f"{kind}-{field}")
+        for kind, fields in FIELDS.items()
+        for field in sorted(fields)
+        if field not in REQUIRED
+    ]
+
+
+@pytest.mark.parametrize("kind", sorted(FIELDS))
+def test_every_openai_field_has_a_row(kind):
+    classified = IMPLEMENTED | set(HARMLESS) | set(REFUSED)
+    assert not FIELDS[kind] - classified, "classify these in serving/openai_fields.py"
+    assert not FIELDS[kind] - set(NON_DEFAULT) - set(REQUIRED), "give these a row here"
+    refused = {f for f, (_, outcome) in NON_DEFAULT.items() if outcome == REFUSE}
+    assert refused & FIELDS[kind] == set(REFUSED) & FIELDS[kind]
+
+
+@pytest.mark.parametrize(("kind", "field"), non_default_cases())
+def test_a_field_that_asks_for_something_is_used_or_refused_by_name(replica, kind, field):
+    value, outcome = NON_DEFAULT[field]
+    value = CHAT_VALUES.get(field, value) if kind == "chat" else value
+    response = post(replica, kind, **{field: value})
+    if outcome == REFUSE:
+        assert_refused(response, field)
+    else:
+        assert_answered(response, field)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [pytest.param(f, v, id=f"{f}={v!r}") for f, values in DEFAULTS.items() for v in values],
+)
+def test_a_default_value_is_accepted(replica, field, value):
+    for kind in PATHS:
+        if field in FIELDS[kind]:
+            assert_answered(post(replica, kind, **{field: value}), field)
+
+
+def test_what_common_clients_send_by_default_is_answered(replica):
+    # Every no-op at once, as a client that fills in its defaults sends them.
+    for kind in PATHS:
+        defaults = {f: values[0] for f, values in DEFAULTS.items() if f in FIELDS[kind]}
+        assert_answered(post(replica, kind, **defaults), kind)
+
+
+def test_tool_choice_auto_is_refused_beside_tools(replica):
+    tools = NON_DEFAULT["tools"][0]
+    assert_refused(post(replica, "chat", tools=tools, tool_choice="auto"), "tools")
+    named = post(replica, "chat", functions=[], function_call={"name": "f"})
+    assert_refused(named, "function_call")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_token", 3), ("temprature", 0.5), ("", 1), ("Temperature", 0.5), ("draft_id", "x")],
+)
+def test_an_unknown_field_is_refused_by_name(replica, field, value):
+    for kind in PATHS:
+        assert_refused(post(replica, kind, **{field: value}), field, "unknown_parameter")
+
+
+@pytest.mark.parametrize(
+    ("field", "default", "other"),
+    [
+        ("ignore_eos", False, True),
+        ("min_tokens", 0, 2),
+        ("stop_token_ids", [], [5]),
+        ("skip_special_tokens", True, False),
+        ("include_stop_str_in_output", False, True),
+        ("add_generation_prompt", True, False),
+        ("use_beam_search", False, True),
+        ("guided_json", None, {"type": "object"}),
+        ("priority", 0, 3),
+    ],
+)
+def test_vllm_extras_are_accepted_at_their_default_and_refused_otherwise(
+    replica, field, default, other
+):
+    for kind in PATHS:
+        assert_answered(post(replica, kind, **{field: default}), field)
+        assert_refused(post(replica, kind, **{field: other}), field)
+
+
+def test_osd_own_fields_are_known(replica):
+    own = {"top_k": 5, "draft": "code", "domain": "sql", "spec": {"method": "token"}, "log": False}
+    for kind in PATHS:
+        assert_answered(post(replica, kind, **own), kind)
+
+
+def test_the_official_client_sees_the_refused_field(replica):
+    client = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="osd", prompt="the cat", max_tokens=2, logprobs=3)
+    assert refused.value.param == "logprobs" and refused.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as typo:
+        client.chat.completions.create(
+            model="osd",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"max_token": 2},
+        )
+    assert typo.value.param == "max_token" and typo.value.code == "unknown_parameter"
+    out = client.chat.completions.create(
+        model="osd",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        n=1,
+        logprobs=False,
+        response_format={"type": "text"},
+        metadata={"run": "test"},
+    )
+    assert out.usage is not None and out.usage.completion_tokens >= 1
