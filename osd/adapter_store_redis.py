@@ -9,7 +9,6 @@ Keys (``<name>`` is an adapter name, which never contains ':')::
     osd:adapter:<name>:current              the pointer
     osd:adapter-names                       set of adapter names
     osd:adapters:held:<replica-id>          what a replica holds (`report_held`), with a TTL
-    osd:adapters:held-by                    set of replica ids that reported
 
 A version's weights, manifest and index entries are written in one MULTI/EXEC transaction,
 WATCHing the two version keys so an existing version is never overwritten. The pointer moves in
@@ -53,7 +52,6 @@ _log = logging.getLogger(__name__)
 CHANNEL = "osd:adapters"
 NAMES_KEY = "osd:adapter-names"
 HELD_PREFIX = "osd:adapters:held:"
-HELD_BY_KEY = "osd:adapters:held-by"
 DEFAULT_REDIS_MAX_BYTES = 64 * 2**20  # Redis strings are capped at 512 MiB; stay well below.
 
 # KEYS: pointer, manifest of the new version. ARGV: expected ('' = none), new, channel, message.
@@ -75,17 +73,6 @@ local found = redis.call('UNLINK', KEYS[3], KEYS[4])
 redis.call('ZREM', KEYS[2], ARGV[1])
 if found > 0 then return 1 end
 return 0
-"""
-
-# KEYS: the held-by set. ARGV: the report key prefix. Returns the unexpired reports, dropping
-# the ids whose report expired (in the same script, so a replica reporting again stays listed).
-_READ_HELD_SCRIPT = """
-local reports = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local report = redis.call('GET', ARGV[1] .. id)
-  if report then table.insert(reports, report) else redis.call('SREM', KEYS[1], id) end
-end
-return reports
 """
 
 
@@ -152,7 +139,6 @@ class RedisAdapterStore(AdapterStore):
         self._client = connect(url, socket_timeout_s=socket_timeout_s)
         self._cas = self._client.register_script(_CAS_SCRIPT)
         self._delete = self._client.register_script(_DELETE_SCRIPT)
-        self._held = self._client.register_script(_READ_HELD_SCRIPT)
 
     def __repr__(self) -> str:
         return f"RedisAdapterStore({redact_url(self.url)!r})"
@@ -242,15 +228,17 @@ class RedisAdapterStore(AdapterStore):
             return bool(self._delete(keys=keys, args=[str(version)]))
 
     def _write_held(self, replica_id: str, report: bytes, ttl_s: float) -> None:
+        # One SET: a replica's Redis user needs write access to HELD_PREFIX keys only.
         key = HELD_PREFIX + replica_id
-        with _redis_errors(f"writing {key}"), self._client.pipeline() as pipe:
-            pipe.set(key, report, px=max(1, round(ttl_s * 1e3)))
-            pipe.sadd(HELD_BY_KEY, replica_id)
-            pipe.execute()
+        with _redis_errors(f"writing {key}"):
+            self._client.set(key, report, px=max(1, round(ttl_s * 1e3)))
 
     def _read_held(self) -> list[bytes]:
-        with _redis_errors(f"reading the reports in {HELD_BY_KEY}"):
-            return [_as_bytes(r) or b"" for r in self._held(keys=[HELD_BY_KEY], args=[HELD_PREFIX])]
+        # SCAN walks the keyspace (a few keys per version): fine once per publish.
+        with _redis_errors(f"reading the {HELD_PREFIX}* reports"):
+            keys = list(self._client.scan_iter(match=f"{HELD_PREFIX}*", count=1000))
+            reports = self._client.mget(keys) if keys else []
+        return [raw for raw in (_as_bytes(r) for r in reports) if raw is not None]
 
 
 class RedisSubscription(AdapterSubscription):

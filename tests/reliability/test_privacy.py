@@ -28,10 +28,12 @@ WRITER_ACL = "on >{pw} resetkeys ~{stream} resetchannels -@all +ping +xadd"
 # read adapter versions, hear notifications, and move a pointer back on rollback. The rollback
 # is a Lua compare-and-set (GET/EXISTS/SET/PUBLISH) that declares the pointer and the target's
 # manifest as its keys, and Redis wants write access to every key a script declares; weights
-# stay read-only. Its health probe reads the trainer's heartbeat and the group's lag.
+# stay read-only. Its health probe reads the trainer's heartbeat and the group's lag; its watcher
+# reports the versions it holds (a SET with a TTL), so that they are not deleted.
 REPLICA_ACL = (
     "on >{pw} resetkeys ~{stream} %R~{stream}:trainer:* %R~osd:adapter:* "
-    "%RW~osd:adapter:*:current %RW~osd:adapter:*:manifest resetchannels &osd:adapters "
+    "%RW~osd:adapter:*:current %RW~osd:adapter:*:manifest %W~osd:adapters:held:* "
+    "resetchannels &osd:adapters "
     "-@all +ping +xadd +get +exists +set +publish +subscribe +evalsha +script|load "
     "+hgetall +xinfo|groups"
 )
@@ -181,6 +183,7 @@ def test_whole_replica_runs_as_a_user_that_cannot_write_adapter_versions(acl_red
         first = store.publish("general", identity, spec, expected_current=None).version
         second = store.publish("general", identity, spec, expected_current=first).version
         wait_for(lambda: replica.current() == second, 10)
+        wait_for(lambda: second in store.held_versions("general"), 5)  # its report got through
         assert replica.complete().status_code == 200
         assert replica.writer.flush(5)
         assert replica.writer.metrics().written >= 1
