@@ -34,8 +34,7 @@ class OSDReplica:
         if self.config.log.enabled and url:
             from osd.log_writer import LogWriter
 
-            log = self.config.log
-            writer = LogWriter(url, log.stream, maxlen=log.maxlen, queue_size=log.queue_size)
+            writer = LogWriter.from_config(url, self.config.log)
         self.runtime = ReplicaRuntime(self.config, log_writer=writer)
         self.watcher = None
         if url:

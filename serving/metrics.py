@@ -75,6 +75,14 @@ class ReplicaMetrics:
         self.log_opted_out = Gauge(
             "osd_log_records_opted_out", "Requests that opted out", registry=r
         )
+        self.log_trim_len = Gauge(
+            "osd_log_stream_trim_len",
+            "Stream length the writer trims to (log.maxlen, or less under log.max_bytes)",
+            registry=r,
+        )
+        self.log_record_bytes = Gauge(
+            "osd_log_record_bytes_mean", "Mean bytes of a record sent to Redis", registry=r
+        )
         self.swaps = Counter(
             "osd_adapter_swaps", "Adapter versions swapped in", ["adapter"], registry=r
         )

@@ -37,6 +37,7 @@ from serving.supervisor import Supervised, Supervisor
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
 
+EMBEDDED_REDIS_MEMORY = "1gb"  # the private redis-server's maxmemory (log.max_bytes fits in it)
 _SERVE_SHUTDOWN_S = 45.0  # longest wait for Serve's graceful shutdown before stopping Ray
 
 
@@ -161,7 +162,14 @@ class LocalStack(Closeable):
 
     def _start_redis(self) -> None:
         if not self.redis_url:
-            self.redis = LocalRedis(data_dir=str(self.run_dir / "redis")).start()
+            self.redis = LocalRedis(
+                data_dir=str(self.run_dir / "redis"),
+                # Bounded; never evicts (adapter versions must not vanish): docs/capacity.md.
+                extra_args=[
+                    *("--maxmemory", EMBEDDED_REDIS_MEMORY),
+                    *("--maxmemory-policy", "noeviction"),
+                ],
+            ).start()
             self.redis_url = self.redis.url
 
     def _start_serve(self) -> None:

@@ -145,8 +145,7 @@ def running_replica(
     probe."""
     writer = None
     if redis_url is not None:
-        log = config.log
-        writer = LogWriter(redis_url, log.stream, maxlen=log.maxlen, queue_size=log.queue_size)
+        writer = LogWriter.from_config(redis_url, config.log)
     runtime = ReplicaRuntime(config, log_writer=writer)
     watcher = None
     if store is not None:
