@@ -12,7 +12,7 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
@@ -38,6 +38,11 @@ class RequestOptions(TypedDict, total=False):
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: Mapping[int, float] | None
     stop: Sequence[str] | str | None
     stop_token_ids: Sequence[int] | None
     seed: int | None
@@ -162,6 +167,11 @@ class SpeculativeDecoder:
         temperature: float = 1.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
         stop: Sequence[str] | str | None = None,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
@@ -180,6 +190,9 @@ class SpeculativeDecoder:
             temperature: 0 is greedy (default 1.0).
             top_p: nucleus mass in (0, 1] (default 1.0).
             top_k: keep the k most likely tokens; 0 keeps all (default 0).
+            min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias: as in
+                :class:`osd.sampling.SamplingParams` (OpenAI's and vLLM's meaning); applied
+                alike to the draft and the target, so every method stays exact.
             stop: strings that end generation; the text is cut before them.
             stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
             seed: seed of this request's random streams; None draws one.
@@ -210,7 +223,22 @@ class SpeculativeDecoder:
             raise ValueError(f"num_drafts (K) must be in 1..{MAX_DRAFTS}, got {num_drafts}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=tuple((logit_bias or {}).items()),
+        )
+        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"logit_bias names token ids outside the vocabulary of {self.vocab_size}: "
+                f"{outside[:5]}"
+            )
         self.draft.check_adapter(adapter)
         max_new = max_tokens
         if self.max_context is not None:

@@ -64,6 +64,9 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+
+
 def _check_unicode(text: str) -> None:
     # JSON may escape lone surrogates ("\ud800"), which no tokenizer can encode.
     try:
@@ -99,6 +102,12 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # the record stores it as int32
+    # Applied alike to draft and target (osd.sampling), so every method stays exact.
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
     n: int = 1
@@ -115,6 +124,21 @@ class _Common(BaseModel):
     def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
         # As the engine does (osd.sampling.SamplingParams): responses and records say 0.
         return 0.0 if temperature < GREEDY_BELOW else temperature
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # OpenAI's shape: token ids as JSON object keys (strings), biases in [-100, 100].
+        for token, value in (bias or {}).items():
+            if not token.isdigit() or len(token) > 10:
+                raise ValueError(f"keys must be token ids, got {token!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"values must be in [-100, 100], got {value!r} for {token}")
+        return bias
+
+    @property
+    def token_bias(self) -> dict[int, float]:
+        return {int(token): value for token, value in (self.logit_bias or {}).items()}
 
     @field_validator("domain")
     @classmethod

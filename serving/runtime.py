@@ -176,6 +176,11 @@ class ReplicaRuntime:
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=request.top_k,
+            min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=request.token_bias,
             stop=request.stop_list,
             seed=request.seed,
             method=(spec and spec.method) or defaults.method,
@@ -355,6 +360,8 @@ class ReplicaRuntime:
             self.metrics.log_written.set(counts.written)
             self.metrics.log_dropped.set(counts.dropped)
             self.metrics.log_opted_out.set(counts.opted_out)
+            self.metrics.log_trim_len.set(counts.trim_len)
+            self.metrics.log_record_bytes.set(counts.mean_record_bytes)
         return self.metrics.export()
 
     def close(self) -> None:
@@ -378,6 +385,11 @@ def _merged(chunks: list[StreamChunk]) -> StreamChunk:
 
 def _param_of(message: str) -> str | None:
     for param in (
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "min_p",
         "prompt",
         "temperature",
         "top_p",

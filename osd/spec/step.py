@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from osd.devices import to_device
 from osd.generation import StreamChunk
 from osd.models import CausalLM
-from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
+from osd.sampling import (
+    History,
+    RowSampling,
+    block_history,
+    extend_history,
+    rows_to_probs,
+    sample_from_probs,
+)
 from osd.spec import rng
 from osd.spec.goodput import GoodputController
+from osd.spec.history import TokenHistory
 from osd.spec.kv_cache import SlotKVCache, plan_forward
 from osd.spec.rows import Row
 from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
@@ -51,6 +59,15 @@ class ModelPair:
     vocab_size: int
     log_top_m: int
     controller: GoodputController | None = None  # chooses k for rows that ask for "auto"
+    history: TokenHistory = field(init=False)  # token counts of rows with a penalty
+
+    def __post_init__(self) -> None:
+        self.history = TokenHistory(self.target_cache.num_slots, self.vocab_size, self.device)
+
+    def sampling(self, rows: list[Row]) -> tuple[RowSampling, History | None]:
+        """The rows' sampling parameters, and their histories when a penalty needs them."""
+        sampling = RowSampling.of([r.request.params for r in rows], self.device, self.vocab_size)
+        return sampling, self.history.of(rows) if sampling.any_history else None
 
     @property
     def device(self) -> torch.device:
@@ -176,7 +193,7 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
 def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:
     """Samples each row's first token from the target (a step with nothing drafted)."""
     device = logits.device
-    probs = rows_to_probs(logits, RowSampling.of([row.request.params for row in rows], device))
+    probs = rows_to_probs(logits, *pair.sampling(rows))
     keys = _tensor([row.verify_key for row in rows], device)
     steps = _tensor([row.step for row in rows], device)
     tokens = sample_from_probs(probs, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION)))
@@ -199,10 +216,15 @@ class _Drafts:
     num_drafted: torch.Tensor  # (B,) tokens drafted per row (<= its k: the adaptive stop)
 
 
+def _rows_of(history: History | None, index: torch.Tensor) -> History | None:
+    return None if history is None else History(history.counts[index], history.seen[index])
+
+
 def _propose(
     pair: ModelPair,
     rows: list[Row],
     sampling: RowSampling,
+    history: History | None,
     spec_k: list[int],
     branches: list[int],
     width: int,
@@ -245,7 +267,8 @@ def _propose(
         num_logits=1,
         adapters=[row.request.adapter for row in members],
     )
-    q = rows_to_probs(logits[:, 0], sampling.select(index)).unsqueeze(1)  # (D, 1, V)
+    q = rows_to_probs(logits[:, 0], sampling.select(index), _rows_of(history, index))
+    q = q.unsqueeze(1)  # (D, 1, V)
     ids[index, :, 0] = sample_from_probs(q.expand(-1, num_drafts, -1), draws[index, :, 0])
     probs[index, :, 0] = q
     if adaptive:
@@ -274,7 +297,9 @@ def _propose(
             num_logits=1,
             adapters=[row.request.adapter for row in owners],
         )
-        q = rows_to_probs(logits[:, 0], sampling.select(row_of))  # (A, V)
+        seen = _rows_of(history, row_of)  # and the branch's drafts before position i
+        seen = None if seen is None else extend_history(seen, ids[row_of, branch_of, :i])
+        q = rows_to_probs(logits[:, 0], sampling.select(row_of), seen)  # (A, V)
         ids[row_of, branch_of, i] = sample_from_probs(q, draws[row_of, branch_of, i])
         probs[row_of, branch_of, i] = q
         if adaptive:
@@ -366,8 +391,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     spec_k = [row.spec_tokens(pair.controller, num_rows) for row in rows]
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
-    sampling = RowSampling.of([row.request.params for row in rows], device)
-    drafts = _propose(pair, rows, sampling, spec_k, branches, max(width, 1))
+    sampling, history = pair.sampling(rows)
+    drafts = _propose(pair, rows, sampling, history, spec_k, branches, max(width, 1))
 
     # One target forward: each branch row holds its pending tokens, then its drafts.
     fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
@@ -377,6 +402,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         [rows[b].seq[rows[b].target_len :] for b, _ in fan_out], device
     )
     input_ids = pending
+    spec = torch.zeros(len(fan_out), 0, dtype=torch.int64, device=device)
     if width > 0:  # drafts after the pending tokens; rows that drafted less are right-padded
         spec = drafts.ids[row_of, _tensor([j for _, j in fan_out], device), :width]  # (R, k)
         k_of = _tensor([spec_k[b] for b, _ in fan_out], device)
@@ -396,7 +422,12 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         prefix=[rows[b].target_len for b, _ in fan_out],
         num_logits=width + 1,
     )  # (R, k + 1, V)
-    target_probs = rows_to_probs(logits, sampling.select(row_of))
+    # Position i of a branch row sees that branch's drafts before it (its padding only past
+    # its own k, where nothing is read).
+    seen = _rows_of(history, row_of)
+    target_probs = rows_to_probs(
+        logits, sampling.select(row_of), None if seen is None else block_history(seen, spec)
+    )
     verified = _verify(rows, drafts, target_probs, first_row, branches, width)
 
     everyone = torch.arange(num_rows, device=device)

@@ -128,7 +128,12 @@ def test_malformed_and_oversized_bodies(ray_serve_app):
 def test_models_health_and_metrics(ray_serve_app):
     base_url, _ = ray_serve_app
     assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "osd"
-    assert httpx.get(f"{base_url}/health").json()["status"] == "ok"
+    health = httpx.get(f"{base_url}/health").json()
+    # No trainer runs beside this app: the loop is degraded, and /health says so and why.
+    assert health["status"] == "degraded"
+    assert health["problems"] == ["trainer: no trainer has reported on this stream"]
+    ready = httpx.get(f"{base_url}/ready")
+    assert ready.status_code == 200 and ready.json()["checks"]["log_buffer"]["status"] == "ok"
     assert "osd_generated_tokens_total" in httpx.get(f"{base_url}/metrics").text
 
 
@@ -194,3 +199,34 @@ def test_auto_draft_length_over_http_is_exact_and_measured(ray_serve_app, greedy
     bad = httpx.post(f"{base_url}/v1/completions", json={**body, "spec": {"k": "most"}}, timeout=60)
     assert bad.status_code == 400
     assert "osd_draft_length_chosen_bucket" in httpx.get(f"{base_url}/metrics").text
+
+
+def test_penalties_and_logit_bias_reach_the_engine(ray_serve_app, client):
+    """Greedy with penalties over HTTP is the target alone with the same penalties (Python
+    API, speculation off); a +100 logit bias forces its token; a token id outside the
+    vocabulary is a 400 naming logit_bias."""
+    from osd import SpeculativeDecoder
+
+    _, config = ray_serve_app
+    target, draft, tokenizer = load_model_pair(config.model)
+    alone = SpeculativeDecoder(target, draft, tokenizer)
+    options = {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+    expected = alone.generate("the cat", max_tokens=16, temperature=0, method="none", **options)
+    response = client.completions.create(
+        model="osd",
+        prompt="the cat",
+        max_tokens=16,
+        temperature=0,
+        presence_penalty=0.3,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.5, "spec": {"method": "block", "k": 3}},
+    )
+    assert response.choices[0].text == expected.text
+    forced = tokenizer.convert_tokens_to_ids(tokenizer.tokenize(" dog"))[-1]
+    response = client.completions.create(
+        model="osd", prompt="the cat", max_tokens=4, logit_bias={str(forced): 100}, seed=1
+    )
+    assert response.choices[0].text == tokenizer.decode([forced] * 4)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="osd", prompt="x", logit_bias={str(10**6): 1})
+    assert refused.value.body["param"] == "logit_bias"
