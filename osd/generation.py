@@ -39,8 +39,9 @@ class GenerationStats:
     Attributes:
         steps: target verification calls (each drafts, verifies and emits >= 1 token).
         drafted: drafted tokens offered to the verifier (per chosen draft sequence for SpecTr).
-        accepted: drafted tokens kept.
-        num_generated: tokens emitted.
+        accepted: drafted tokens the verifier accepted (also past a stop string: they measure
+            the draft).
+        num_generated: tokens emitted (those a step verified past a stop string excluded).
         draft_lengths: tokens drafted at each step (0: the target alone, e.g. the first token).
         accepted_lengths: drafted tokens kept at each step.
         decode_seconds: wall seconds from the first token to the last (the decode part of the
@@ -175,7 +176,9 @@ class GenerationResult:
     """A finished generation.
 
     Attributes:
-        token_ids: generated tokens (the prompt excluded).
+        token_ids: generated tokens (the prompt excluded), up to the one that ended generation:
+            a stop token, or the token that completed a stop string (tokens a speculative step
+            verified past it are dropped, so the count does not depend on the method).
         text: their decoded text, cut before a stop string if one was hit.
         finish_reason: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
         stats: speculative decoding counts.
@@ -204,14 +207,28 @@ class TextAssembler:
         self.text = ""
         self.stopped = False
 
-    def add(self, token_ids: list[int]) -> str:
-        """Adds tokens; returns the text now safe to emit. Sets ``stopped`` on a stop string."""
+    def add(self, token_ids: list[int]) -> tuple[str, int]:
+        """Adds tokens; returns the text now safe to emit and how many of the tokens it keeps.
+
+        A stop string sets ``stopped`` and keeps the tokens up to the one that completed it:
+        speculation emits several tokens a step, and those after the stop string were never
+        part of the answer (one token at a time, generation would have ended before them).
+        Decoding is taken as prefix-stable: the text of fewer tokens begins the text of more.
+        """
         if self._tokenizer is None:
-            return ""
+            return "", len(token_ids)
+        start = len(self._token_ids)
         self._token_ids.extend(token_ids)
-        full = self._tokenizer.decode(self._token_ids, skip_special_tokens=True)
-        cut = min((i for i in (full.find(s) for s in self._stop) if i >= 0), default=-1)
+        full = self._decode(len(self._token_ids))
+        cut = self._find_stop(full)
         if cut >= 0:
+            # The first of the added tokens at which a stop string is in the text.
+            for end in range(start + 1, len(self._token_ids)):
+                prefix = self._decode(end)
+                if (prefix_cut := self._find_stop(prefix)) >= 0:
+                    full, cut = prefix, prefix_cut
+                    del self._token_ids[end:]
+                    break
             self.stopped, full = True, full[:cut]
             safe = len(full)
         else:
@@ -219,7 +236,15 @@ class TextAssembler:
         self.text = full
         delta = full[self._emitted : max(safe, self._emitted)]
         self._emitted = max(safe, self._emitted)
-        return delta
+        return delta, len(self._token_ids) - start
+
+    def _decode(self, num_tokens: int) -> str:
+        text: str = self._tokenizer.decode(self._token_ids[:num_tokens], skip_special_tokens=True)
+        return text
+
+    def _find_stop(self, text: str) -> int:
+        """Where the earliest stop string begins in ``text``; -1 if none is in it."""
+        return min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
 
     def flush(self) -> str:
         """Returns whatever is still held back (at the end of generation)."""

@@ -140,6 +140,10 @@ class Row:
         token_ids, finish = _truncate(
             [*drafted[:num_accepted], next_token], self.remaining, self.request.stop_token_ids
         )
+        text, num_kept = self.assembler.add(token_ids)
+        if self.assembler.stopped:
+            # Tokens past a stop string leave the answer, its usage and the record alike.
+            token_ids, finish = token_ids[:num_kept], "stop"
         self.seq.extend(token_ids)
         stats = self.stats
         stats.steps += 1
@@ -151,10 +155,7 @@ class Row:
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         stats.decode_seconds = now - self.first_token_at
-        text = self.assembler.add(token_ids)
-        if self.assembler.stopped:
-            finish = "stop"
-        elif finish is None and stats.num_generated >= self.request.max_new_tokens:
+        if finish is None and stats.num_generated >= self.request.max_new_tokens:
             finish = "length"
         if finish is not None:
             text += self.assembler.flush()
@@ -183,7 +184,16 @@ class Row:
         )
 
     def _log(self) -> GenerationLog:
-        """Moves the log data to the CPU once, at the end (no per-step syncs)."""
+        """Moves the log data to the CPU once, at the end (no per-step syncs).
+
+        The record holds the answer's tokens and one target distribution per token: what a
+        step verified past a stop string, a stop token or the budget is left out of both, so
+        they stay aligned. Keeping those positions would make the training data depend on
+        the method, and favour positions where the draft agreed (only a step that accepted
+        past the stop reaches them). The steps' drafted and accepted counts and draft
+        probabilities stay whole: they describe verification that happened, and the trainer
+        skips positions past the last token (``trainer.examples.rejected_positions``).
+        """
         request, num_generated = self.request, self.stats.num_generated
         ids = [i for i, _ in self.log_rows] or [torch.zeros(0, 1, dtype=torch.int64)]
         probs = [p for _, p in self.log_rows] or [torch.zeros(0, 1)]
