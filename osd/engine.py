@@ -21,10 +21,11 @@ from transformers import PreTrainedModel
 from osd.generation import GenerationResult, StreamChunk
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
+from osd.spec.forward import ModelPair
 from osd.spec.goodput import GoodputController
 from osd.spec.kv_cache import SlotKVCache
 from osd.spec.rows import DecodeRequest, Row
-from osd.spec.step import VERIFIERS, ModelPair, prefill, run_step
+from osd.spec.step import VERIFIERS, prefill, run_step
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "RequestOptions", "SpeculativeDecoder"]
 
