@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osd.closing import Closeable
+from osd.process import mark_long_lived
 
 __all__ = ["Supervised", "Supervisor"]
 
@@ -74,6 +75,7 @@ class Supervisor(Closeable):
         self._say = say
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._idle = threading.Event()  # set once the thread stopped checking
         self._thread = threading.Thread(target=self._run, name="stack-supervisor", daemon=True)
 
     def start(self) -> Supervisor:
@@ -84,7 +86,7 @@ class Supervisor(Closeable):
         """Stops supervising; returns once no restart is under way."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=60)
+            self._idle.wait(timeout=60)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Per part: ``state`` (running, restarting, failed), ``restarts``, ``last_exit``."""
@@ -142,8 +144,14 @@ class Supervisor(Closeable):
         self._say(f"[osd] {part.name} restarted (restart {part.restarts})")
 
     def _run(self) -> None:
+        # What this thread restarts must die with the process, even by SIGKILL (no orphaned
+        # trainer or redis-server); Linux ties that to the thread that started the child, so
+        # the thread never returns: after close() it waits for the process to end.
+        mark_long_lived()
         while not self._stop.wait(self.interval_s):
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - supervision must outlive any surprise
                 logger.exception("stack supervisor")
+        self._idle.set()
+        threading.Event().wait()

@@ -50,8 +50,11 @@ def loop_health(port: int) -> dict:
         return {"status": f"unanswered: {exc}"}
 
 
-@pytest.mark.parametrize("when", ["while-serving", "during-start"])
+@pytest.mark.parametrize("when", ["while-serving", "during-start", "killed"])
 def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
+    """Ctrl-C while serving (after the supervisor restarted Redis and the trainer) or during
+    start-up stops everything; SIGKILL of ``osd up`` itself takes its children with it, the
+    restarted ones included (they were started from the supervisor's thread)."""
     port = free_port()
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
@@ -74,7 +77,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
     )
     session, trainer, output = "", "", []
     try:
-        if when == "while-serving":
+        if when in ("while-serving", "killed"):
             lines = "".join(wait_for_line(process, r"Ctrl-C stops", timeout_s=240))
             session = re.search(r"ray session: (\S+)", lines).group(1)
             trainer = re.search(r"trainer pid: (\d+)", lines).group(1)
@@ -89,6 +92,16 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
                 restarted += "".join(wait_for_line(process, r" restarted \(", timeout_s=60))
             assert "redis-server died (killed by signal 9)" in restarted, restarted
             assert "trainer died (killed by signal 9)" in restarted, restarted
+            if when == "killed":
+                process.kill()
+                process.wait(timeout=30)
+                time.sleep(3)
+                try:
+                    assert processes_mentioning(str(run_dir)) == []
+                finally:  # Ray's own processes are not this test's subject
+                    for line in processes_mentioning(session):
+                        os.kill(int(line.split()[0]), signal.SIGKILL)
+                return
             deadline = time.monotonic() + 120
             while (health := loop_health(port))["status"] != "ok":
                 assert time.monotonic() < deadline, health
