@@ -1,22 +1,20 @@
-"""CPU threads and OpenMP's wait policy, before and after ``osd.threads``, alone and beside a busy
-process: a training step of the demo target (what the demo build spends its time on) and a
-batched decode step of it (what a replica does).
+"""CPU threads and OpenMP's wait policy, alone and beside a busy process: a training step of
+the demo target (what the demo build spends its time on) and a batched decode step of it (what a
+replica does).
 
-    python -m bench.bench_threads              # step times, ~3 min on 2 cores
+    python -m bench.bench_threads              # step times, a few minutes on 2 cores
     python -m bench.bench_threads --build      # also whole forced builds (~45 min on 2 cores)
     python -m bench.bench_threads --scale tiny --steps 2 --warmup 1   # smoke run, seconds
 
 Run it on a machine with nothing else running: it starts the one busy process itself (a child
 doing 512 x 512 matmuls in a loop with torch's default threads and wait policy). Each
 configuration runs in a fresh process, since OpenMP reads the wait policy when torch loads:
+2 threads (torch's default on 2 cores), 2 threads with ``OMP_WAIT_POLICY=PASSIVE``, 1 thread,
+and the build's own choice: every usable core, tuned by :class:`osd.threads.ThreadTuner`
+between that and 1 thread by measured step times (probing every 6 steps here, every 64 in the
+build). Training steps are averaged (a tuner's probes cost time too), decode steps are medians.
 
-- ``before``: torch's default thread count and wait policy (on 2 cores what the build used);
-- ``after``: the build's choice (every usable core alone) with ``OMP_WAIT_POLICY=PASSIVE``, as
-  the ``osd`` command sets it;
-- ``after, shared``: the choice of a process the local stack starts beside another
-  (``OSD_TORCH_PROCESSES=2``: a replica and the trainer).
-
-Prints a table of medians (ms) and, with ``--build``, build seconds; ``--json`` saves them.
+Prints a table (ms) and, with ``--build``, build seconds; ``--json`` saves them.
 """
 
 from __future__ import annotations
@@ -34,11 +32,14 @@ from typing import Any
 
 from bench.tables import print_table
 
+# How each configuration sets threads (the child applies it) and the environment it runs in.
 CONFIGS: dict[str, dict[str, str]] = {
-    "before": {},
-    "after": {"OMP_WAIT_POLICY": "PASSIVE"},
-    "after, shared": {"OMP_WAIT_POLICY": "PASSIVE", "OSD_TORCH_PROCESSES": "2"},
+    "2 threads": {"OSD_TORCH_THREADS": "2"},
+    "2 threads, PASSIVE": {"OSD_TORCH_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    "1 thread": {"OSD_TORCH_THREADS": "1"},
+    "tuned (osd.threads)": {},
 }
+PROBE_EVERY = 6  # the tuner's probe interval here (the build's is 64: a build has thousands)
 SITUATIONS = ("alone", "beside a busy process")
 _OURS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OSD_TORCH_THREADS", "OSD_TORCH_PROCESSES")
 _BUSY = (
@@ -96,12 +97,12 @@ def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, 
 
     from osd.demo.recipe import recipe_for
     from osd.demo.training import new_model, new_optimizer, train_step
-    from osd.threads import apply_threads
+    from osd.threads import ThreadTuner, apply_threads
 
     recipe = recipe_for(scale)
-    threads = torch.get_num_threads()
-    if config != "before":
-        threads = apply_threads("build").num_threads
+    threads = apply_threads("build").num_threads
+    used: list[int] = []
+    tuner = ThreadTuner((threads, 1), set_threads=torch.set_num_threads, probe_every=PROBE_EVERY)
     vocab = recipe.tokenizer.vocab_size
     model = new_model(recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
     train = recipe.target_train
@@ -110,10 +111,14 @@ def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, 
     batch = torch.randint(3, vocab, (train.batch_size, train.seq_len + 1), generator=gen)
     train_s = []
     for step in range(warmup + steps):
+        tuner.before_step()
+        used.append(tuner.threads)
         started = time.perf_counter()
         train_step(model, opt, batch, train, step)
         train_s.append(time.perf_counter() - started)
+        tuner.after_step(train_s[-1])
     model.eval()
+    torch.set_num_threads(threads)
     decode_s = []
     with torch.inference_mode():
         prompt = batch[:, : min(64, train.seq_len)]  # (B, P): 8 rows at full scale
@@ -127,19 +132,19 @@ def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, 
             decode_s.append(time.perf_counter() - started)
     return {
         "threads": threads,
+        "threads_used": used[warmup:],
         "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
-        "train_ms": _median_ms(train_s[warmup:]),
+        "train_ms": 1000 * statistics.mean(train_s[warmup:]),  # the mean: probes cost too
         "decode_ms": _median_ms(decode_s[warmup:]),
     }
 
 
 def _build_child(config: str, scale: str) -> dict[str, Any]:
     """Times a whole forced build (every stage) into a temporary cache."""
-    import torch
 
     from osd.demo import build_demo_models
 
-    threads = None if config != "before" else torch.get_num_threads()
+    threads = int(os.environ.get("OSD_TORCH_THREADS", "0")) or None
     with tempfile.TemporaryDirectory() as cache:
         started = time.perf_counter()
         build_demo_models(cache, scale, progress=False, force=True, num_threads=threads)
@@ -173,13 +178,14 @@ def _print(results: dict[str, dict[str, dict[str, Any]]], build: bool) -> None:
         row += [f"{r[config][key]:.1f}" for key in ("train_ms", "decode_ms") for r in (alone, busy)]
         row += [f"{r[config]['build_s']:.0f}" for r in (alone, busy)] if build else []
         rows.append(row)
-    print_table("demo target, median step (ms); busy: beside one busy torch process", header, rows)
+    title = "demo target: training step (mean ms), decode step (median ms); busy: beside one busy"
+    print_table(title + " torch process", header, rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--scale", choices=["tiny", "full"], default="full")
-    parser.add_argument("--steps", type=int, default=10, help="timed training steps (median)")
+    parser.add_argument("--steps", type=int, default=24, help="timed training steps (mean)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--build", action="store_true", help="also time whole forced builds")
     parser.add_argument("--json", default="", help="also write the results to this file")

@@ -12,7 +12,6 @@ import sys
 from collections.abc import Sequence
 
 from osd.config import ConfigError
-from osd.threads import ensure_wait_policy
 
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS = {
@@ -22,10 +21,6 @@ SUBCOMMANDS = {
     "demo": ("serving.demo_job", "the main job: the whole online loop on shifting traffic"),
     "train": ("trainer.cli", "run the online distillation worker: records in, adapters out"),
 }
-# Subcommands that run torch in this process (the demo build, the trainer): worth starting
-# again when torch was loaded before the wait policy was set (importing the osd package loads
-# it). ``serve`` only starts processes, which inherit the policy.
-_TORCH_IN_PROCESS = frozenset({"demo-models", "demo", "up", "train"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,9 +30,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the subcommand")
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     module_name, _ = SUBCOMMANDS[args.command]
-    if argv is None:  # this process is the osd command (not a caller's library call)
-        # May start this process again, once, with the same command line.
-        ensure_wait_policy(sys.orig_argv if args.command in _TORCH_IN_PROCESS else None)
     try:
         return int(importlib.import_module(module_name).main(args.args) or 0)
     except ConfigError as e:  # a config that cannot be used: one line, no traceback

@@ -4,22 +4,25 @@ Every osd process that runs torch on a CPU (the demo build, a replica's decode l
 trainer, the benchmarks) takes its intra-op thread count from :func:`choose_threads`: the cores
 it may use, how many torch processes of osd share them, and an override if there is one.
 
-Why (issue 17; one training step of the demo target on 2 cores): alone, 356 ms with 2 threads;
-beside one busy process, 1,278 ms with 2 threads, 807 ms with ``OMP_WAIT_POLICY=PASSIVE`` and
-631 ms with 1 thread. OpenMP's worker threads spin at every barrier while the thread they wait
-for is descheduled in favour of the other process. Hence:
+Why (issue 17; one training step of the demo target on 2 cores, bench/bench_threads.py and
+docs/demo_models.md): alone, 2 threads take 0.34-0.37 s and 1 thread 0.61-0.64 s; beside one
+busy torch process 2 threads took 1.1 s in one run and 14.9 s in another (OpenMP's workers
+spin at every barrier while the thread they wait for is descheduled), 1 thread 0.90-0.95 s.
+Hence:
 
 - threads: every usable core when alone; an even share of them when the local stack runs a
   replica and a trainer side by side (it tells its children so through
   ``OSD_TORCH_PROCESSES``, see :func:`child_env`);
-- wait policy: ``PASSIVE`` (idle workers sleep) unless the user set one. OpenMP reads it when
-  the library loads, at ``import torch``, so it has to be in the environment before that:
-  :func:`ensure_wait_policy` sets it for the ``osd`` command and :func:`child_env` for child
-  processes and Ray workers.
+- a long CPU training loop (the demo build) measures whether fewer threads would be faster
+  now and switches (:class:`ThreadTuner`), since a busy neighbour comes and goes;
+- the wait policy stays OpenMP's default: ``OMP_WAIT_POLICY=PASSIVE`` avoided the worst case
+  beside a busy process but cost 25 % per training step alone and made a decode step 3-4x
+  slower (4.7 -> 12.3 ms; 3.3 -> 13.1 ms). A user's own ``OMP_WAIT_POLICY`` is passed on to
+  the stack's children.
 
 Overrides, strongest first: a count in config (``serve.torch_threads``,
 ``trainer.torch_threads``) or on a command line (``--threads``); ``OSD_TORCH_THREADS``; then the
-automatic choice. A user's own ``OMP_WAIT_POLICY`` is kept.
+automatic choice.
 """
 
 from __future__ import annotations
@@ -27,21 +30,19 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 __all__ = [
-    "DEFAULT_WAIT_POLICY",
     "ENV_PROCESSES",
     "ENV_THREADS",
     "Role",
     "ThreadChoice",
+    "ThreadTuner",
     "apply_threads",
     "child_env",
     "choose_threads",
-    "ensure_wait_policy",
     "quota_cores",
     "threads_applied",
     "threads_for",
@@ -52,7 +53,6 @@ Role = Literal["build", "replica", "trainer", "bench"]
 ENV_THREADS = "OSD_TORCH_THREADS"  # the user's count for every osd process
 ENV_PROCESSES = "OSD_TORCH_PROCESSES"  # torch processes sharing the cores, set by the stack
 ENV_WAIT_POLICY = "OMP_WAIT_POLICY"
-DEFAULT_WAIT_POLICY = "PASSIVE"
 # Where a role's explicit count comes from, for messages.
 _REQUESTED_BY = {
     "build": "--threads",
@@ -240,34 +240,93 @@ def child_env(num_processes: int, env: Mapping[str, str] | None = None) -> dict[
     env = os.environ if env is None else env
     out = {
         "OMP_NUM_THREADS": "1",
-        ENV_WAIT_POLICY: env.get(ENV_WAIT_POLICY) or DEFAULT_WAIT_POLICY,
         "TOKENIZERS_PARALLELISM": "false",
         ENV_PROCESSES: str(num_processes),
     }
-    if env.get(ENV_THREADS):
-        out[ENV_THREADS] = env[ENV_THREADS]
+    for name in (ENV_THREADS, ENV_WAIT_POLICY):  # the user's, passed on
+        if env.get(name):
+            out[name] = env[name]
     return out
 
 
-def ensure_wait_policy(argv: Sequence[str] | None = None) -> bool:
-    """Puts ``OMP_WAIT_POLICY=PASSIVE`` in this process's environment (children inherit it)
-    unless the user set a policy.
+class ThreadTuner:
+    """Keeps a CPU training loop on the faster of two thread counts, by measuring.
 
-    OpenMP reads the policy once, when torch loads. If torch is loaded already (importing the
-    ``osd`` package loads it) and ``argv`` is given, the process re-executes itself once with
-    that command line (``sys.orig_argv``) so the policy takes effect; it then finds it set.
+    Measured on 2 cores (demo target, one training step): alone, 2 threads take 0.34-0.37 s
+    and 1 thread 0.61-0.64 s; beside one busy torch process, 2 threads took 1.1 s in one run
+    and 14.9 s in another (OpenMP's workers spinning at barriers while the other process holds
+    a core), 1 thread 0.90-0.95 s. Which count wins changes while a build runs, as other work
+    comes and goes, so the loop measures instead of guessing: every ``probe_every`` steps it
+    runs ``probe_steps`` steps on the other count and keeps it if those were faster than the
+    recent steps by ``margin``. A probe that loses doubles the wait before the next, up to
+    ``max_every`` steps; a switch resets it.
 
-    Returns:
-        Whether the environment's policy is in effect in this process (False only when torch
-        was loaded first and ``argv`` is None).
+    Call :meth:`before_step` before each step and :meth:`after_step` with its seconds.
+
+    Args:
+        counts: (chosen, other): the loop starts on the first.
+        set_threads: applies a count (``torch.set_num_threads``).
+        on_switch: told ``(old, new, old_seconds, new_seconds)`` when the count changes.
     """
-    if os.environ.get(ENV_WAIT_POLICY):
-        return True
-    os.environ[ENV_WAIT_POLICY] = DEFAULT_WAIT_POLICY
-    if "torch" not in sys.modules:
-        return True
-    if argv is None:
-        return False
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, list(argv), dict(os.environ))
+
+    def __init__(
+        self,
+        counts: tuple[int, int],
+        *,
+        set_threads: Callable[[int], None],
+        on_switch: Callable[[int, int, float, float], None] | None = None,
+        probe_every: int = 64,
+        probe_steps: int = 2,
+        max_every: int = 1024,
+        margin: float = 0.1,
+    ) -> None:
+        if min(counts) < 1 or probe_every < 1 or probe_steps < 1 or not 0 <= margin < 1:
+            raise ValueError(
+                "need counts >= 1, probe_every >= 1, probe_steps >= 1, margin in [0,1)"
+            )
+        self.current, self.other = counts
+        self.probe_every, self.probe_steps = probe_every, probe_steps
+        self.max_every, self.margin = max(max_every, probe_every), margin
+        self._set, self._on_switch = set_threads, on_switch
+        self._wait = probe_every
+        self._since_probe = 0
+        self._recent: float | None = None  # moving average of the current count's steps
+        self._probe: list[float] = []
+        self._probing = False
+        self._applied = 0
+
+    @property
+    def threads(self) -> int:
+        """The count the next step runs with."""
+        return self.other if self._probing else self.current
+
+    def before_step(self) -> None:
+        if self.threads != self._applied:
+            self._set(self.threads)
+            self._applied = self.threads
+
+    def after_step(self, seconds: float) -> None:
+        if self.current == self.other:
+            return
+        if self._probing:
+            self._probe.append(seconds)
+            if len(self._probe) >= self.probe_steps:
+                self._end_probe()
+            return
+        recent = self._recent
+        self._recent = seconds if recent is None else recent + 0.25 * (seconds - recent)
+        self._since_probe += 1
+        if self._since_probe >= self._wait:
+            self._probing, self._probe = True, []
+
+    def _end_probe(self) -> None:
+        probe = sum(self._probe) / len(self._probe)
+        recent = self._recent if self._recent is not None else probe
+        self._probing, self._since_probe = False, 0
+        if probe < recent * (1 - self.margin):
+            old, self.current, self.other = self.current, self.other, self.current
+            self._recent, self._wait = probe, self.probe_every
+            if self._on_switch is not None:
+                self._on_switch(old, self.current, recent, probe)
+        else:
+            self._wait = min(self.max_every, 2 * self._wait)

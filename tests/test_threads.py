@@ -1,21 +1,18 @@
 """The thread chooser: every core alone, an even share when osd's torch processes share them,
-an explicit count (config before ``OSD_TORCH_THREADS``) always; PASSIVE unless the user chose."""
+an explicit count (config before ``OSD_TORCH_THREADS``) always; the user's wait policy passed on;
+and the tuner that moves a training loop to the faster thread count by measuring."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from osd.threads import (
     ThreadChoice,
+    ThreadTuner,
     child_env,
     choose_threads,
-    ensure_wait_policy,
     quota_cores,
     threads_for,
 )
@@ -98,7 +95,6 @@ def test_describe_says_what_was_chosen_and_why(choice, line):
 def test_child_env_shares_the_cores_and_keeps_the_users_choices():
     assert child_env(2, {}) == {
         "OMP_NUM_THREADS": "1",
-        "OMP_WAIT_POLICY": "PASSIVE",
         "TOKENIZERS_PARALLELISM": "false",
         "OSD_TORCH_PROCESSES": "2",
     }
@@ -111,8 +107,9 @@ def test_a_child_of_the_stack_takes_its_share(monkeypatch):
     for name, value in child_env(2, {}).items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("OSD_TORCH_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     choice = threads_for("trainer", 0, requested_by="trainer.torch_threads")
-    assert (choice.num_threads, choice.num_processes, choice.wait_policy) == (2, 2, "PASSIVE")
+    assert (choice.num_threads, choice.num_processes, choice.wait_policy) == (2, 2, "")
 
 
 @pytest.mark.parametrize(
@@ -123,31 +120,46 @@ def test_cgroup_quota_in_whole_cores(cpu_max, cores):
     assert quota_cores(cpu_max) == cores
 
 
-def test_wait_policy_is_set_for_children_and_the_users_is_kept(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    # torch is loaded in the test process, so without a command line to re-execute the policy
-    # is only in effect for children.
-    assert ensure_wait_policy(None) is False
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert ensure_wait_policy(None) is True
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+class Machine:
+    """Step times that depend on the thread count and on whether a neighbour is busy."""
+
+    def __init__(self, alone: dict[int, float], busy: dict[int, float]) -> None:
+        self.times, self.busy, self.threads = {False: alone, True: busy}, False, 0
+
+    def set(self, threads: int) -> None:
+        self.threads = threads
+
+    def step(self) -> float:
+        return self.times[self.busy][self.threads]
 
 
-def test_a_process_that_loaded_torch_first_re_executes_itself_once_with_the_policy():
-    # osd/threads.py alone, with a stand-in for torch: fast, and no real OpenMP needed.
-    code = (
-        "import importlib.util, os, sys\n"
-        f"spec = importlib.util.spec_from_file_location('threads', {str(THREADS_PY)!r})\n"
-        "threads = sys.modules['threads'] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(threads)\n"
-        "print('run', os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
-        "sys.modules['torch'] = object()\n"
-        "print('in effect', threads.ensure_wait_policy(sys.orig_argv))\n"
+def run(tuner: ThreadTuner, machine: Machine, steps: int) -> list[int]:
+    used = []
+    for _ in range(steps):
+        tuner.before_step()
+        used.append(machine.threads)
+        tuner.after_step(machine.step())
+    return used
+
+
+def test_tuner_moves_to_one_thread_while_a_neighbour_is_busy_and_back_when_it_leaves():
+    # The measured step times of the demo target on 2 cores (osd.threads' docstring).
+    machine = Machine(alone={2: 0.35, 1: 0.62}, busy={2: 1.3, 1: 0.92})
+    switches = []
+    tuner = ThreadTuner(
+        (2, 1), set_threads=machine.set, on_switch=lambda *a: switches.append(a), probe_every=8
     )
-    assert importlib.util.find_spec("torch") is not None
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert done.stdout.splitlines() == ["run None", "run PASSIVE", "in effect True"], done.stderr
+    alone = run(tuner, machine, 100)
+    assert alone[:8] == [2] * 8 and alone.count(1) <= 2 * 4  # probes only, rarer each time
+    machine.busy = True
+    busy = run(tuner, machine, 100)
+    assert busy[-50:].count(1) >= 46 and switches[0][:2] == (2, 1)
+    machine.busy = False
+    back = run(tuner, machine, 300)
+    assert back[-50:].count(2) >= 46 and switches[-1][:2] == (1, 2)
+
+
+def test_tuner_with_one_count_never_probes():
+    machine = Machine(alone={1: 0.5}, busy={1: 0.5})
+    tuner = ThreadTuner((1, 1), set_threads=machine.set, probe_every=1)
+    assert run(tuner, machine, 20) == [1] * 20

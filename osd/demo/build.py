@@ -155,6 +155,7 @@ class _Context:
     root: Path
     progress: Progress
     on_train_step: Callable[[str, int], None] | None
+    tune_threads: bool = False  # the thread count was chosen automatically: tune it
 
 
 def _corpus_stage(ctx: _Context, out: Path) -> dict[str, Any]:
@@ -205,6 +206,7 @@ def _model_stage(ctx: _Context, out: Path, role: str) -> dict[str, Any]:
         progress=ctx.progress,
         name=role,
         on_step=(lambda step: hook(role, step)) if hook else None,
+        tune_threads=ctx.tune_threads,
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -305,7 +307,9 @@ def build_demo_models(
         stop_after_stage: return after this stage (e.g. ``"corpus"`` for the workloads only).
         num_threads: torch threads while building (restored after); None: chosen from the
             cores this process may use (:mod:`osd.threads`; ``OSD_TORCH_THREADS`` overrides).
-            The weights depend slightly on the count: pin it to reproduce them elsewhere.
+            Chosen, it may drop to 1 while that is measurably faster (a busy neighbour:
+            :class:`osd.threads.ThreadTuner`). The weights depend slightly on the count: pin it
+            to reproduce them elsewhere.
         on_train_step: called as ``(stage, finished_steps)`` after each training step; tests
             raise from it to simulate an interruption.
 
@@ -329,6 +333,7 @@ def build_demo_models(
         threads_applied("build", num_threads or 0) as threads,
     ):
         reporter.message(f"[osd demo-models] {threads.describe()}")
+        ctx.tune_threads = threads.source == "auto" and threads.num_threads > 1
         (root / "recipe.json").write_text(
             json.dumps({"hash": recipe.hash, "recipe": recipe.to_dict()}, indent=2)
         )

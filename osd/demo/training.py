@@ -23,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from osd.demo.progress import Progress
 from osd.demo.recipe import ModelRecipe, TrainRecipe
+from osd.threads import ThreadTuner
 
 __all__ = [
     "TrainResult",
@@ -212,6 +213,7 @@ def train_model(
     progress: Progress,
     name: str,
     on_step: Callable[[int], None] | None = None,
+    tune_threads: bool = False,
 ) -> TrainResult:
     """Trains ``model`` in place for ``recipe.steps`` steps, resuming from ``checkpoint_dir``.
 
@@ -225,6 +227,9 @@ def train_model(
         name: label for the progress output.
         on_step: called with the number of finished steps after each step (and checkpoint);
             tests use it to simulate an interruption.
+        tune_threads: move between the current torch thread count and 1 by measured step
+            times (:class:`osd.threads.ThreadTuner`: a busy neighbour makes 1 thread faster);
+            the count in force before comes back at the end.
     """
     started = time.perf_counter()
     opt = new_optimizer(model, recipe)
@@ -232,10 +237,22 @@ def train_model(
     resumed_from = len(losses)
     model.train()
     bar = progress.training(name, recipe.steps, resumed_from, recipe.batch_size * recipe.seq_len)
+    threads = torch.get_num_threads()
+    tuner = ThreadTuner(
+        (threads, 1 if tune_threads else threads),
+        set_threads=torch.set_num_threads,
+        on_switch=lambda old, new, was, now: progress.message(
+            f"[osd demo-models] {name}: torch threads {old} -> {new} "
+            f"({was:.2f} -> {now:.2f} s a step)"
+        ),
+    )
     try:
         for step in range(resumed_from, recipe.steps):
             batch = sample_batch(streams, recipe, step)  # (B, T + 1)
+            tuner.before_step()
+            started = time.perf_counter()
             losses.append(train_step(model, opt, batch, recipe, step))
+            tuner.after_step(time.perf_counter() - started)
             bar.update(step + 1, losses[-1])
             if (step + 1) % recipe.checkpoint_every == 0 and step + 1 < recipe.steps:
                 _save_checkpoint(checkpoint_dir, model, opt, key, losses)
@@ -244,4 +261,5 @@ def train_model(
     finally:
         bar.close()
         model.eval()
+        torch.set_num_threads(threads)
     return TrainResult(losses, resumed_from, time.perf_counter() - started)
