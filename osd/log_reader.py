@@ -28,13 +28,13 @@ counted (`redelivered`); the reader remembers its last `remember_acks` acknowled
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
@@ -42,6 +42,7 @@ import redis
 
 from osd.record import Record, RecordVersionError
 from osd.redis_server import check_credentials, connect, redact_url
+from osd.stream_info import ReaderMetrics, group_info, text
 
 __all__ = ["LogReader", "ReaderMetrics"]
 
@@ -52,40 +53,6 @@ _REMEMBER_ACKS = 65_536
 # Errors that pass by themselves: an outage, or a full Redis (maxmemory) refusing a write.
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError)
 _Entry = tuple[bytes, dict[bytes, bytes] | None]
-
-
-@dataclass(frozen=True)
-class ReaderMetrics:
-    """A snapshot of the stream, the group and this reader's counters.
-
-    Fields read from Redis are None when it cannot be reached.
-
-    Attributes:
-        stream_length: entries in the stream (XLEN).
-        pending: entries delivered to the group and not yet acknowledged.
-        last_delivered_id: the group's last delivered entry id.
-        lag: entries not yet delivered to the group (Redis >= 7; None if unknown).
-        dead_letters: entries in the dead-letter stream.
-        read: entries this reader returned (new or claimed).
-        claimed: entries this reader took over from other consumers.
-        acked: entries this reader acknowledged.
-        dead_lettered: entries this reader moved to the dead-letter stream.
-        redelivered: entries delivered again after this reader had acknowledged them (or while
-            their acknowledgement waited for Redis); not returned, acknowledged again.
-        connected: whether the last call to Redis succeeded.
-    """
-
-    stream_length: int | None
-    pending: int | None
-    last_delivered_id: str | None
-    lag: int | None
-    dead_letters: int | None
-    read: int
-    claimed: int
-    acked: int
-    dead_lettered: int
-    redelivered: int
-    connected: bool
 
 
 class LogReader:
@@ -206,7 +173,7 @@ class LogReader:
             )
             if response is None:
                 break
-            cursor = _text(response[0])
+            cursor = text(response[0])
             entries.extend(e for e in response[1] if e[0] is not None)  # None: deleted (Redis 6)
             if cursor == "0-0":
                 break
@@ -219,7 +186,7 @@ class LogReader:
         waiting = set(self._ack_backlog)
         out = []
         for entry in entries:
-            entry_id = _text(entry[0])
+            entry_id = text(entry[0])
             if entry_id in waiting:
                 self._counts["redelivered"] += 1
             elif entry_id in self._acked:
@@ -307,24 +274,16 @@ class LogReader:
         pipe.xinfo_groups(self.stream)
         pipe.xlen(self.dead_stream)
         length, groups, dead = pipe.execute()
-        group = next((g for g in groups if _text(g["name"]) == self.group), None)
-        if group is None:
+        info = group_info(groups, self.group)
+        if info is None:
             return {"stream_length": length, "dead_letters": dead}
-        last = group.get("last-delivered-id")
-        lag = group.get("lag")
-        return {
-            "stream_length": length,
-            "pending": int(group["pending"]),
-            "last_delivered_id": _text(last) if last is not None else None,
-            "lag": int(lag) if lag is not None else None,
-            "dead_letters": dead,
-        }
+        return {"stream_length": length, "dead_letters": dead, **dataclasses.asdict(info)}
 
     def _decode(self, entries: list[_Entry], *, fresh: bool) -> list[tuple[str, Record]]:
         """Decodes entries; dead-letters the corrupt ones and the over-delivered foreign ones."""
         out = []
         for raw_id, fields in entries:
-            entry_id = _text(raw_id)
+            entry_id = text(raw_id)
             try:
                 if not fields or b"r" not in fields:
                     raise ValueError(f"entry has no 'r' field: {sorted(fields or {})}")
@@ -435,7 +394,3 @@ class LogReader:
         self._retry_at = time.monotonic() + self._backoff_s
         if wait:
             time.sleep(self._backoff_s)
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

@@ -23,6 +23,7 @@ import redis
 from osd.adapter_store import AdapterStore, AdapterStoreError
 from osd.loop_status import read_beat, trainer_beat_key
 from osd.redis_server import connect, redact_url
+from osd.stream_info import read_group_info
 
 __all__ = ["HealthLimits", "LoopHealth", "PARTS"]
 
@@ -216,16 +217,14 @@ class LoopHealth:
 
     def _group_info(self) -> dict[str, Any]:
         assert self._client is not None
-        try:
-            groups: list[dict[Any, Any]] = self._client.xinfo_groups(self.stream)  # type: ignore[assignment]
-        except redis.ResponseError:  # no stream yet: nothing logged, nothing to consume
-            return {"lag": 0, "pending": 0}
-        for group in groups:
-            name = group.get("name")
-            if (name.decode() if isinstance(name, bytes) else name) == self.group:
-                lag = group.get("lag")
-                return {"lag": None if lag is None else int(lag), "pending": int(group["pending"])}
-        return {"lag": None, "pending": 0}
+        info = read_group_info(self._client, self.stream, self.group)
+        if info is None:  # no stream or no group yet: nothing delivered, nothing pending
+            return {"lag": 0 if self._stream_missing() else None, "pending": 0}
+        return {"lag": info.lag, "pending": info.pending}
+
+    def _stream_missing(self) -> bool:
+        assert self._client is not None
+        return not self._client.exists(self.stream)
 
     def _adapters(self, now: float, store: dict[str, Any]) -> dict[str, Any]:
         published = store.get("published")
