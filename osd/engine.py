@@ -53,12 +53,14 @@ class RequestOptions(TypedDict, total=False):
     adapter: str | None
     log: bool
     route: str
+    logprobs: int | None
 
 
 # Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
 MAX_SPEC_TOKENS = 64
 MAX_DRAFTS = 64
 METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat top_logprobs
 
 
 class SpeculativeDecoder:
@@ -182,6 +184,7 @@ class SpeculativeDecoder:
         adapter: str | None = None,
         log: bool = True,
         route: str = "",
+        logprobs: int | None = None,
     ) -> DecodeRequest:
         """Validates one request's arguments; raises ValueError naming the bad one.
 
@@ -206,6 +209,9 @@ class SpeculativeDecoder:
             log: collect per-request log data (default True).
             route: what the controller's statistics are kept by beside the adapter (e.g. the
                 request's domain).
+            logprobs: report each emitted token's logprob and this many most likely
+                alternatives (0..20) in the chunks and the result; None (default): none. From
+                the target's raw distribution (:mod:`osd.spec.logprobs` says why).
 
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
@@ -224,6 +230,8 @@ class SpeculativeDecoder:
             raise ValueError(f"num_drafts (K) must be in 1..{MAX_DRAFTS}, got {num_drafts}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} or None, got {logprobs}")
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -268,6 +276,7 @@ class SpeculativeDecoder:
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             auto_spec=auto_spec,
             route=route,
+            logprobs=logprobs,
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

@@ -24,6 +24,7 @@ __all__ = [
     "RequestSettings",
     "StreamChunk",
     "TextAssembler",
+    "TokenLogprob",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -163,12 +164,32 @@ class GenerationLog:
 
 
 @dataclass
+class TokenLogprob:
+    """An emitted token's log probability and the most likely tokens at its position.
+
+    From the target's raw distribution (log-softmax of its logits before temperature,
+    penalties, bias and truncation; see :mod:`osd.spec.logprobs`).
+
+    Attributes:
+        logprob: the emitted token's.
+        top: up to the requested number of (token id, logprob), most likely first.
+    """
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class StreamChunk:
-    """Tokens verified in one step and the text they add (may be empty while held back)."""
+    """Tokens verified in one step and the text they add (may be empty while held back).
+
+    ``logprobs``, when the request asked for them, has one entry per token of ``token_ids``.
+    """
 
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -183,6 +204,7 @@ class GenerationResult:
         finish_reason: ``"stop"`` (end of sequence or a stop string) or ``"length"``.
         stats: speculative decoding counts.
         log: per-request log data; None when logging was not requested.
+        logprobs: one entry per token of ``token_ids`` when the request asked for them.
     """
 
     token_ids: list[int]
@@ -190,6 +212,7 @@ class GenerationResult:
     finish_reason: FinishReason
     stats: GenerationStats
     log: GenerationLog | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TextAssembler:

@@ -22,6 +22,7 @@ from osd.generation import (
     RequestSettings,
     StreamChunk,
     TextAssembler,
+    TokenLogprob,
 )
 from osd.sampling import SamplingParams
 from osd.spec import rng
@@ -50,6 +51,8 @@ class DecodeRequest:
     # statistics key beside the adapter (e.g. the request's domain).
     auto_spec: bool = False
     route: str = ""
+    # Alternatives per token of OpenAI's logprobs (0..20); None: no logprobs.
+    logprobs: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -91,6 +94,7 @@ class Row:
     draft_token_probs: list[torch.Tensor] = field(default_factory=list)
     log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     on_chunk: Callable[[StreamChunk], None] | None = None
@@ -134,8 +138,13 @@ class Row:
         num_accepted: int,
         next_token: int,
         num_drafted: int,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> StreamChunk:
-        """Takes a verified step: the kept drafts and the next token; returns its chunk."""
+        """Takes a verified step: the kept drafts and the next token; returns its chunk.
+
+        ``logprobs`` (rows that asked) has an entry per position of the step's tokens; those
+        of the tokens kept go with them.
+        """
         self.step += 1
         token_ids, finish = _truncate(
             [*drafted[:num_accepted], next_token], self.remaining, self.request.stop_token_ids
@@ -160,10 +169,12 @@ class Row:
         if finish is not None:
             text += self.assembler.flush()
             self.finish_reason = finish
-        return self._chunk(StreamChunk(token_ids, text, finish))
+        kept = None if logprobs is None else logprobs[: len(token_ids)]
+        return self._chunk(StreamChunk(token_ids, text, finish, kept))
 
     def _chunk(self, chunk: StreamChunk) -> StreamChunk:
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs or [])
         self.text.append(chunk.text)
         if self.on_chunk is not None:
             self.on_chunk(chunk)
@@ -181,6 +192,7 @@ class Row:
             finish_reason=self.finish_reason or "length",
             stats=self.stats,
             log=self._log() if self.request.log_top_m else None,
+            logprobs=None if self.request.logprobs is None else list(self.logprobs),
         )
 
     def _log(self) -> GenerationLog:

@@ -30,6 +30,7 @@ from osd.spec.forward import (
     run_model,
     top_m_distribution,
 )
+from osd.spec.logprobs import PendingLogprobs, gather_logprobs
 from osd.spec.rows import Row
 from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
 
@@ -109,12 +110,48 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
     tokens = sample_from_probs(probs, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION)))
     if any(row.request.log_top_m for row in rows):
         top_ids, top_probs = top_m_distribution(logits.unsqueeze(1), pair.log_top_m)  # (P, 1, m)
+    zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
+    on_way = _start_logprobs(  # no drafts: the first token is position 0
+        rows,
+        logits.unsqueeze(1),
+        torch.arange(len(rows), device=device),
+        zeros[:, None][:, :0],
+        zeros,
+        tokens,
+    )
+    token_list = tokens.tolist()  # the host sync
+    logprobs = {} if on_way is None else on_way.rows()
     chunks = []
-    for i, (row, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+    for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
         if row.request.log_top_m:
             row.log_rows.append((top_ids[i], top_probs[i]))
-        chunks.append(row.emit([], 0, token, 0))
+        chunks.append(row.emit([], 0, token, 0, logprobs.get(i)))
     return chunks
+
+
+def _start_logprobs(
+    rows: list[Row],
+    logits: torch.Tensor,
+    logits_row: torch.Tensor,
+    accepted_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    next_ids: torch.Tensor,
+) -> PendingLogprobs | None:
+    """Starts the logprobs of the rows that ask for them; None (and no work) when none does.
+
+    Args:
+        logits: (R, T, V) the target's logits; position i after a row's i-th emitted token.
+        logits_row: (B,) each row's row of ``logits`` (its chosen branch).
+        accepted_ids, num_accepted, next_ids: (B, T - 1), (B,), (B,) the step's tokens: the
+            first ``num_accepted`` drafts, then the next token.
+    """
+    members = [b for b, row in enumerate(rows) if row.request.logprobs is not None]
+    if not members:
+        return None
+    emitted = torch.cat([accepted_ids, next_ids.unsqueeze(1)], dim=1)  # (B, T)
+    emitted.scatter_(1, num_accepted.unsqueeze(1), next_ids.unsqueeze(1))
+    num_top = [rows[b].request.logprobs or 0 for b in members]
+    return gather_logprobs(logits, logits_row, emitted, members, num_top)
 
 
 @dataclass
@@ -231,6 +268,14 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         )  # (B, k + 1, m)
         chosen_q = drafts.probs[everyone, verified.draft_index, :width]  # (B, k, V)
         draft_token_probs = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+    on_way = _start_logprobs(
+        rows,
+        logits,
+        first_row + verified.draft_index,
+        chosen_ids,
+        verified.num_accepted,
+        verified.next_token_ids,
+    )
     # The one host sync of the step.
     packed = torch.cat(
         [
@@ -247,6 +292,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         ],
         dim=1,
     ).tolist()
+    logprobs = {} if on_way is None else on_way.rows()
     copies: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
     chunks = []
     for b, row in enumerate(rows):
@@ -268,7 +314,9 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
         if pair.controller is not None:
             pair.controller.observe_row(row.stats_key, row.request.route, num_drafted, num_accepted)
-        chunks.append(row.emit(packed[b][4:], num_accepted, next_token, num_drafted))
+        chunks.append(
+            row.emit(packed[b][4:], num_accepted, next_token, num_drafted, logprobs.get(b))
+        )
     for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):
         if copies[name]:
             moves = as_tensor(copies[name], device)  # (N, 3): src, dst, position
