@@ -22,7 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from osd.generation import GenerationResult
+from osd.generation import GenerationResult, TokenLogprob
+from serving.logprobs import LogprobFormatter
 from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
 from serving.runtime import Job, ReplicaRuntime
 
@@ -151,7 +152,8 @@ async def _handle(
     if request.stream:
         return _JobStream(runtime, job, _sse(runtime, job, kind))
     result = await runtime.complete(job)
-    body = _response(job, kind, result, runtime.config.serve.model_name)
+    logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
+    body = _response(job, kind, result, runtime.config.serve.model_name, logprobs)
     return JSONResponse(body)
 
 
@@ -199,12 +201,15 @@ def _osd_stats(job: Job, result: GenerationResult) -> dict[str, Any]:
     }
 
 
-def _response(job: Job, kind: str, result: GenerationResult, model: str) -> dict[str, Any]:
+def _response(
+    job: Job, kind: str, result: GenerationResult, model: str, logprobs: LogprobFormatter
+) -> dict[str, Any]:
     if kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
             "finish_reason": result.finish_reason,
             "message": {"role": "assistant", "content": result.text},
+            "logprobs": logprobs.format(result.token_ids, result.logprobs),
         }
         obj, prefix = "chat.completion", "chatcmpl"
     else:
@@ -212,7 +217,7 @@ def _response(job: Job, kind: str, result: GenerationResult, model: str) -> dict
             "index": 0,
             "text": result.text,
             "finish_reason": result.finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs.format(result.token_ids, result.logprobs),
         }
         obj, prefix = "text_completion", "cmpl"
     return {
@@ -239,19 +244,30 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n".encode()
 
+    formatter = LogprobFormatter(runtime.engine.tokenizer, chat)
+    # Tokens whose text is held back (a possible stop string) send their logprobs with the
+    # next event that has text, so every token's logprobs arrive, in order.
+    held_ids: list[int] = []
+    held: list[TokenLogprob] | None = None
+
     def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+        logprobs = formatter.format(held_ids, held)
         if chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": finish}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
     first = True
     try:
         async with contextlib.aclosing(runtime.stream(job)) as chunks:
             async for chunk in chunks:
+                held_ids += chunk.token_ids
+                if chunk.logprobs is not None:
+                    held = (held or []) + chunk.logprobs
                 if chunk.text or chunk.finish_reason or first:
                     yield event([choice(chunk.text, chunk.finish_reason, first)])
                     first = False
+                    held_ids, held = [], None if held is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         logger.exception("stream failed after its first byte: %s", exc)
         yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n".encode()

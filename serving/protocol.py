@@ -11,7 +11,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from osd.record import MAX_ID_BYTES
 from osd.sampling import GREEDY_BELOW
@@ -174,6 +183,26 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
+    # OpenAI's legacy completions: the sampled token's logprob and this many alternatives.
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    top_logprobs: None = None  # chat's field; refused here rather than ignored
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, logprobs: Any) -> Any:
+        return None if logprobs is False else logprobs  # the no-op clients send
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _no_top_logprobs(cls, top_logprobs: Any) -> None:
+        if top_logprobs not in (None, 0):
+            raise ValueError("is a chat field; completions take logprobs: n (0..5)")
+        return None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report; None: no logprobs."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -204,6 +233,21 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        # As OpenAI: alternatives without the tokens' own logprobs are an error.
+        if top and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs: true")
+        return top
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report; None: no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(

@@ -189,6 +189,7 @@ class ReplicaRuntime:
             adapter=lease.peft_name,
             log=self.log_writer is not None and request.log,
             route=request.domain or "",
+            logprobs=request.num_logprobs,
         )
         return self.batch.submit(prepared)
 
@@ -380,6 +381,7 @@ def _merged(chunks: list[StreamChunk]) -> StreamChunk:
         [token for chunk in chunks for token in chunk.token_ids],
         "".join(chunk.text for chunk in chunks),
         chunks[-1].finish_reason,
+        None if chunks[0].logprobs is None else [e for c in chunks for e in c.logprobs or []],
     )
 
 

@@ -57,8 +57,8 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "prompt_cache_options": ({"mode": "explicit", "ttl": "30m"}, ACCEPTED),
     "parallel_tool_calls": (False, ACCEPTED),
     "n": (2, REFUSE),
-    "logprobs": (2, REFUSE),  # chat: true (CHAT_VALUES)
-    "top_logprobs": (2, REFUSE),
+    "logprobs": (2, ACCEPTED),  # chat: true (CHAT_VALUES)
+    "top_logprobs": (2, ACCEPTED),  # chat only, beside logprobs: true (WITH)
     "echo": (True, REFUSE),
     "best_of": (2, REFUSE),
     "suffix": (" the end", REFUSE),
@@ -78,6 +78,7 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "moderation": ({"model": "omni-moderation-latest"}, REFUSE),
 }
 CHAT_VALUES = {"logprobs": True}
+WITH = {"top_logprobs": {"logprobs": True}}  # fields a non-default value needs beside it
 
 # field -> its no-op values, which clients (LangChain and others) send on every request
 DEFAULTS: dict[str, list[Any]] = {
@@ -161,7 +162,7 @@ def test_every_openai_field_has_a_row(kind):
 def test_a_field_that_asks_for_something_is_used_or_refused_by_name(replica, kind, field):
     value, outcome = NON_DEFAULT[field]
     value = CHAT_VALUES.get(field, value) if kind == "chat" else value
-    response = post(replica, kind, **{field: value})
+    response = post(replica, kind, **{field: value}, **WITH.get(field, {}))
     if outcome == REFUSE:
         assert_refused(response, field)
     else:
@@ -234,8 +235,8 @@ def test_the_official_client_sees_the_refused_field(replica):
         base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
     )
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="osd", prompt="the cat", max_tokens=2, logprobs=3)
-    assert refused.value.param == "logprobs" and refused.value.code == "unsupported_parameter"
+        client.completions.create(model="osd", prompt="the cat", max_tokens=2, echo=True)
+    assert refused.value.param == "echo" and refused.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as typo:
         client.chat.completions.create(
             model="osd",

@@ -1,0 +1,69 @@
+"""OpenAI's ``logprobs`` objects from the engine's per-token log probabilities.
+
+Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``, where
+each ``top_logprobs`` entry maps the n most likely tokens' text to their logprob and, as OpenAI
+does, always holds the sampled token too (up to n + 1 entries). Chat: ``{"content": [{"token",
+"logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is its
+own decoding; a token that is part of a multi-byte character decodes to U+FFFD. The numbers
+are the target's raw logprobs (:mod:`osd.spec.logprobs` says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from osd.generation import TokenLogprob
+
+__all__ = ["LogprobFormatter"]
+
+
+class LogprobFormatter:
+    """Formats one response's logprobs, chunk by chunk (text offsets carry on across chunks)."""
+
+    def __init__(self, tokenizer: Any, chat: bool) -> None:
+        self._tokenizer = tokenizer
+        self._chat = chat
+        self._offset = 0
+
+    def _text(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def format(
+        self, token_ids: list[int], entries: list[TokenLogprob] | None
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice (or streamed chunk) with these tokens; None if off."""
+        if entries is None:
+            return None
+        texts = [self._text(t) for t in token_ids]
+        if self._chat:
+            return {
+                "content": [
+                    {
+                        **self._chat_token(text, entry.logprob),
+                        "top_logprobs": [
+                            self._chat_token(self._text(i), lp) for i, lp in entry.top
+                        ],
+                    }
+                    for text, entry in zip(texts, entries, strict=True)
+                ]
+            }
+        offsets = []
+        for text in texts:
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [entry.logprob for entry in entries],
+            "top_logprobs": [
+                {**{self._text(i): lp for i, lp in entry.top}, text: entry.logprob}
+                for text, entry in zip(texts, entries, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+    @staticmethod
+    def _chat_token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}

@@ -1,0 +1,138 @@
+"""logprobs over HTTP with the official client: OpenAI's shapes, streamed and not, and the
+numbers equal the target alone's (issue 14, item 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+import torch
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from tests.reliability.conftest import Replica, running_replica, toy_config
+
+PROMPT = "the cat sat"
+MESSAGES = [{"role": "user", "content": "hi there"}]
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[Replica]:
+    with running_replica(toy_config()) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
+    )
+
+
+def target_logprobs(replica, token_ids: list[int]) -> torch.Tensor:
+    """The target alone's log-softmax after each generated token's prefix: (T, V)."""
+    engine = replica.runtime.engine
+    prompt = list(engine.tokenizer(PROMPT)["input_ids"])
+    with torch.no_grad():
+        logits = engine.target.model(torch.tensor([prompt + token_ids])).logits
+    return torch.log_softmax(logits[0, len(prompt) - 1 : -1, : engine.vocab_size].float(), -1)
+
+
+def test_completion_logprobs_equal_the_target_alone_streamed_and_not(replica, client):
+    out = client.completions.create(
+        model="osd", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2
+    )
+    assert isinstance(out, Completion)
+    lp = out.choices[0].logprobs
+    num = out.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num > 0
+    ids = replica.runtime.engine.generate(PROMPT, max_tokens=8, temperature=0).token_ids
+    decode = replica.runtime.engine.tokenizer.decode
+    assert lp.tokens == [decode([t]) for t in ids]
+    expected = target_logprobs(replica, ids)
+    want = expected.gather(1, torch.tensor(ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs), want, atol=1e-4, rtol=0)
+    for t, (token, top) in enumerate(zip(lp.tokens, lp.top_logprobs, strict=True)):
+        values, top_ids = expected[t].topk(2)
+        assert set(top) == {decode([i]) for i in top_ids.tolist()} | {token}
+        assert top[token] == pytest.approx(max(top.values()))  # greedy: the most likely
+        torch.testing.assert_close(
+            sorted(top.values(), reverse=True)[:2], values.tolist(), atol=1e-4, rtol=0
+        )
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:t]) for t in range(num)]
+
+    chunks = list(
+        client.completions.create(
+            model="osd", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True
+        )
+    )
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    torch.testing.assert_close(
+        [x for s in streamed for x in s.token_logprobs], lp.token_logprobs, atol=1e-5, rtol=0
+    )
+
+
+def test_chat_logprobs_shapes_streamed_and_not(client):
+    kwargs = dict(model="osd", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True)
+    out = client.chat.completions.create(top_logprobs=3, **kwargs)
+    assert isinstance(out, ChatCompletion)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens > 0
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert [e.logprob for e in entry.top_logprobs] == sorted(
+            (e.logprob for e in entry.top_logprobs), reverse=True
+        )
+    chunks = list(client.chat.completions.create(top_logprobs=3, stream=True, **kwargs))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    torch.testing.assert_close(
+        [e.logprob for e in streamed], [e.logprob for e in content], atol=1e-5, rtol=0
+    )
+    # logprobs: true alone gives each token's logprob and no alternatives.
+    alone = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert alone and all(e.top_logprobs == [] for e in alone)
+
+
+def test_a_request_without_logprobs_gets_null(replica):
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+    ):
+        for stream in (False, True):
+            response = replica.client.post(
+                path, json={"model": "osd", "max_tokens": 4, "stream": stream, **body}
+            )
+            assert response.status_code == 200
+            if stream:
+                events = [line for line in response.text.split("\n") if line.startswith("data: {")]
+                assert events and all('"logprobs": null' in e for e in events)
+            else:
+                assert response.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": 2}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_values_are_400_naming_the_field(replica, path, fields, param):
+    response = replica.client.post(path, json={"model": "osd", "max_tokens": 2, **fields})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
