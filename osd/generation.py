@@ -25,6 +25,7 @@ __all__ = [
     "StreamChunk",
     "TextAssembler",
     "TokenLogprob",
+    "merge_chunks",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -285,3 +286,15 @@ class TextAssembler:
                     longest = size
                     break
         return longest
+
+
+def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
+    """Consecutive steps' chunks as one (a consumer that fell behind takes them together)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    return StreamChunk(
+        [token for chunk in chunks for token in chunk.token_ids],
+        "".join(chunk.text for chunk in chunks),
+        chunks[-1].finish_reason,
+        None if chunks[0].logprobs is None else [e for c in chunks for e in c.logprobs or []],
+    )

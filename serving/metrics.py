@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -148,6 +149,14 @@ class ReplicaMetrics:
         for accepted in num_accepted:
             for position in range(1, accepted + 1):
                 self.accepted_at.labels(adapter, str(position)).inc()
+
+    def observe_writer(self, counts: Any) -> None:
+        """The log writer's counters (a ``WriterMetrics``), read at scrape time."""
+        self.log_written.set(counts.written)
+        self.log_dropped.set(counts.dropped)
+        self.log_opted_out.set(counts.opted_out)
+        self.log_trim_len.set(counts.trim_len)
+        self.log_record_bytes.set(counts.mean_record_bytes)
 
     def export(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,7 +22,7 @@ from typing import Any
 
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
-from osd.generation import GenerationResult, StreamChunk
+from osd.generation import GenerationResult, StreamChunk, merge_chunks
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
 from osd.spec.scheduler import BatchLimits
@@ -261,7 +261,7 @@ class ReplicaRuntime:
                         else:
                             held = following
                     job.first_token_at = job.first_token_at or time.perf_counter()
-                    yield _merged(steps)
+                    yield merge_chunks(steps)
                     continue
                 self._finish(job, item if kind == "done" else None)  # the pump is done
                 if kind == "error":
@@ -357,12 +357,7 @@ class ReplicaRuntime:
         self.metrics.batch_mean.set(loop.mean_batch)
         self.metrics.decode_steps.set(loop.steps)
         if self.log_writer is not None:
-            counts = self.log_writer.metrics()
-            self.metrics.log_written.set(counts.written)
-            self.metrics.log_dropped.set(counts.dropped)
-            self.metrics.log_opted_out.set(counts.opted_out)
-            self.metrics.log_trim_len.set(counts.trim_len)
-            self.metrics.log_record_bytes.set(counts.mean_record_bytes)
+            self.metrics.observe_writer(self.log_writer.metrics())
         return self.metrics.export()
 
     def close(self) -> None:
@@ -371,18 +366,6 @@ class ReplicaRuntime:
         self._housekeeping.shutdown(wait=False)
         if self.log_writer is not None:
             self.log_writer.close()
-
-
-def _merged(chunks: list[StreamChunk]) -> StreamChunk:
-    """Consecutive steps' chunks as one."""
-    if len(chunks) == 1:
-        return chunks[0]
-    return StreamChunk(
-        [token for chunk in chunks for token in chunk.token_ids],
-        "".join(chunk.text for chunk in chunks),
-        chunks[-1].finish_reason,
-        None if chunks[0].logprobs is None else [e for c in chunks for e in c.logprobs or []],
-    )
 
 
 def _param_of(message: str) -> str | None:
