@@ -150,6 +150,11 @@ def test_frozen_redis_delays_no_request_and_its_records_are_written_or_counted(r
                 traffic.enter("frozen", 20)
                 wait_for(lambda: writer.metrics().failed_round_trips > 0, 15)
                 time.sleep(max(0.0, 3.0 - (time.perf_counter() - frozen_at)))  # frozen >= 3 s
+                # The probe's PING waits out its 2 s timeout before it can say so.
+                wait_for(
+                    lambda: any(p.startswith("log_buffer: ") for p in replica.health()["problems"]),
+                    15,
+                )
                 frozen_health = replica.health()
             finally:
                 os.kill(redis_server.pid, signal.SIGCONT)
