@@ -56,6 +56,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "repetition_penalty",
         "logit_bias",
         "min_p",
+        "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
     }
@@ -152,7 +153,6 @@ REFUSED: Mapping[str, Refused] = {
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)
     "ignore_eos": Refused("generating past the end-of-sequence token", _is_false),
     "min_tokens": Refused("a minimum completion length", _is_int(0)),
-    "stop_token_ids": Refused("stop token ids over HTTP", _is_empty),
     "skip_special_tokens": Refused("special tokens in the text", _is_one_of(True)),
     "spaces_between_special_tokens": Refused("special-token spacing in the text", _is_one_of(True)),
     "include_stop_str_in_output": Refused("the stop string in the text", _is_false),

@@ -117,6 +117,10 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, allow_inf_nan=False)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: token ids that end generation besides the end-of-sequence token.
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
+        default_factory=list, max_length=64
+    )
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
     n: int = 1

@@ -182,6 +182,7 @@ class ReplicaRuntime:
             repetition_penalty=request.repetition_penalty,
             logit_bias=request.token_bias,
             stop=request.stop_list,
+            stop_token_ids=self._stop_token_ids(request.stop_token_ids),
             seed=request.seed,
             method=(spec and spec.method) or defaults.method,
             num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
@@ -192,6 +193,13 @@ class ReplicaRuntime:
             logprobs=request.num_logprobs,
         )
         return self.batch.submit(prepared)
+
+    def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
+        """The request's stop token ids besides end-of-sequence; None: the engine's default."""
+        if not extra:
+            return None
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [*extra, *([] if eos is None else [eos])]
 
     async def complete(self, job: Job) -> GenerationResult:
         """Runs a request to the end in the thread pool."""

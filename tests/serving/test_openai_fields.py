@@ -207,7 +207,6 @@ def test_an_unknown_field_is_refused_by_name(replica, field, value):
     [
         ("ignore_eos", False, True),
         ("min_tokens", 0, 2),
-        ("stop_token_ids", [], [5]),
         ("skip_special_tokens", True, False),
         ("include_stop_str_in_output", False, True),
         ("add_generation_prompt", True, False),
@@ -254,3 +253,19 @@ def test_the_official_client_sees_the_refused_field(replica):
         metadata={"run": "test"},
     )
     assert out.usage is not None and out.usage.completion_tokens >= 1
+
+
+def test_stop_token_ids_end_generation_at_the_first_of_them(replica):
+    """vLLM's stop_token_ids, besides end-of-sequence: generation stops at the first one
+    generated, which is kept (and counted) like an end-of-sequence token."""
+    prompt, tokens = "the cat", 8  # the toy config allows 8
+    alone = replica.runtime.engine.generate(prompt, max_tokens=tokens, temperature=0, method="none")
+    ids = alone.token_ids
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # first new token
+    body = {**BASE["completion"], "max_tokens": tokens, "temperature": 0, "prompt": prompt}
+    answer = replica.client.post(PATHS["completion"], json={**body, "stop_token_ids": [ids[cut]]})
+    assert answer.json()["usage"]["completion_tokens"] == cut + 1
+    assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    assert_answered(post(replica, "chat", stop_token_ids=[ids[cut]]), "stop_token_ids")
+    bad = post(replica, "completion", stop_token_ids=[-1])
+    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
