@@ -285,11 +285,11 @@ def _bias_table(
             rows.append(row)
             tokens.append(token)
             values.append(value)
-    table = torch.zeros(len(params), vocab_size)
-    table[torch.tensor(rows, dtype=torch.int64), torch.tensor(tokens, dtype=torch.int64)] = (
-        torch.tensor(values)
-    )
-    return to_device(table, device)
+    # Made on the device: only the few (row, token, bias) entries cross from the host.
+    table = torch.zeros(len(params), vocab_size, device=device)
+    at = to_device(torch.tensor([rows, tokens], dtype=torch.int64), device)
+    table[at[0], at[1]] = to_device(torch.tensor(values), device)
+    return table
 
 
 def _process_logits(
