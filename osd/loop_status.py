@@ -14,6 +14,8 @@ from typing import Any
 
 import redis
 
+from osd.stream_info import text
+
 __all__ = ["TrainerBeat", "read_beat", "trainer_beat_key", "write_beat"]
 
 _KEEP_S = 7 * 24 * 3600  # an abandoned hash expires after a week; a live trainer renews it
@@ -56,7 +58,7 @@ def write_beat(client: redis.Redis, key: str, beat: TrainerBeat) -> None:
 def read_beat(client: redis.Redis, key: str) -> TrainerBeat | None:
     """The last heartbeat at ``key``; None when no trainer wrote one (or it is malformed)."""
     raw: dict[Any, Any] = client.hgetall(key)  # type: ignore[assignment]
-    fields = {_text(k): _text(v) for k, v in raw.items()}
+    fields = {text(k): text(v) for k, v in raw.items()}
     try:
         return TrainerBeat(
             pid=int(fields["pid"]),
@@ -68,7 +70,3 @@ def read_beat(client: redis.Redis, key: str) -> TrainerBeat | None:
         )
     except (KeyError, ValueError):
         return None
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

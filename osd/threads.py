@@ -97,7 +97,7 @@ class ThreadChoice:
         policy = (
             f"{ENV_WAIT_POLICY}={self.wait_policy}"
             if self.wait_policy
-            else f"{ENV_WAIT_POLICY} unset (idle workers spin)"
+            else f"{ENV_WAIT_POLICY} unset (OpenMP's default)"
         )
         return f"torch ({self.role}): {threads} of {cores} ({why}), {policy}"
 

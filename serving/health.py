@@ -180,24 +180,24 @@ class LoopHealth:
         if self.store is None:
             return {"status": "off"}
         if unreachable and getattr(self.store, "url", None) == self.redis_url:
-            return _graded({"status": "ok", "problem": f"unreachable ({unreachable})"})
+            return _broken(f"unreachable ({unreachable})")
         try:
             pointers = {name: self.store.current(name) for name in self.runtime.slots.adapters}
         except AdapterStoreError as exc:
-            return _graded({"status": "ok", "problem": f"unreachable ({exc})"})
+            return _broken(f"unreachable ({exc})")
         return {"status": "ok", "published": pointers}
 
     def _trainer(self, now: float, unreachable: str) -> dict[str, Any]:
         if self._client is None:
             return {"status": "off"}
         if unreachable:
-            return _graded({"status": "ok", "problem": f"cannot ask Redis ({unreachable})"})
+            return _broken(f"cannot ask Redis ({unreachable})")
         limits = self.limits
         try:
             beat = read_beat(self._client, trainer_beat_key(self.stream, self.group))
             group = self._group_info()
         except redis.RedisError as exc:
-            return _graded({"status": "ok", "problem": f"cannot ask Redis ({type(exc).__name__})"})
+            return _broken(f"cannot ask Redis ({type(exc).__name__})")
         check: dict[str, Any] = {"status": "ok", **group}
         if beat is None:
             check["problem"] = "no trainer has reported on this stream"
@@ -225,13 +225,9 @@ class LoopHealth:
     def _group_info(self) -> dict[str, Any]:
         assert self._client is not None
         info = read_group_info(self._client, self.stream, self.group)
-        if info is None:  # no stream or no group yet: nothing delivered, nothing pending
-            return {"lag": 0 if self._stream_missing() else None, "pending": 0}
+        if info is None:  # no group yet (a trainer creates it): lag unknown, nothing pending
+            return {"lag": None, "pending": 0}
         return {"lag": info.lag, "pending": info.pending}
-
-    def _stream_missing(self) -> bool:
-        assert self._client is not None
-        return not self._client.exists(self.stream)
 
     def _adapters(self, now: float, store: dict[str, Any]) -> dict[str, Any]:
         published = store.get("published")
@@ -279,6 +275,10 @@ class LoopHealth:
         behind = checks["adapters"].get("behind", {})
         for name in self.runtime.slots.adapters:
             m.adapter_behind.labels(name).set(1 if name in behind else 0)
+
+
+def _broken(problem: str) -> dict[str, Any]:
+    return {"status": "degraded", "problem": problem}
 
 
 def _graded(check: dict[str, Any]) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_bad_arguments_are_refused_with_the_value():
         (
             ThreadChoice("build", 2, 2, 1, "auto", ""),
             "torch (build): 2 threads of 2 usable cores (alone), "
-            "OMP_WAIT_POLICY unset (idle workers spin)",
+            "OMP_WAIT_POLICY unset (OpenMP's default)",
         ),
         (
             ThreadChoice("replica", 4, 1, 1, "serve.torch_threads", "ACTIVE"),

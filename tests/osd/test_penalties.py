@@ -22,7 +22,14 @@ from osd.spec import step as step_module
 from osd.spec.loop import BatchedEngine
 from osd.spec.scheduler import BatchLimits
 from osd.testing import noisy_copy, tiny_llama
-from tests.osd.test_monte_carlo import LENGTH, NUM_SAMPLES, PROMPT, VOCAB, chi_square
+from tests.osd.test_monte_carlo import (
+    LENGTH,
+    NUM_SAMPLES,
+    PROMPT,
+    VOCAB,
+    chi_square,
+    sample_sequences,
+)
 
 
 def reference_probs(logits: torch.Tensor, params: SamplingParams, prompt, output) -> torch.Tensor:
@@ -131,17 +138,6 @@ def exact_sequence_probs(target, params: SamplingParams) -> dict[tuple[int, ...]
     return out
 
 
-def sample(pair, **kwargs) -> tuple[Counter, float]:
-    counts: Counter = Counter()
-    drafted = accepted = 0
-    for seed in range(NUM_SAMPLES):
-        result = pair.generate(PROMPT, max_tokens=LENGTH, seed=seed, log=False, **kwargs)
-        counts[tuple(result.token_ids)] += 1
-        drafted += result.stats.drafted
-        accepted += result.stats.accepted
-    return counts, accepted / max(drafted, 1)
-
-
 OPTIONS = {
     "presence": {"presence_penalty": 1.5},
     "frequency": {"frequency_penalty": 1.2},
@@ -181,7 +177,7 @@ def as_params(option: dict) -> SamplingParams:
 
 @pytest.mark.parametrize(("option", "method"), RUNS)
 def test_emitted_sequences_follow_the_processed_target(pair, option, method):
-    counts, acceptance = sample(pair, **option, **method)
+    counts, acceptance = sample_sequences(pair, **option, **method)
     expected = exact_sequence_probs(pair.target.model, as_params(option))
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
     print(f"chi2={stat:.1f} threshold={threshold:.1f} acceptance={acceptance:.2f}")
@@ -201,7 +197,7 @@ def test_negative_control_target_blind_to_the_block_fails(pair, monkeypatch):
 
     monkeypatch.setattr(step_module, "block_history", blind)
     option = {"frequency_penalty": 2.0, "presence_penalty": 1.0}
-    counts, _ = sample(pair, **option, **BLOCK)
+    counts, _ = sample_sequences(pair, **option, **BLOCK)
     expected = exact_sequence_probs(pair.target.model, as_params(option))
     stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
     print(f"negative control chi2={stat:.1f} threshold={threshold:.1f}")
