@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from osd.generation import GenerationResult, StreamChunk
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
+from osd.spec.choices import choice_requests
 from osd.spec.forward import ModelPair
 from osd.spec.goodput import GoodputController
 from osd.spec.kv_cache import SlotKVCache
@@ -54,6 +55,7 @@ class RequestOptions(TypedDict, total=False):
     log: bool
     route: str
     logprobs: int | None
+    prompt_logprobs: int | None
 
 
 # Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
@@ -136,6 +138,29 @@ class SpeculativeDecoder:
         """Generates a completion; options as in :meth:`prepare`."""
         return self.stream(prompt, **options).result()
 
+    def generate_choices(
+        self, prompt: str | Sequence[int], n: int, **options: Unpack[RequestOptions]
+    ) -> list[GenerationResult]:
+        """``n`` independent completions of one prompt (OpenAI's ``n``), decoded as a batch.
+
+        The prompt is prefilled once and its KV shared by the choices; choice ``i`` decodes
+        with the seed :func:`osd.spec.choices.choice_seed` ``(seed, i)``, so choice 0 equals
+        :meth:`generate` with the same options. Options as in :meth:`prepare`.
+        """
+        requests = choice_requests(self.prepare(prompt, **options), n)
+        request = requests[0]
+        width = request.num_slots
+        rows = [
+            Row(r, self.tokenizer, slots=[i * width + j for j in range(width)])
+            for i, r in enumerate(requests)
+        ]
+        rows[0].followers = rows[1:]
+        pair = self.model_pair(width * n, len(request.prompt_ids) + request.max_new_tokens)
+        prefill(pair, rows[:1], len(request.prompt_ids))
+        while active := [row for row in rows if not row.done]:
+            run_step(pair, active)
+        return [row.result() for row in rows]
+
     def stream(
         self, prompt: str | Sequence[int], **options: Unpack[RequestOptions]
     ) -> GenerationStream:
@@ -185,12 +210,14 @@ class SpeculativeDecoder:
         log: bool = True,
         route: str = "",
         logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> DecodeRequest:
         """Validates one request's arguments; raises ValueError naming the bad one.
 
         Args:
             prompt: text (needs a tokenizer) or token ids.
-            max_tokens: most tokens to generate (default 128).
+            max_tokens: most tokens to generate (default 128); 0 runs only the prefill (prompt
+                scoring with ``prompt_logprobs``; such a request is not logged).
             temperature: 0 is greedy (default 1.0).
             top_p: nucleus mass in (0, 1] (default 1.0).
             top_k: keep the k most likely tokens; 0 keeps all (default 0).
@@ -212,6 +239,8 @@ class SpeculativeDecoder:
             logprobs: report each emitted token's logprob and this many most likely
                 alternatives (0..20) in the chunks and the result; None (default): none. From
                 the target's raw distribution (:mod:`osd.spec.logprobs` says why).
+            prompt_logprobs: the same for each prompt token, from the prefill, in the first
+                chunk and the result (the first token's entry is None); None (default): none.
 
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
@@ -228,10 +257,11 @@ class SpeculativeDecoder:
             )
         if not 1 <= num_drafts <= MAX_DRAFTS:
             raise ValueError(f"num_drafts (K) must be in 1..{MAX_DRAFTS}, got {num_drafts}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS} or None, got {logprobs}")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS} or None, got {value}")
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -271,12 +301,14 @@ class SpeculativeDecoder:
             num_drafts=1 if params.is_greedy else num_drafts,
             adapter=adapter,
             stop_token_ids=frozenset(stop_token_ids),
-            log_top_m=self.log_top_m if log else None,
+            # Nothing generated is nothing to learn from (and a record holds >= 1 token).
+            log_top_m=self.log_top_m if log and max_new > 0 else None,
             adaptive_threshold=self.adaptive_threshold,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             auto_spec=auto_spec,
             route=route,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

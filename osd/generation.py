@@ -185,12 +185,15 @@ class StreamChunk:
     """Tokens verified in one step and the text they add (may be empty while held back).
 
     ``logprobs``, when the request asked for them, has one entry per token of ``token_ids``.
+    ``prompt_logprobs``, in a row's first chunk when the request asked for them, has one per
+    prompt token (the first None: nothing precedes it).
     """
 
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -206,6 +209,8 @@ class GenerationResult:
         stats: speculative decoding counts.
         log: per-request log data; None when logging was not requested.
         logprobs: one entry per token of ``token_ids`` when the request asked for them.
+        prompt_logprobs: one entry per prompt token when the request asked for them (the
+            first None, as OpenAI's echo and vLLM's prompt_logprobs give it).
     """
 
     token_ids: list[int]
@@ -214,6 +219,7 @@ class GenerationResult:
     stats: GenerationStats
     log: GenerationLog | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TextAssembler:
@@ -297,4 +303,5 @@ def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
         "".join(chunk.text for chunk in chunks),
         chunks[-1].finish_reason,
         None if chunks[0].logprobs is None else [e for c in chunks for e in c.logprobs or []],
+        chunks[0].prompt_logprobs,
     )

@@ -4,7 +4,11 @@ Every machine with Python has the standard library, so nothing is downloaded. It
 (via :mod:`ast`), comment blocks and the reference manual's help topics (``pydoc_data``) are
 the prose domain (paragraphs of English; examples and tables dropped); its source, with
 docstrings removed and normalised by ``ast.unparse`` (which also drops comments), is the code
-domain. SQL, arithmetic word problems and JSON are generated (:mod:`osd.demo.synthetic`). Files
+domain. SQL, arithmetic word problems and JSON are generated (:mod:`osd.demo.synthetic`). The
+chat domain is dialogues over the others, rendered with the chat template (:mod:`osd.demo.chat`):
+generated questions answered with SQL, worked answers and JSON, and requests for a standard
+library function (its signature and the first sentence of its docstring) answered with its code.
+Files
 are read in sorted order, documents shuffled with a seeded generator and capped, so a recipe
 always yields the same corpus on the same Python version.
 
@@ -25,12 +29,22 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from osd.demo.recipe import DOMAINS, CorpusRecipe
-from osd.demo.synthetic import Document, json_document, math_document, sql_document
+from osd.demo.recipe import CHAT_TOPICS, DOMAINS, CorpusRecipe
+from osd.demo.synthetic import (
+    Document,
+    dialogue_document,
+    json_dialogue,
+    json_document,
+    math_dialogue,
+    math_document,
+    sql_dialogue,
+    sql_document,
+)
 
 __all__ = [
     "Corpus",
     "build_corpus",
+    "heldout_dialogues",
     "heldout_prompts",
     "load_corpus_split",
     "save_corpus",
@@ -48,6 +62,12 @@ _GENERATORS: dict[str, Callable[[random.Random], Document]] = {
     "math": math_document,
     "json": json_document,
 }
+_DIALOGUES: dict[str, Callable[[random.Random], Document]] = {
+    "sql": sql_dialogue,
+    "math": math_dialogue,
+    "json": json_dialogue,
+}
+_MAX_CHAT_CODE_CHARS = 1200  # a chat reply with a function: its first lines up to this
 
 # domain -> split ("train" or "heldout") -> documents
 Corpus = dict[str, dict[str, list[Document]]]
@@ -115,6 +135,32 @@ def _code_document(node: ast.AST, max_chars: int) -> Document | None:
     return Document(text, len(prompt))
 
 
+def _code_dialogue(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, docstring: str, code: str
+) -> Document | None:
+    """A user asks for the function by its signature and docstring's first sentence; the
+    assistant answers with its code (docstring removed). None without a prose sentence."""
+    summary = _clean_docstring(docstring).split("\n\n")[0]
+    sentence = re.split(r"(?<=\.)\s", summary, maxsplit=1)[0].strip()
+    if not 20 <= len(sentence) <= 200:
+        return None
+    reply = _clip_lines(code, _MAX_CHAT_CODE_CHARS)
+    ask = f"Write a Python function {node.name}({ast.unparse(node.args)}). {sentence}"
+    messages = [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]
+    return dialogue_document(messages, "code")
+
+
+def _clip_lines(text: str, max_chars: int) -> str:
+    """The first lines of ``text`` within ``max_chars`` (at least one)."""
+    lines = text.split("\n")
+    kept = lines[:1]
+    for line in lines[1:]:
+        if sum(len(x) + 1 for x in kept) + len(line) > max_chars:
+            break
+        kept.append(line)
+    return "\n".join(kept)
+
+
 def _clip(text: str, max_chars: int) -> str:
     """Cuts prose at the last space within ``max_chars``."""
     if len(text) <= max_chars:
@@ -169,9 +215,14 @@ def _stdlib_documents(path: Path, max_doc_chars: int) -> Iterator[tuple[str, Doc
             yield "prose", prose
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            docstring = ast.get_docstring(node)  # before _code_document strips it
             code = _code_document(node, max_doc_chars)
             if code is not None:
                 yield "code", code
+                if docstring and not isinstance(node, ast.ClassDef):
+                    dialogue = _code_dialogue(node, docstring, code.text)
+                    if dialogue is not None:
+                        yield "chat", dialogue
 
 
 def _cap(documents: list[Document], max_chars: int, rng: random.Random) -> list[Document]:
@@ -204,6 +255,36 @@ def _generated(
     return documents
 
 
+def _dialogues(
+    code_pool: list[Document],
+    max_chars: int,
+    exclude: set[str],
+    rng: random.Random,
+    max_docs: int,
+) -> list[Document]:
+    """Dialogues on topics drawn uniformly from :data:`CHAT_TOPICS`: code ones from the pool
+    (standard library functions, in a seeded order), the others generated."""
+    pool = list(code_pool)
+    rng.shuffle(pool)
+    documents: list[Document] = []
+    total, attempts = 0, 0
+    while total < max_chars and len(documents) < max_docs and attempts < 50 * max_docs:
+        attempts += 1
+        topic = rng.choice(CHAT_TOPICS)
+        if topic == "code":
+            if not pool:
+                continue
+            doc = pool.pop()
+        else:
+            doc = _DIALOGUES[topic](rng)
+        if doc.text in exclude:
+            continue
+        exclude.add(doc.text)
+        documents.append(doc)
+        total += len(doc.text)
+    return documents
+
+
 def build_corpus(recipe: CorpusRecipe) -> Corpus:
     """Builds every domain's training and held-out documents, deterministically.
 
@@ -214,7 +295,7 @@ def build_corpus(recipe: CorpusRecipe) -> Corpus:
         ``corpus[domain]["train" | "heldout"]``: lists of documents.
     """
     stdlib: dict[str, dict[str, list[Document]]] = {
-        d: {"train": [], "heldout": []} for d in ("prose", "code")
+        d: {"train": [], "heldout": []} for d in ("prose", "code", "chat")
     }
     for index, path in enumerate(stdlib_files(recipe.max_stdlib_files)):
         split = "heldout" if index % recipe.heldout_every == 0 else "train"
@@ -223,11 +304,16 @@ def build_corpus(recipe: CorpusRecipe) -> Corpus:
     corpus: Corpus = {}
     for offset, domain in enumerate(DOMAINS):
         rng = random.Random(recipe.seed * 1000 + offset)
-        if domain in stdlib:
+        seen: set[str] = set()
+        if domain == "chat":  # the code dialogues come from stdlib files, the others generated
+            heldout = _dialogues(stdlib[domain]["heldout"], 10**12, seen, rng, recipe.num_heldout)
+            train = _dialogues(
+                stdlib[domain]["train"], recipe.max_train_chars[domain], seen, rng, 10**9
+            )
+        elif domain in stdlib:
             train = _cap(stdlib[domain]["train"], recipe.max_train_chars[domain], rng)
             heldout = _cap(stdlib[domain]["heldout"], 10**12, rng)[: recipe.num_heldout]
         else:
-            seen: set[str] = set()
             heldout = _generated(domain, 10**12, seen, rng, recipe.num_heldout)
             train = _generated(domain, recipe.max_train_chars[domain], seen, rng, 10**9)
         if not train or not heldout:
@@ -246,7 +332,9 @@ def save_corpus(corpus: Corpus, directory: Path) -> None:
         for split, documents in splits.items():
             with open(directory / domain / f"{split}.jsonl", "w", encoding="utf-8") as f:
                 for doc in documents:
-                    row = {"text": doc.text, "prompt_chars": doc.prompt_chars}
+                    row: dict[str, object] = {"text": doc.text, "prompt_chars": doc.prompt_chars}
+                    if doc.topic:
+                        row["topic"] = doc.topic
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
@@ -261,7 +349,7 @@ def load_corpus_split(directory: Path | str, domain: str, split: str) -> list[Do
         raise ValueError(f"no {split!r} split for domain {domain!r} at {path}")
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [Document(row["text"], int(row["prompt_chars"])) for row in rows]
+    return [Document(row["text"], int(row["prompt_chars"]), row.get("topic", "")) for row in rows]
 
 
 # Longest prompt the demo traffic uses: a few code prompts are one very long line, and with the
@@ -281,3 +369,18 @@ def heldout_prompts(
         ]
         for domain in domains
     }
+
+
+def heldout_dialogues(
+    directory: Path | str, max_chars: int = MAX_PROMPT_CHARS
+) -> dict[str, list[list[dict[str, str]]]]:
+    """Topic -> the messages of the chat domain's held-out prompts (every turn before the last
+    reply), those whose rendered prompt is over `max_chars` left out."""
+    from osd.demo.chat import parse_chat
+
+    out: dict[str, list[list[dict[str, str]]]] = {}
+    for doc in load_corpus_split(directory, "chat", "heldout"):
+        if len(doc.prompt) <= max_chars:
+            messages, _ = parse_chat(doc.prompt)
+            out.setdefault(doc.topic, []).append(messages)
+    return out

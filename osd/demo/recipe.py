@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 __all__ = [
     "BUILD_VERSION",
+    "CHAT_TOPICS",
     "DOMAINS",
     "CorpusRecipe",
     "ModelRecipe",
@@ -27,12 +28,17 @@ __all__ = [
 ]
 
 # Bump when a code change alters the corpus, tokenizer or weights a recipe produces.
-BUILD_VERSION = 1
-DOMAINS = ("prose", "code", "sql", "math", "json")
+BUILD_VERSION = 2  # 2: the chat domain, the role tokens and the chat template
+DOMAINS = ("prose", "code", "sql", "math", "json", "chat")
+# What a chat dialogue of the corpus is about (its held-out requests are routed by it).
+CHAT_TOPICS = ("code", "sql", "math", "json")
 Scale = Literal["tiny", "full"]
 
 EOS_TOKEN, BOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|bos|>", "<|pad|>"
-SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, PAD_TOKEN)  # ids 0, 1, 2
+# The chat template's role markers (osd.demo.chat): one special token each, never split or merged.
+SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN = "<|system|>", "<|user|>", "<|assistant|>"
+ROLE_TOKENS = (SYSTEM_TOKEN, USER_TOKEN, ASSISTANT_TOKEN)
+SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS)  # ids 0, 1, 2, then 3, 4, 5
 _NUM_BYTES = 256
 
 
@@ -190,7 +196,8 @@ class Recipe:
 def _full() -> Recipe:
     # The generated domains are easy (held-out perplexity < 4 within a few hundred steps): most
     # of the target's tokens go to prose and code.
-    mixture = {"prose": 0.4, "code": 0.3, "sql": 0.1, "math": 0.1, "json": 0.1}
+    # Chat dialogues answer with the same SQL, arithmetic, JSON and code: one sequence of the 8.
+    mixture = {"prose": 0.4, "code": 0.3, "sql": 0.1, "math": 0.1, "json": 0.1, "chat": 0.1}
     return Recipe(
         scale="full",
         corpus=CorpusRecipe(
@@ -200,6 +207,7 @@ def _full() -> Recipe:
                 "sql": 500_000,
                 "math": 500_000,
                 "json": 500_000,
+                "chat": 500_000,
             }
         ),
         tokenizer=TokenizerRecipe(vocab_size=4096),
@@ -241,7 +249,7 @@ def _tiny() -> Recipe:
         target_train=TrainRecipe(
             domains=mixture,
             steps=4,
-            batch_size=5,
+            batch_size=6,
             seq_len=32,
             lr=1e-2,
             warmup_steps=1,

@@ -76,7 +76,8 @@ def new_model(
 
 
 def encode_streams(tokenizer: Any, texts: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
-    """Concatenates each domain's documents as ``<|bos|> text <|endoftext|>`` token ids.
+    """Concatenates each domain's documents as ``<|bos|> text <|endoftext|>`` token ids (a chat
+    dialogue's text already ends with ``<|endoftext|>``, its last reply's end: not doubled).
 
     Returns:
         domain -> (N,) int64 token stream.
@@ -87,7 +88,8 @@ def encode_streams(tokenizer: Any, texts: Mapping[str, Sequence[str]]) -> dict[s
         ids: list[int] = []
         for row in tokenizer(list(docs))["input_ids"]:
             ids.extend(row)
-            ids.append(eos)
+            if not row or row[-1] != eos:
+                ids.append(eos)
         streams[domain] = torch.tensor(ids, dtype=torch.int64)
     return streams
 

@@ -1,8 +1,12 @@
 """The demo tokenizer: byte-level BPE trained on the corpus, saved as a PreTrainedTokenizerFast.
 
 Byte-level means every string round-trips, whatever the traffic. Ids 0, 1, 2 are the special
-tokens ``<|endoftext|>`` (EOS, ends every training document), ``<|bos|>`` (prepended to every
-encoded text, so a prompt looks like the start of a training document) and ``<|pad|>``.
+tokens ``<|endoftext|>`` (EOS, ends every training document and every assistant reply),
+``<|bos|>`` (prepended to every encoded text, so a prompt looks like the start of a training
+document) and ``<|pad|>``; ids 3, 4, 5 the chat template's role markers ``<|system|>``,
+``<|user|>`` and ``<|assistant|>``. The tokenizer carries the chat template
+(:data:`osd.demo.chat.CHAT_TEMPLATE`), so ``apply_chat_template`` renders chat prompts as the
+corpus's dialogues.
 """
 
 from __future__ import annotations
@@ -11,7 +15,15 @@ from collections.abc import Iterable
 
 from transformers import PreTrainedTokenizerFast
 
-from osd.demo.recipe import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, TokenizerRecipe
+from osd.demo.chat import CHAT_TEMPLATE
+from osd.demo.recipe import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    ROLE_TOKENS,
+    SPECIAL_TOKENS,
+    TokenizerRecipe,
+)
 
 __all__ = ["train_tokenizer"]
 
@@ -24,7 +36,8 @@ def train_tokenizer(texts: Iterable[str], recipe: TokenizerRecipe) -> PreTrained
         recipe: vocabulary size and merge frequency threshold.
 
     Returns:
-        A fast tokenizer whose encodings start with ``<|bos|>``; ``eos_token`` ends documents.
+        A fast tokenizer whose encodings start with ``<|bos|>``; ``eos_token`` ends documents;
+        ``chat_template`` set.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -45,10 +58,13 @@ def train_tokenizer(texts: Iterable[str], recipe: TokenizerRecipe) -> PreTrained
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, bos_id)],
     )
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
+        additional_special_tokens=list(ROLE_TOKENS),
         model_max_length=1_000_000,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

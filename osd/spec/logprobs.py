@@ -12,17 +12,31 @@ same prefix.
 Cost: only rows that ask pay. Their rows of the target logits, already on the device from the
 verification forward, get one log-softmax, a gather and a top-n; the result is copied to the
 host without blocking before the step's one host sync, so a step still syncs once.
+
+Prompt logprobs (OpenAI's ``echo`` with ``logprobs``, ``prompt_logprobs=`` of the Python API)
+come from the chunked prefill, in the same raw mode. A prefill forward asks the model for the
+last position's logits only; rows that want their prompt's logprobs run in a forward of their
+own that keeps every position's (:func:`prefill_target`), so the other rows' forward is what
+it was. Each chunk's logprobs are copied without blocking, like a step's, and read after the
+sync that samples the row's first token (:class:`PromptLogprobs`). Their memory is a chunk's
+(tokens x vocabulary) float32 logits, as the prefill budget bounds a chunk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from osd.devices import to_device
 from osd.generation import TokenLogprob
 
-__all__ = ["PendingLogprobs", "gather_logprobs"]
+if TYPE_CHECKING:
+    from osd.spec.rows import Row
+
+__all__ = ["PendingLogprobs", "PromptLogprobs", "gather_logprobs", "prefill_target"]
 
 
 @dataclass
@@ -41,9 +55,15 @@ class PendingLogprobs:
     token_logprobs: torch.Tensor
     top_ids: torch.Tensor
     top_logprobs: torch.Tensor
+    _rows: dict[int, list[TokenLogprob]] | None = field(default=None, init=False, repr=False)
 
     def rows(self) -> dict[int, list[TokenLogprob]]:
         """Per member's batch index, one entry per position (call after the host sync)."""
+        if self._rows is None:
+            self._rows = self._read()
+        return self._rows
+
+    def _read(self) -> dict[int, list[TokenLogprob]]:
         lps, ids, tops = (
             self.token_logprobs.tolist(),
             self.top_ids.tolist(),
@@ -90,3 +110,82 @@ def gather_logprobs(
         num_top,
         *(t.to("cpu", non_blocking=True) for t in (chosen, top_ids, top_logprobs)),
     )
+
+
+@dataclass
+class PromptLogprobs:
+    """One row's prompt logprobs, gathered chunk by chunk during its prefill.
+
+    Attributes:
+        parts: per prefill chunk, its pending logprobs, the row's batch index in them and the
+            positions kept (those whose next token is a prompt token).
+        entries: the whole list once :meth:`resolve` read it: None for the first prompt
+            token, then one entry per later prompt token.
+    """
+
+    parts: list[tuple[PendingLogprobs, int, slice]] = field(default_factory=list)
+    entries: list[TokenLogprob | None] | None = None
+
+    def resolve(self) -> list[TokenLogprob | None]:
+        """The entries (call after the sync that ends the row's prefill)."""
+        if self.entries is None:
+            self.entries = [None]
+            for pending, b, kept in self.parts:
+                self.entries += pending.rows()[b][kept]
+            self.parts = []
+        return self.entries
+
+
+def prefill_target(
+    pieces: list[tuple[Row, int]],
+    forward: Callable[[list[tuple[Row, int]], int], torch.Tensor],
+) -> torch.Tensor:
+    """The target's prefill forward of ``pieces``, gathering prompt logprobs for rows that ask.
+
+    Rows without ``prompt_logprobs`` run as one forward keeping the last position's logits;
+    rows with it in a second forward keeping every position's (left-padded, so a row's tokens
+    are its last columns), whose logprobs start on their way to the host.
+
+    Args:
+        pieces: (row, number of its prompt tokens in this chunk), before ``target_len``
+            moves past them.
+        forward: runs the target over some pieces keeping the given number of last positions'
+            logits: (len(pieces), num_logits, V).
+
+    Returns:
+        (P, V) the logits after each piece's last token, in order.
+    """
+    asking = [i for i, (row, _) in enumerate(pieces) if row.request.prompt_logprobs is not None]
+    if not asking:
+        return forward(pieces, 1)[:, 0]
+    others = [i for i in range(len(pieces)) if i not in asking]
+    group = [pieces[i] for i in asking]
+    width = max(size for _, size in group)
+    logits = forward(group, width)  # (G, W, V)
+    _start_prompt_logprobs(group, logits)
+    if not others:
+        return logits[:, -1]
+    last = torch.empty(len(pieces), logits.shape[-1], dtype=logits.dtype, device=logits.device)
+    last[asking] = logits[:, -1]
+    last[others] = forward([pieces[i] for i in others], 1)[:, 0]
+    return last
+
+
+def _start_prompt_logprobs(group: list[tuple[Row, int]], logits: torch.Tensor) -> None:
+    """Starts each row's chunk of prompt logprobs: position j scores the prompt token after it."""
+    width = logits.shape[1]
+    next_ids = torch.zeros(len(group), width, dtype=torch.int64)  # (G, W); padding and past
+    for g, (row, size) in enumerate(group):  # the prompt's end (the first new token): 0
+        start, prompt = row.target_len, row.request.prompt_ids
+        following = prompt[start : start + size]
+        next_ids[g, width - size : width - size + len(following)] = torch.tensor(following)
+    num_top = [row.request.prompt_logprobs or 0 for row, _ in group]
+    index = to_device(torch.arange(len(group)), logits.device)
+    pending = gather_logprobs(
+        logits, index, to_device(next_ids, logits.device), list(range(len(group))), num_top
+    )
+    for g, (row, size) in enumerate(group):
+        kept = min(size, len(row.request.prompt_ids) - 1 - row.target_len)
+        if row.prompt_logprobs is None:
+            row.prompt_logprobs = PromptLogprobs()
+        row.prompt_logprobs.parts.append((pending, g, slice(width - size, width - size + kept)))

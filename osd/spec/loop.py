@@ -7,6 +7,14 @@ speculative step (:func:`osd.spec.step.run_step`) over every request that is dec
 request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
 to the next waiting request at once. Callers get a :class:`RequestHandle`: an iterator of the
 request's chunks that blocks until the loop produces them.
+
+Several choices of one prompt (OpenAI's ``n``) come in as a group (:meth:`BatchedEngine.
+submit_group`, requests from :func:`osd.spec.choices.choice_requests`): the group waits, is
+admitted and is cancelled as a whole until its prompt is prefilled, once, by its first choice
+(the leader, the only one of the group in ``_prefilling``); the others (followers) then get the
+prompt's KV copied into their own slots (:func:`osd.spec.choices.share_prompt`) and decode as
+independent rows. A group counts once towards ``max_waiting`` (it is one client request) and
+as its number of rows towards ``max_num_seqs`` and the KV slots.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from osd.generation import GenerationResult, StreamChunk
+from osd.spec.choices import check_group
 from osd.spec.goodput import GoodputController
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.scheduler import BatchLimits, num_to_admit
@@ -66,6 +75,7 @@ class RequestHandle:
         self._chunks: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._error: BaseException | None = None
         self._ended = False
+        self._followers: list[RequestHandle] = []  # a group's other choices, until prefilled
         row.on_chunk = self._chunks.put
 
     @property
@@ -101,6 +111,15 @@ class RequestHandle:
     def _close(self, error: BaseException | None = None) -> None:
         self._error = error
         self._chunks.put(_END)
+
+    @property
+    def _group_cancelled(self) -> bool:
+        """Whether every choice of its group (itself, until prefilled) was cancelled."""
+        return all(h._row.cancelled.is_set() for h in (self, *self._followers))
+
+    @property
+    def _group_size(self) -> int:
+        return 1 + len(self._followers)
 
 
 @dataclass
@@ -153,7 +172,7 @@ class BatchedEngine:
         self._prefilling: list[RequestHandle] = []
         self._decoding: list[RequestHandle] = []
         self._count_lock = threading.Lock()  # also orders submit() against the loop's exit
-        self._num_queued = 0  # submitted and not yet admitted
+        self._num_queued = 0  # groups submitted and not yet admitted
         self._closed = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -167,10 +186,32 @@ class BatchedEngine:
             ValueError: the request can never fit (too long, or more drafts than slots).
             EngineFull: too many requests are waiting already.
         """
-        if request.num_slots > self.limits.num_slots:
+        return self.submit_group([request])[0]
+
+    def submit_group(self, requests: list[DecodeRequest]) -> list[RequestHandle]:
+        """Queues the choices of one prompt (:func:`osd.spec.choices.choice_requests`), whose
+        prompt is prefilled once for all; never blocks.
+
+        Returns:
+            One handle per request, in order; each choice streams, ends and may be cancelled
+            on its own (before the prefill, the group leaves only when all are cancelled).
+
+        Raises:
+            ValueError: the requests differ in more than their seed, or can never fit.
+            EngineFull: too many requests are waiting already.
+        """
+        check_group(requests)
+        request, num_rows = requests[0], len(requests)
+        if request.num_slots * num_rows > self.limits.num_slots:
+            what = f"n = {num_rows} choices of " if num_rows > 1 else ""
             raise ValueError(
-                f"num_drafts {request.num_slots} needs more KV slots than this engine has "
+                f"{what}num_drafts {request.num_slots} needs more KV slots than this engine has "
                 f"({self.limits.num_slots})"
+            )
+        if num_rows > self.limits.max_num_seqs:
+            raise ValueError(
+                f"n = {num_rows} choices need {num_rows} rows; this engine decodes "
+                f"{self.limits.max_num_seqs} at once"
             )
         total = len(request.prompt_ids) + request.max_new_tokens
         if total > self.max_len:
@@ -178,7 +219,10 @@ class BatchedEngine:
                 f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
                 f"({request.max_new_tokens}) exceeds the context of {self.max_len}"
             )
-        handle = RequestHandle(Row(request, self.decoder.tokenizer), self._wake)
+        handles = [RequestHandle(Row(r, self.decoder.tokenizer), self._wake) for r in requests]
+        handle = handles[0]
+        handle._followers = handles[1:]
+        handle._row.followers = [h._row for h in handles[1:]]
         with self._count_lock:
             if self._closed or self._stop.is_set():
                 raise RuntimeError("the engine is closed")
@@ -187,7 +231,7 @@ class BatchedEngine:
             self._num_queued += 1
             self._submitted.put(handle)  # under the lock: the loop's exit drains after it
         self._wake.set()
-        return handle
+        return handles
 
     @property
     def alive(self) -> bool:
@@ -233,33 +277,45 @@ class BatchedEngine:
             self._prefill()
         if self._decoding:
             self._step()
-        self.stats.waiting = len(self._waiting)
-        self.stats.running = len(self._prefilling) + len(self._decoding)
+        self.stats.waiting = sum(h._group_size for h in self._waiting)
+        self.stats.running = self._num_running()
+
+    def _num_running(self) -> int:
+        return sum(h._group_size for h in self._prefilling) + len(self._decoding)
 
     def _drop_cancelled(self) -> None:
-        for group in (self._prefilling, self._decoding):
-            for handle in [h for h in group if h._row.cancelled.is_set()]:
-                group.remove(handle)
-                self._release(handle)
-        for handle in [h for h in self._waiting if h._row.cancelled.is_set()]:
+        for handle in [h for h in self._decoding if h._row.cancelled.is_set()]:
+            self._decoding.remove(handle)
+            self._release(handle)
+        for handle in [h for h in self._prefilling if h._group_cancelled]:
+            self._prefilling.remove(handle)
+            self._release(handle)
+        for handle in [h for h in self._waiting if h._group_cancelled]:
             self._waiting.remove(handle)
             self._dequeued(1)
-            handle._close()
+            self._release(handle)  # it holds no slots yet: this closes its group
 
     def _admit(self) -> None:
+        # A group joins whole or waits (its followers need their slots when its prompt is done).
+        groups = [[h, *h._followers] for h in self._waiting]
         count = num_to_admit(
-            [h.request.num_slots for h in self._waiting],
-            num_running=len(self._prefilling) + len(self._decoding),
+            [h.request.num_slots for group in groups for h in group],
+            num_running=self._num_running(),
             free_slots=len(self._free_slots),
             max_num_seqs=self.limits.max_num_seqs,
         )
-        for _ in range(count):
-            handle = self._waiting.popleft()
-            needed = handle.request.num_slots
-            handle._row.slots = self._free_slots[:needed]
-            del self._free_slots[:needed]
-            self._prefilling.append(handle)
-        self._dequeued(count)
+        admitted = 0
+        for group in groups:
+            if len(group) > count:
+                break
+            count -= len(group)
+            for handle in group:
+                needed = handle.request.num_slots
+                handle._row.slots = self._free_slots[:needed]
+                del self._free_slots[:needed]
+            self._prefilling.append(self._waiting.popleft())
+            admitted += 1
+        self._dequeued(admitted)
 
     def _dequeued(self, count: int) -> None:
         with self._count_lock:
@@ -276,11 +332,14 @@ class BatchedEngine:
             return
         ready = [h for h in self._prefilling if h._row.prefill_left <= 0]
         self._prefilling = [h for h in self._prefilling if h._row.prefill_left > 0]
-        for handle in ready:  # their first token came with the prefill
-            if handle._row.done:
-                self._release(handle)
-            else:
-                self._decoding.append(handle)
+        for leader in ready:  # their first tokens came with the prefill, the followers' too
+            group = [leader, *leader._followers]
+            leader._followers = []
+            for handle in group:
+                if handle._row.done:
+                    self._release(handle)
+                else:
+                    self._decoding.append(handle)
 
     def _step(self) -> None:
         rows = [h._row for h in self._decoding]
@@ -303,9 +362,12 @@ class BatchedEngine:
                 self._release(handle)
 
     def _release(self, handle: RequestHandle, error: BaseException | None = None) -> None:
-        self._free_slots.extend(handle._row.slots)
-        handle._row.slots = []
-        handle._close(error)
+        """Frees a handle's slots and ends its stream, with its followers not yet prefilled."""
+        for member in (handle, *handle._followers):
+            self._free_slots.extend(member._row.slots)
+            member._row.slots = []
+            member._close(error)
+        handle._followers = []
 
     def _fail(self, handles: list[RequestHandle], error: BaseException) -> None:
         for handle in handles:

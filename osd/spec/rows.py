@@ -27,6 +27,7 @@ from osd.generation import (
 from osd.sampling import SamplingParams
 from osd.spec import rng
 from osd.spec.goodput import GoodputController
+from osd.spec.logprobs import PromptLogprobs
 
 __all__ = ["DecodeRequest", "Row"]
 
@@ -53,6 +54,8 @@ class DecodeRequest:
     route: str = ""
     # Alternatives per token of OpenAI's logprobs (0..20); None: no logprobs.
     logprobs: int | None = None
+    # The same for each prompt token (OpenAI's echo with logprobs); None: none.
+    prompt_logprobs: int | None = None
 
     @property
     def num_slots(self) -> int:
@@ -81,6 +84,7 @@ class Row:
         target_len, draft_len: positions of ``seq`` in each model's cache.
         step: steps taken (addresses this row's random draws, so they do not depend on the batch).
         on_chunk: called with each step's :class:`StreamChunk` (from the decoding thread).
+        followers: the other choices of its prompt, until its prefill is shared with them.
     """
 
     request: DecodeRequest
@@ -100,6 +104,11 @@ class Row:
     on_chunk: Callable[[StreamChunk], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     first_token_at: float = 0.0  # perf_counter() of the first emitted token (0: none yet)
+    # Rows of the same prompt that get this row's prefill when its prompt is complete
+    # (osd.spec.choices: OpenAI's n); emptied once shared.
+    followers: list[Row] = field(default_factory=list)
+    # The prompt's logprobs, chunk by chunk, when the request asks (osd.spec.logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         self.seq = list(self.request.prompt_ids)
@@ -170,7 +179,8 @@ class Row:
             text += self.assembler.flush()
             self.finish_reason = finish
         kept = None if logprobs is None else logprobs[: len(token_ids)]
-        return self._chunk(StreamChunk(token_ids, text, finish, kept))
+        prompt = self.prompt_logprobs.resolve() if self.prompt_logprobs and self.step == 1 else None
+        return self._chunk(StreamChunk(token_ids, text, finish, kept, prompt))
 
     def _chunk(self, chunk: StreamChunk) -> StreamChunk:
         self.token_ids.extend(chunk.token_ids)
@@ -193,6 +203,7 @@ class Row:
             stats=self.stats,
             log=self._log() if self.request.log_top_m else None,
             logprobs=None if self.request.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.entries,
         )
 
     def _log(self) -> GenerationLog:

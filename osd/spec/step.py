@@ -21,6 +21,7 @@ import torch
 from osd.generation import StreamChunk
 from osd.sampling import block_history, rows_to_probs, sample_from_probs
 from osd.spec import rng
+from osd.spec.choices import share_prompt
 from osd.spec.drafting import Drafts, propose
 from osd.spec.forward import (
     ModelPair,
@@ -30,7 +31,7 @@ from osd.spec.forward import (
     run_model,
     top_m_distribution,
 )
-from osd.spec.logprobs import PendingLogprobs, gather_logprobs
+from osd.spec.logprobs import PendingLogprobs, gather_logprobs, prefill_target
 from osd.spec.rows import Row
 from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
 
@@ -52,10 +53,11 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
 
     A row whose prompt is now complete gets its first token sampled from the target's
     distribution after the prompt (exactly the target alone's first token: no draft is needed
-    for it), so its first chunk comes with its prefill.
+    for it), so its first chunk comes with its prefill. Its ``followers`` (other choices of
+    the prompt) get its KV and sample their first tokens from the same logits.
 
     Returns:
-        The first chunk of each row that completed its prompt, in order.
+        The first chunk of each row that completed its prompt, in order, then its followers'.
     """
     pieces: list[tuple[Row, int]] = []
     for row in rows:
@@ -65,40 +67,44 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
             budget -= size
     if not pieces:
         return []
-    target_logits = None
-    for model, cache, members in (
-        (pair.target, pair.target_cache, pieces),
-        (pair.draft, pair.draft_cache, [p for p in pieces if p[0].request.method != "none"]),
-    ):
-        if not members:
-            continue
-        tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
-        ids, left, num_real = left_padded(tokens, pair.device)
-        logits = run_model(
-            pair,
-            model,
-            cache,
-            ids,
-            start=[row.target_len for row, _ in members],
-            left=left,
-            num_real=num_real,
-            own=[row.slots[0] for row, _ in members],
-            base=[row.slots[0] for row, _ in members],
-            prefix=[0] * len(members),
-            num_logits=1,
-            adapters=[row.request.adapter for row, _ in members] if model is pair.draft else None,
-        )
-        if model is pair.target:
-            target_logits = logits[:, 0]  # (P, V) after each piece's last token
+    # (P, V) after each piece's last token; rows asking for prompt logprobs get them too.
+    target_logits = prefill_target(pieces, lambda some, n: _prefill_forward(pair, False, some, n))
+    # A row that generates nothing (max_tokens 0: prompt scoring) never needs the draft's KV.
+    drafting = [p for p in pieces if p[0].request.method != "none" and p[0].remaining > 0]
+    if drafting:
+        _prefill_forward(pair, True, drafting, 1)
     for row, size in pieces:
         row.target_len += size
         if row.request.method != "none":
             row.draft_len = row.target_len
-    assert target_logits is not None
     complete = [i for i, (row, _) in enumerate(pieces) if row.prefill_left == 0]
     if not complete:
         return []
-    return _first_tokens(pair, [pieces[i][0] for i in complete], target_logits[complete])
+    # Other choices of a completed prompt get its KV and logits (osd.spec.choices).
+    done, logits = share_prompt(pair, [pieces[i][0] for i in complete], target_logits[complete])
+    return _first_tokens(pair, done, logits)
+
+
+def _prefill_forward(
+    pair: ModelPair, draft: bool, members: list[tuple[Row, int]], num_logits: int
+) -> torch.Tensor:
+    """One model's forward over prefill pieces: (len(members), num_logits, V) last logits."""
+    tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
+    ids, left, num_real = left_padded(tokens, pair.device)
+    return run_model(
+        pair,
+        pair.draft if draft else pair.target,
+        pair.draft_cache if draft else pair.target_cache,
+        ids,
+        start=[row.target_len for row, _ in members],
+        left=left,
+        num_real=num_real,
+        own=[row.slots[0] for row, _ in members],
+        base=[row.slots[0] for row, _ in members],
+        prefix=[0] * len(members),
+        num_logits=num_logits,
+        adapters=[row.request.adapter for row, _ in members] if draft else None,
+    )
 
 
 def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:

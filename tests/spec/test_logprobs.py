@@ -102,3 +102,85 @@ def test_logprobs_out_of_range_are_value_errors(decoder):
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="logprobs"):
             decoder.prepare(PROMPTS[0], logprobs=bad)
+
+
+def check_prompt_logprobs(target_model, prompt, entries, num_top):
+    """Entry i (i >= 1) is the target alone's log-softmax after prompt[:i], at prompt[i]."""
+    assert len(entries) == len(prompt) and entries[0] is None
+    if len(prompt) == 1:
+        return
+    with torch.no_grad():
+        logits = target_model(torch.tensor([prompt])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, dim=-1)  # (L - 1, V)
+    want = expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = torch.tensor([entry.logprob for entry in entries[1:]])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    values, ids = expected.topk(num_top, dim=-1) if num_top else (None, None)
+    for t, entry in enumerate(entries[1:]):
+        assert len(entry.top) == num_top
+        if num_top:
+            assert [i for i, _ in entry.top] == ids[t].tolist()
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in entry.top]), values[t], atol=1e-4, rtol=0
+            )
+
+
+LONG_PROMPT = [(7 * i + 3) % 60 + 2 for i in range(23)]
+
+
+@pytest.mark.parametrize("budget", [5, 4096])  # 5: the prompts' prefill runs in chunks
+def test_prompt_logprobs_equal_the_target_alone_across_prefill_chunks(
+    decoder, target_model, budget
+):
+    # Rows asking (for different numbers of alternatives) and not share the prefill and steps.
+    asks = [3, None, 0, 5, None]
+    prompts = [LONG_PROMPT, PROMPTS[1], PROMPTS[2], LONG_PROMPT[:9], PROMPTS[3]]
+    engine = BatchedEngine(
+        decoder, BatchLimits(max_num_seqs=8, kv_slots=16, max_num_batched_tokens=budget)
+    )
+    try:
+        handles = [
+            engine.submit(
+                decoder.prepare(
+                    prompt,
+                    max_tokens=6,
+                    seed=i,
+                    method=("block", "token", "none", "spectr", "block")[i],
+                    prompt_logprobs=n,
+                    logprobs=n,
+                )
+            )
+            for i, (prompt, n) in enumerate(zip(prompts, asks, strict=True))
+        ]
+        chunks = [list(handle) for handle in handles]
+        results = [handle.result() for handle in handles]
+    finally:
+        engine.close()
+    for prompt, n, row_chunks, result in zip(prompts, asks, chunks, results, strict=True):
+        if n is None:
+            assert result.prompt_logprobs is None
+            assert all(chunk.prompt_logprobs is None for chunk in row_chunks)
+            continue
+        check_prompt_logprobs(target_model, prompt, result.prompt_logprobs, n)
+        # The first chunk carries them, the others do not; generation is unchanged.
+        assert row_chunks[0].prompt_logprobs == result.prompt_logprobs
+        assert all(chunk.prompt_logprobs is None for chunk in row_chunks[1:])
+        check_logprobs(target_model, prompt, result, n)
+
+
+@pytest.mark.parametrize("method", ["block", "none"])
+def test_max_tokens_0_scores_the_prompt_alone(decoder, target_model, method):
+    result = decoder.generate(LONG_PROMPT, max_tokens=0, method=method, prompt_logprobs=2)
+    assert result.token_ids == [] and result.text == "" and result.finish_reason == "length"
+    assert result.log is None  # nothing generated: no record
+    check_prompt_logprobs(target_model, LONG_PROMPT, result.prompt_logprobs, 2)
+    single = decoder.generate([5], max_tokens=0, prompt_logprobs=1)
+    assert single.prompt_logprobs == [None]
+
+
+def test_prompt_logprobs_out_of_range_are_value_errors(decoder):
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            decoder.prepare(PROMPTS[0], prompt_logprobs=bad)
+    with pytest.raises(ValueError, match="max_tokens"):
+        decoder.prepare(PROMPTS[0], max_tokens=-1)
