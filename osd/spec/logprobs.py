@@ -177,7 +177,7 @@ def _start_prompt_logprobs(group: list[tuple[Row, int]], logits: torch.Tensor) -
     next_ids = torch.zeros(len(group), width, dtype=torch.int64)  # (G, W); padding and past
     for g, (row, size) in enumerate(group):  # the prompt's end (the first new token): 0
         start, prompt = row.target_len, row.request.prompt_ids
-        following = prompt[start : start + size]
+        following = prompt[start + 1 : start + size + 1]
         next_ids[g, width - size : width - size + len(following)] = torch.tensor(following)
     num_top = [row.request.prompt_logprobs or 0 for row, _ in group]
     index = to_device(torch.arange(len(group)), logits.device)
