@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd.generation import GenerationResult, TokenLogprob
-from serving.logprobs import LogprobFormatter
+from serving.logprobs import LogprobFormatter, echo_prefix
 from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
 from serving.runtime import Job, ReplicaRuntime
 
@@ -153,7 +153,8 @@ async def _handle(
         return _JobStream(runtime, job, _sse(runtime, job, kind))
     result = await runtime.complete(job)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
-    body = _response(job, kind, result, runtime.config.serve.model_name, logprobs)
+    echo = echo_prefix(request, job.stream.request.prompt_ids, runtime.engine.tokenizer)
+    body = _response(job, kind, result, runtime.config.serve.model_name, logprobs, echo)
     return JSONResponse(body)
 
 
@@ -202,7 +203,12 @@ def _osd_stats(job: Job, result: GenerationResult) -> dict[str, Any]:
 
 
 def _response(
-    job: Job, kind: str, result: GenerationResult, model: str, logprobs: LogprobFormatter
+    job: Job,
+    kind: str,
+    result: GenerationResult,
+    model: str,
+    logprobs: LogprobFormatter,
+    echo: tuple[str, list[int]] = ("", []),
 ) -> dict[str, Any]:
     if kind == "chat":
         choice: dict[str, Any] = {
@@ -213,11 +219,15 @@ def _response(
         }
         obj, prefix = "chat.completion", "chatcmpl"
     else:
+        # echo: the prompt's text and tokens (with their logprobs) before the completion's.
+        entries = result.logprobs
+        if echo[1] and entries is not None:
+            entries = [*(result.prompt_logprobs or []), *entries]
         choice = {
             "index": 0,
-            "text": result.text,
+            "text": echo[0] + result.text,
             "finish_reason": result.finish_reason,
-            "logprobs": logprobs.format(result.token_ids, result.logprobs),
+            "logprobs": logprobs.format(echo[1] + result.token_ids, entries),
         }
         obj, prefix = "text_completion", "cmpl"
     return {
@@ -246,9 +256,10 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
 
     formatter = LogprobFormatter(runtime.engine.tokenizer, chat)
     # Tokens whose text is held back (a possible stop string) send their logprobs with the
-    # next event that has text, so every token's logprobs arrive, in order.
-    held_ids: list[int] = []
-    held: list[TokenLogprob] | None = None
+    # next event that has text, so every token's logprobs arrive, in order. With echo, the
+    # prompt comes first, in the first event (as vLLM sends it).
+    echo, held_ids = echo_prefix(job.request, job.stream.request.prompt_ids, runtime.tokenizer)
+    held: list[TokenLogprob | None] | None = None
 
     def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
         logprobs = formatter.format(held_ids, held)
@@ -263,9 +274,11 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
             async for chunk in chunks:
                 held_ids += chunk.token_ids
                 if chunk.logprobs is not None:
-                    held = (held or []) + chunk.logprobs
+                    # The prompt's (echo's) come with the first chunk only.
+                    held = [*(held or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
                 if chunk.text or chunk.finish_reason or first:
-                    yield event([choice(chunk.text, chunk.finish_reason, first)])
+                    yield event([choice(echo + chunk.text, chunk.finish_reason, first)])
+                    echo = ""
                     first = False
                     held_ids, held = [], None if held is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band

@@ -6,15 +6,30 @@ does, always holds the sampled token too (up to n + 1 entries). Chat: ``{"conten
 "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is its
 own decoding; a token that is part of a multi-byte character decodes to U+FFFD. The numbers
 are the target's raw logprobs (:mod:`osd.spec.logprobs` says why).
+
+Completions' ``echo`` puts the prompt before the completion: in the text (the prompt as sent, or
+the token ids' decoding) and, with ``logprobs``, in front of the tokens, the first prompt
+token's logprob and alternatives ``null`` (nothing precedes it), as OpenAI and vLLM answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from osd.generation import TokenLogprob
 
-__all__ = ["LogprobFormatter"]
+__all__ = ["LogprobFormatter", "echo_prefix"]
+
+
+def echo_prefix(request: Any, prompt_ids: Sequence[int], tokenizer: Any) -> tuple[str, list[int]]:
+    """What a completion with ``echo`` starts with: the prompt's text and ids ("", [] without)."""
+    if not getattr(request, "echo", False):
+        return "", []
+    if isinstance(request.prompt, str):
+        return request.prompt, list(prompt_ids)
+    text = "" if tokenizer is None else tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    return str(text), list(prompt_ids)
 
 
 class LogprobFormatter:
@@ -32,9 +47,12 @@ class LogprobFormatter:
         return text
 
     def format(
-        self, token_ids: list[int], entries: list[TokenLogprob] | None
+        self, token_ids: list[int], entries: Sequence[TokenLogprob | None] | None
     ) -> dict[str, Any] | None:
-        """The ``logprobs`` of a choice (or streamed chunk) with these tokens; None if off."""
+        """The ``logprobs`` of a choice (or streamed chunk) with these tokens; None if off.
+
+        An entry None (an echoed prompt's first token, completions only) has null logprobs.
+        """
         if entries is None:
             return None
         texts = [self._text(t) for t in token_ids]
@@ -48,6 +66,7 @@ class LogprobFormatter:
                         ],
                     }
                     for text, entry in zip(texts, entries, strict=True)
+                    if entry is not None
                 ]
             }
         offsets = []
@@ -56,9 +75,11 @@ class LogprobFormatter:
             self._offset += len(text)
         return {
             "tokens": texts,
-            "token_logprobs": [entry.logprob for entry in entries],
+            "token_logprobs": [None if entry is None else entry.logprob for entry in entries],
             "top_logprobs": [
-                {**{self._text(i): lp for i, lp in entry.top}, text: entry.logprob}
+                None
+                if entry is None
+                else {**{self._text(i): lp for i, lp in entry.top}, text: entry.logprob}
                 for text, entry in zip(texts, entries, strict=True)
             ],
             "text_offset": offsets,

@@ -2,7 +2,7 @@
 
 A field the client sends is never silently dropped when it asks for something osd does not do:
 a new user of the official ``openai`` client would otherwise get a 200 that ignored
-``echo`` or ``response_format`` and never know. Every top-level field of OpenAI's
+``best_of`` or ``suffix`` and never know. Every top-level field of OpenAI's
 completions and chat completions requests (``openai.types.CompletionCreateParams`` and
 ``openai.types.chat.CompletionCreateParams``; a test reads them from the installed package, so
 a field a new version adds fails it until it is classified here), the vLLM extras clients
@@ -13,13 +13,13 @@ commonly send, and osd's own fields fall in one of three groups:
   the answer. Each entry says why.
 * **Refused unless default** (:data:`REFUSED`): a value that asks for behaviour osd does not
   provide is answered 400 ``unsupported_parameter`` naming the field. The field's no-op value
-  (``echo: false``, ``best_of: 1``, ``n: 1``, ``response_format:
+  (``best_of: 1``, ``n: 1``, ``response_format:
   {"type": "text"}``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
   and others) send defaults on every request.
 
 A field in none of them (a typo such as ``max_token``) is refused with 400
 ``unknown_parameter`` naming it: a misspelt ``max_tokens`` silently ignored is the same failure
-as an ignored ``echo``. vLLM's extras get the same treatment as OpenAI's refused fields, so
+as an ignored ``best_of``. vLLM's extras get the same treatment as OpenAI's refused fields, so
 a client written for vLLM that sends their defaults keeps working.
 
 Every optional OpenAI or vLLM field sent as ``null`` means "the default", as in OpenAI's API;
@@ -59,6 +59,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
+        "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
     }
 )
 
@@ -133,7 +134,6 @@ REFUSED: Mapping[str, Refused] = {
         "a latency or price tier; osd serves every request alike", _is_one_of("auto", "default")
     ),
     # OpenAI completions
-    "echo": Refused("the prompt echoed before the completion", _is_false),
     "best_of": Refused("several candidates generated server-side", _is_int(1)),
     "suffix": Refused("text inserted after the completion (fill in the middle)", _is_one_of("")),
     # OpenAI chat

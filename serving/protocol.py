@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from osd.record import MAX_ID_BYTES
@@ -184,12 +185,21 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to report (completions' echo); None: none."""
+        return None
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
     # OpenAI's legacy completions: the sampled token's logprob and this many alternatives.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     top_logprobs: None = None  # chat's field; refused here rather than ignored
+    # The prompt before the completion, and with logprobs its tokens' logprobs too.
+    echo: StrictBool = False
+    # 0 with echo: the prompt alone, scored (OpenAI's and vLLM's prompt scoring).
+    max_tokens: int | None = Field(default=None, ge=0)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -207,6 +217,20 @@ class CompletionRequest(_Common):
     def num_logprobs(self) -> int | None:
         """Alternatives per token to report; None: no logprobs."""
         return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Alternatives per prompt token to report (echo with logprobs); None: none."""
+        return self.logprobs if self.echo else None
+
+    @model_validator(mode="after")
+    def _no_tokens_needs_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            # An APIError passes through pydantic, so the 400 names the field.
+            raise APIError(
+                400, "max_tokens: 0 asks for no completion; it needs echo: true", param="max_tokens"
+            )
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -239,6 +263,14 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    echo: None = None  # completions' field (vLLM's chat echo is not served); refused here
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _no_echo(cls, echo: Any) -> None:
+        if echo not in (None, False):
+            raise ValueError("is a completions field; chat does not echo its messages")
+        return None
 
     @field_validator("top_logprobs")
     @classmethod

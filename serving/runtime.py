@@ -130,7 +130,8 @@ class ReplicaRuntime:
                 param="model",
                 code="model_not_found",
             )
-        max_tokens = request.max_completion_tokens or request.max_tokens or 16
+        asked = (request.max_completion_tokens, request.max_tokens)  # 0: echo's prompt alone
+        max_tokens = next((m for m in asked if m is not None), 16)
         if max_tokens > serve.max_tokens_limit:
             raise APIError(
                 400,
@@ -191,6 +192,7 @@ class ReplicaRuntime:
             log=self.log_writer is not None and request.log,
             route=request.domain or "",
             logprobs=request.num_logprobs,
+            prompt_logprobs=request.num_prompt_logprobs,
         )
         return self.batch.submit(prepared)
 

@@ -122,7 +122,11 @@ def test_a_request_without_logprobs_gets_null(replica):
         ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "top_logprobs": 2}, "top_logprobs"),
-        ("/v1/completions", {"prompt": PROMPT, "logprobs": 1, "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": PROMPT, "echo": 1}, "echo"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": -1, "echo": True}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         (
             "/v1/chat/completions",
@@ -133,6 +137,74 @@ def test_a_request_without_logprobs_gets_null(replica):
     ],
 )
 def test_bad_logprobs_values_are_400_naming_the_field(replica, path, fields, param):
-    response = replica.client.post(path, json={"model": "osd", "max_tokens": 2, **fields})
+    response = replica.client.post(path, json={"model": "osd", "max_tokens": 2} | fields)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def prompt_logprobs(replica) -> tuple[list[int], torch.Tensor]:
+    """The prompt's ids and the target alone's logprob of each after the first: (L - 1,)."""
+    engine = replica.runtime.engine
+    prompt = list(engine.tokenizer(PROMPT)["input_ids"])
+    with torch.no_grad():
+        logits = engine.target.model(torch.tensor([prompt])).logits[0, :-1, : engine.vocab_size]
+    expected = torch.log_softmax(logits.float(), -1)
+    return prompt, expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first_streamed_and_not(replica, client):
+    kwargs = dict(model="osd", prompt=PROMPT, max_tokens=6, temperature=0)
+    plain = client.completions.create(logprobs=2, **kwargs).choices[0]
+    echoed = client.completions.create(echo=True, **kwargs).choices[0]
+    assert echoed.text == PROMPT + plain.text and echoed.logprobs is None
+    out = client.completions.create(echo=True, logprobs=2, **kwargs)
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    assert choice.text == PROMPT + plain.text
+    prompt, want = prompt_logprobs(replica)
+    decode = replica.runtime.engine.tokenizer.decode
+    assert out.usage.prompt_tokens == len(prompt)  # usage counts the completion alone
+    assert out.usage.completion_tokens == len(plain.logprobs.tokens)
+    assert lp.tokens == [decode([t]) for t in prompt] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes it
+    got = torch.tensor(lp.token_logprobs[1 : len(prompt)])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for t in range(1, len(prompt)):  # the prompt token and the 2 most likely
+        assert lp.top_logprobs[t][lp.tokens[t]] == lp.token_logprobs[t]
+        assert 2 <= len(lp.top_logprobs[t]) <= 3
+    torch.testing.assert_close(
+        lp.token_logprobs[len(prompt) :], plain.logprobs.token_logprobs, atol=1e-5, rtol=0
+    )
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:t]) for t in range(len(lp.tokens))]
+
+    chunks = list(client.completions.create(echo=True, logprobs=2, stream=True, **kwargs))
+    assert chunks[0].choices[0].text.startswith(PROMPT)  # the prompt comes in the first chunk
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert streamed[0].tokens[: len(prompt)] == lp.tokens[: len(prompt)]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    flat = [x for s in streamed for x in s.token_logprobs]
+    assert flat[0] is None
+    torch.testing.assert_close(flat[1:], lp.token_logprobs[1:], atol=1e-5, rtol=0)
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(replica, client):
+    kwargs = dict(model="osd", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    out = client.completions.create(**kwargs)
+    prompt, want = prompt_logprobs(replica)
+    choice = out.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(prompt)
+    assert len(choice.logprobs.tokens) == len(prompt)
+    torch.testing.assert_close(
+        torch.tensor(choice.logprobs.token_logprobs[1:]), want, atol=1e-4, rtol=0
+    )
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == choice.logprobs.tokens
+    # Token ids as the prompt: the echo is their decoding.
+    ids = client.completions.create(model="osd", prompt=prompt, max_tokens=0, echo=True)
+    assert ids.choices[0].text == replica.runtime.engine.tokenizer.decode(
+        prompt, skip_special_tokens=True
+    )

@@ -59,7 +59,7 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "n": (2, REFUSE),
     "logprobs": (2, ACCEPTED),  # chat: true (CHAT_VALUES)
     "top_logprobs": (2, ACCEPTED),  # chat only, beside logprobs: true (WITH)
-    "echo": (True, REFUSE),
+    "echo": (True, ACCEPTED),  # completions only
     "best_of": (2, REFUSE),
     "suffix": (" the end", REFUSE),
     "response_format": ({"type": "json_object"}, REFUSE),
@@ -234,8 +234,8 @@ def test_the_official_client_sees_the_refused_field(replica):
         base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
     )
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="osd", prompt="the cat", max_tokens=2, echo=True)
-    assert refused.value.param == "echo" and refused.value.code == "unsupported_parameter"
+        client.completions.create(model="osd", prompt="the cat", max_tokens=2, best_of=2)
+    assert refused.value.param == "best_of" and refused.value.code == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError) as typo:
         client.chat.completions.create(
             model="osd",
