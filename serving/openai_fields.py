@@ -13,7 +13,7 @@ commonly send, and osd's own fields fall in one of three groups:
   the answer. Each entry says why.
 * **Refused unless default** (:data:`REFUSED`): a value that asks for behaviour osd does not
   provide is answered 400 ``unsupported_parameter`` naming the field. The field's no-op value
-  (``best_of: 1``, ``n: 1``, ``response_format:
+  (``best_of: 1``, ``response_format:
   {"type": "text"}``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
   and others) send defaults on every request.
 
@@ -59,6 +59,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
+        "n",  # 1..16 choices, each its own sample (osd.spec.choices)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
     }
 )
@@ -125,7 +126,6 @@ class Refused:
 
 REFUSED: Mapping[str, Refused] = {
     # OpenAI, both endpoints
-    "n": Refused("several choices per request", _is_int(1)),
     "response_format": Refused(
         "structured output (JSON mode or a JSON schema)", _is_one_of({"type": "text"})
     ),

@@ -15,17 +15,19 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StrictBool,
     StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
 from osd.record import MAX_ID_BYTES
 from osd.sampling import GREEDY_BELOW
-from serving.openai_fields import FieldRefused, check_fields
+from serving.openai_fields import FieldRefused, check_fields, check_messages
 
 __all__ = [
     "APIError",
@@ -247,10 +249,22 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One chat message as :func:`serving.openai_fields.check_messages` leaves it (what osd
+    does not do is refused there, by its path): text content and the harmless ``name``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str
+    # A participant's name: given to the chat template only when sent.
+    name: str | None = Field(default=None, max_length=256)
+
+    @model_serializer(mode="wrap")
+    def _name_only_when_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        message: dict[str, Any] = handler(self)
+        if message.get("name") is None:
+            message.pop("name", None)
+        return message
 
     @field_validator("content")
     @classmethod
@@ -295,13 +309,16 @@ def parse_request(
     model = CompletionRequest if kind == "completion" else ChatRequest
     try:  # what osd does not implement is refused by name, never silently ignored
         data = check_fields(data, model.model_fields)
+        if kind == "chat":  # and inside the messages, by path
+            data = {**data, "messages": check_messages(data.get("messages"))}
     except FieldRefused as exc:
         raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"])
+        # messages[1].content, as check_messages names paths (pydantic: messages.1.content)
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])[1:]
         raise APIError(400, f"{param}: {first['msg']}", param=param) from None
 
 

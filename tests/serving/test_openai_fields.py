@@ -15,9 +15,20 @@ from typing import Any
 import openai
 import pytest
 from openai.types import CompletionCreateParams as CompletionParams
+from openai.types.chat import ChatCompletionContentPartParam, ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionContentPartRefusalParam as ContentPartRefusal
 from openai.types.chat import CompletionCreateParams as ChatParams
 
-from serving.openai_fields import HARMLESS, IMPLEMENTED, REFUSED
+from serving.openai_fields import (
+    HARMLESS,
+    IMPLEMENTED,
+    MESSAGE_HARMLESS,
+    MESSAGE_IMPLEMENTED,
+    MESSAGE_REFUSED,
+    PART_REFUSED,
+    REFUSED,
+)
+from serving.protocol import APIError, parse_request
 from tests.reliability.conftest import Replica, running_replica, toy_config
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -269,3 +280,135 @@ def test_stop_token_ids_end_generation_at_the_first_of_them(replica):
     assert_answered(post(replica, "chat", stop_token_ids=[ids[cut]]), "stop_token_ids")
     bad = post(replica, "completion", stop_token_ids=[-1])
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
+
+
+# Inside chat messages: every field of OpenAI's message types, and every content part type.
+MESSAGE_FIELDS = openai_fields(ChatCompletionMessageParam)
+PART_TYPES = {
+    typing.get_args(typing.get_type_hints(t)["type"])[0]
+    for t in (*typing.get_args(ChatCompletionContentPartParam), ContentPartRefusal)
+}
+CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# field -> (a message with a value that is not the default, what osd answers)
+MESSAGE_ROWS: dict[str, tuple[dict[str, Any], str]] = {
+    "role": ({"role": "developer", "content": "be brief"}, ACCEPTED),
+    "content": ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, ACCEPTED),
+    "name": ({"role": "user", "content": "hi", "name": "alice"}, ACCEPTED),
+    "tool_calls": ({"role": "assistant", "content": None, "tool_calls": [CALL]}, REFUSE),
+    "tool_call_id": ({"role": "tool", "content": "42", "tool_call_id": "c1"}, REFUSE),
+    "function_call": ({"role": "assistant", "function_call": CALL["function"]}, REFUSE),
+    "audio": ({"role": "assistant", "content": "hi", "audio": {"id": "a1"}}, REFUSE),
+    "refusal": ({"role": "assistant", "content": None, "refusal": "I cannot"}, REFUSE),
+}
+# A message's no-op values, each accepted.
+MESSAGE_DEFAULTS = [
+    {"role": "assistant", "content": None, "tool_calls": [], "function_call": None},
+    {"role": "assistant", "content": "ok", "audio": None, "refusal": None, "name": None},
+    {"role": "system", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    {"role": "user", "content": "hi", "name": "bob"},
+]
+PART_ROWS: dict[str, tuple[dict[str, Any], str]] = {
+    "text": ({"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}}, ""),
+    "image_url": ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, REFUSE),
+    "input_audio": ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, REFUSE),
+    "file": ({"type": "file", "file": {"file_id": "f1"}}, REFUSE),
+    "refusal": ({"type": "refusal", "refusal": "I cannot"}, REFUSE),
+}
+
+
+def chat_with(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat body whose second message is ``message``."""
+    first = {"role": "user", "content": "hi"}
+    return {**BASE["chat"], "messages": [first, message, {"role": "user", "content": "go on"}]}
+
+
+def refused_by(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(param, code) of the 400 a chat body gets from the request parser; (None, None) if none."""
+    try:
+        parse_request("chat", body)
+    except APIError as exc:
+        assert exc.status == 400 and exc.message.startswith(exc.param or "")
+        return exc.param, exc.code
+    return None, None
+
+
+def test_every_message_field_and_content_part_has_a_row():
+    classified = MESSAGE_IMPLEMENTED | set(MESSAGE_HARMLESS) | set(MESSAGE_REFUSED)
+    assert classified >= MESSAGE_FIELDS, "classify these in serving/openai_fields.py"
+    assert set(MESSAGE_ROWS) == MESSAGE_FIELDS, "give these a row here"
+    refused = {f for f, (_, outcome) in MESSAGE_ROWS.items() if outcome == REFUSE}
+    assert refused == set(MESSAGE_REFUSED)
+    assert PART_TYPES == set(PART_ROWS) == {"text", *PART_REFUSED}
+
+
+@pytest.mark.parametrize("field", sorted(MESSAGE_ROWS))
+def test_a_message_field_is_used_or_refused_by_its_path(field):
+    message, outcome = MESSAGE_ROWS[field]
+    expected = (f"messages[1].{field}", "unsupported_parameter") if outcome == REFUSE else None
+    assert refused_by(chat_with(message)) == (expected or (None, None))
+
+
+@pytest.mark.parametrize("kind", sorted(PART_ROWS))
+def test_a_content_part_is_used_or_refused_by_its_path(kind):
+    part, outcome = PART_ROWS[kind]
+    got = refused_by(chat_with({"role": "user", "content": [{"type": "text", "text": "a"}, part]}))
+    path = f"messages[1].content[1].{kind}"
+    assert got == ((path, "unsupported_parameter") if outcome == REFUSE else (None, None))
+
+
+@pytest.mark.parametrize("message", MESSAGE_DEFAULTS)
+def test_a_message_default_is_accepted(message):
+    assert refused_by(chat_with(message)) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("message", "param", "code"),
+    [
+        ({"role": "user", "content": "hi", "foo": 1}, "messages[1].foo", "unknown_parameter"),
+        ({"role": "user", "content": "hi", "Name": "a"}, "messages[1].Name", "unknown_parameter"),
+        (
+            {"role": "user", "content": [{"type": "text", "text": "a", "foo": 1}]},
+            "messages[1].content[0].foo",
+            "unknown_parameter",
+        ),
+        (
+            {"role": "user", "content": [{"type": "video", "video": {}}]},
+            "messages[1].content[0].type",
+            "unknown_parameter",
+        ),
+        (
+            {"role": "function", "name": "f", "content": "1"},
+            "messages[1].role",
+            "unsupported_parameter",
+        ),
+        (
+            {"role": "user", "content": [{"type": "text"}]},
+            "messages[1].content[0].text",
+            "invalid_type",
+        ),
+        ({"role": "user", "content": None}, "messages[1].content", None),
+        ({"role": "robot", "content": "hi"}, "messages[1].role", None),
+    ],
+)
+def test_an_unknown_or_bad_message_field_is_refused_by_its_path(message, param, code):
+    assert refused_by(chat_with(message)) == (param, code)
+
+
+def test_message_text_parts_and_name_reach_the_prompt(replica):
+    """Text parts are joined by newlines; the official client sees a nested refusal's path."""
+    runtime = replica.runtime
+    parts = [{"type": "text", "text": "the"}, {"type": "text", "text": "cat"}]
+    joined = parse_request("chat", chat_with({"role": "user", "content": parts, "name": "al"}))
+    assert joined.messages[1].model_dump() == {"role": "user", "content": "the\ncat", "name": "al"}
+    assert "name" not in joined.messages[0].model_dump()  # only when sent
+    assert "the\ncat" in str(runtime.prompt_of(joined))
+    assert_answered(
+        replica.client.post(PATHS["chat"], json=chat_with(MESSAGE_ROWS["name"][0])), "name"
+    )
+    client = openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
+    )
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(**chat_with(MESSAGE_ROWS["tool_calls"][0]))
+    assert refused.value.param == "messages[1].tool_calls"
+    assert refused.value.code == "unsupported_parameter"
