@@ -33,7 +33,20 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HARMLESS", "IMPLEMENTED", "REFUSED", "FieldRefused", "Refused", "check_fields"]
+__all__ = [
+    "HARMLESS",
+    "IMPLEMENTED",
+    "MESSAGE_HARMLESS",
+    "MESSAGE_IMPLEMENTED",
+    "MESSAGE_REFUSED",
+    "PART_REFUSED",
+    "REFUSED",
+    "ROLE_REFUSED",
+    "FieldRefused",
+    "Refused",
+    "check_fields",
+    "check_messages",
+]
 
 # Used by osd (serving.protocol's request models). The sampling penalties, logit_bias and
 # min_p are implemented by the request model's own fields.
@@ -59,8 +72,8 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
-        "n",  # 1..16 choices, each its own sample (osd.spec.choices)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
+        "n",  # 1..16 choices, each its own sample (osd.spec.choices)
     }
 )
 
@@ -229,3 +242,106 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# Chat messages: the same three groups, one level down (``openai.types.chat.
+# ChatCompletionMessageParam``'s fields; a test reads them from the installed package).
+# Errors name the path: ``messages[1].tool_calls``, ``messages[0].content[2].image_url``.
+MESSAGE_IMPLEMENTED: frozenset[str] = frozenset({"role", "content"})
+MESSAGE_HARMLESS: Mapping[str, str] = {
+    "name": "a participant's name: passed to the chat template with the message (templates "
+    "that know it render it); osd's plain format without a template leaves it out",
+}
+MESSAGE_REFUSED: Mapping[str, Refused] = {
+    "tool_calls": Refused("tool calling (an assistant's earlier tool calls)", _is_empty),
+    "tool_call_id": Refused("tool calling (a tool's result for an assistant's call)", _is_null),
+    "function_call": Refused("function calling (an assistant's earlier call)", _is_null),
+    "audio": Refused("audio output (an assistant's earlier audio answer)", _is_null),
+    "refusal": Refused("a refusal apart from the content, which osd's models never give", _is_null),
+}
+# Roles osd does not serve (the others are the request model's to check).
+ROLE_REFUSED: Mapping[str, str] = {"function": "function calling (a function's result)"}
+# Content parts: text is used (a message's parts joined by newlines, as vLLM does); these
+# are known and refused. A text part's prompt_cache_breakpoint is OpenAI's cache hint.
+PART_REFUSED: Mapping[str, str] = {
+    "image_url": "image input",
+    "input_audio": "audio input",
+    "file": "file input",
+    "refusal": "a refusal apart from the content, which osd's models never give",
+}
+_TEXT_PART = frozenset({"type", "text", "prompt_cache_breakpoint"})
+
+
+def check_messages(messages: Any) -> Any:
+    """Refuses what osd does not do inside chat messages; returns them with text content.
+
+    Each message keeps ``role``, ``content`` (a string: text parts joined by newlines; an
+    assistant's null content is empty) and ``name`` when given. What is not a list of objects
+    is returned as it is, for the request model to report.
+
+    Raises:
+        FieldRefused: naming the first refused or unknown field by its path.
+    """
+    if not isinstance(messages, list):
+        return messages
+    return [_check_message(f"messages[{i}]", m) for i, m in enumerate(messages)]
+
+
+def _check_message(path: str, message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message
+    kept: dict[str, Any] = {}
+    for name, value in message.items():
+        refused = MESSAGE_REFUSED.get(name)
+        if refused is not None:
+            if not refused.is_default(value, message):
+                raise _unsupported(f"{path}.{name}", refused.asks, value)
+        elif name in MESSAGE_HARMLESS:
+            if value is not None:
+                kept[name] = value
+        elif name not in MESSAGE_IMPLEMENTED:
+            raise _unknown(f"{path}.{name}", "not a field of OpenAI's chat messages")
+        else:
+            kept[name] = value
+    role = kept.get("role")
+    if isinstance(role, str) and role in ROLE_REFUSED:
+        raise _unsupported(f"{path}.role", ROLE_REFUSED[role], role)
+    content = kept.get("content")
+    if content is None and role == "assistant":
+        kept["content"] = ""  # an assistant turn that only called tools; those are refused
+    elif isinstance(content, list):
+        kept["content"] = "\n".join(
+            _part_text(f"{path}.content[{j}]", part) for j, part in enumerate(content)
+        )
+    return kept
+
+
+def _part_text(path: str, part: Any) -> Any:
+    if not isinstance(part, dict):
+        raise FieldRefused(path, f"{path} must be a content part object", "invalid_type")
+    kind = part.get("type")
+    if kind in PART_REFUSED:
+        raise _unsupported(f"{path}.{kind}", PART_REFUSED[kind], kind)
+    if kind != "text":
+        known = ", ".join(["text", *PART_REFUSED])
+        raise _unknown(f"{path}.type", f"{_short(kind)} is not a content part type ({known})")
+    unknown = sorted(set(part) - _TEXT_PART)
+    if unknown:
+        raise _unknown(f"{path}.{unknown[0]}", "not a field of OpenAI's text content parts")
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise FieldRefused(f"{path}.text", f"{path}.text must be a string", "invalid_type")
+    return text
+
+
+def _unsupported(param: str, asks: str, value: Any) -> FieldRefused:
+    return FieldRefused(
+        param,
+        f"{param} is not supported by osd: it asks for {asks}, which osd does not provide "
+        f"(got {_short(value)}); leave it out",
+        "unsupported_parameter",
+    )
+
+
+def _unknown(param: str, why: str) -> FieldRefused:
+    return FieldRefused(param, f"{param} is unknown to osd: {why}; check it", "unknown_parameter")
