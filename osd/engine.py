@@ -12,6 +12,7 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
@@ -19,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from osd.generation import GenerationResult, StreamChunk
+from osd.grammar import Grammar, GrammarCompiler
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.sampling import SamplingParams
 from osd.spec.choices import choice_requests
@@ -56,6 +58,7 @@ class RequestOptions(TypedDict, total=False):
     route: str
     logprobs: int | None
     prompt_logprobs: int | None
+    grammar: Grammar | None
 
 
 # Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
@@ -122,10 +125,21 @@ class SpeculativeDecoder:
         self.controller = GoodputController(max_k=max_spec_tokens)
         positions = [m for m in (self.target.max_positions, self.draft.max_positions) if m]
         self.max_context = min(positions) if positions else None
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Compiles structured-output grammars for this decoder's tokenizer (built on first
+        use: reading a large vocabulary takes about a second)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+            return self._grammars
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -211,6 +225,7 @@ class SpeculativeDecoder:
         route: str = "",
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> DecodeRequest:
         """Validates one request's arguments; raises ValueError naming the bad one.
 
@@ -241,6 +256,9 @@ class SpeculativeDecoder:
                 the target's raw distribution (:mod:`osd.spec.logprobs` says why).
             prompt_logprobs: the same for each prompt token, from the prefill, in the first
                 chunk and the result (the first token's entry is None); None (default): none.
+            grammar: structured output: every token is drawn from the target's distribution
+                restricted to what this grammar allows next (``decoder.grammars.compile(...)``,
+                :mod:`osd.grammar`); generation ends with end-of-sequence once it is complete.
 
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
@@ -286,9 +304,11 @@ class SpeculativeDecoder:
                     f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
                 )
             max_new = min(max_tokens, self.max_context - len(prompt_ids))
+        eos = getattr(self.tokenizer, "eos_token_id", None)
         if stop_token_ids is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
             stop_token_ids = [] if eos is None else [eos]
+        if grammar is not None:  # a complete output ends with end-of-sequence
+            stop_token_ids = [*stop_token_ids, self.grammars.eos_token_id]
         seed = secrets.randbits(62) if seed is None else seed
         return DecodeRequest(
             prompt_ids=tuple(prompt_ids),
@@ -309,6 +329,7 @@ class SpeculativeDecoder:
             route=route,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

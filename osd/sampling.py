@@ -3,6 +3,7 @@
 The draft's ``q`` and the target's ``p`` both come from :func:`rows_to_probs`, so every
 verifier sees exactly the post-processing distribution that each token was sampled from;
 getting that wrong breaks losslessness silently (ALGORITHMS.md). The processing, in order:
+a structured-output grammar's mask (disallowed tokens get no mass, :mod:`osd.grammar`);
 ``logit_bias`` added; ``repetition_penalty`` on tokens of the prompt or generated so far (a
 positive logit divided by it, a negative one multiplied, as vLLM and HF do);
 ``frequency_penalty`` times each generated token's count and ``presence_penalty`` once per
@@ -293,10 +294,16 @@ def _bias_table(
 
 
 def _process_logits(
-    logits: torch.Tensor, rows: RowSampling, history: History | None
+    logits: torch.Tensor,
+    rows: RowSampling,
+    history: History | None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The logit bias and the penalties (before temperature), for every row at once."""
+    """The grammar mask, the logit bias and the penalties (before temperature), for every row
+    at once."""
     shape = (-1,) + (1,) * (logits.dim() - 1)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if rows.bias is not None:
         bias = rows.bias.to(logits.dtype)
         logits = logits + bias.view(bias.shape[0], *(1,) * (logits.dim() - 2), bias.shape[-1])
@@ -313,7 +320,10 @@ def _process_logits(
 
 
 def rows_to_probs(
-    logits: torch.Tensor, rows: RowSampling, history: History | None = None
+    logits: torch.Tensor,
+    rows: RowSampling,
+    history: History | None = None,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits to the distribution tokens are sampled from, with each row's own processing
     (module docstring; top-k is a sort and kth value per row); :func:`logits_to_probs` is its
@@ -324,12 +334,14 @@ def rows_to_probs(
         rows: the rows' parameters.
         history: each row's prefix as the penalties see it, broadcastable to ``logits`` (for a
             drafted block: :func:`block_history`); needed when ``rows.any_history``.
+        allowed: bool, broadcastable to ``logits``: the tokens a row's grammar allows at each
+            position (:mod:`osd.grammar`); None: every token. Each row must allow at least one.
 
     Returns:
         (B, ..., V) float32 (float64 for float64 logits) probabilities.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = _process_logits(logits.to(dtype), rows, history)
+    logits = _process_logits(logits.to(dtype), rows, history, allowed)
     if rows.all_greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     shape = (-1,) + (1,) * (logits.dim() - 1)

@@ -19,11 +19,16 @@ _SPECIALS = ["<pad>", "<eos>"]
 _CHARS = list(string.ascii_lowercase + string.digits + " .,:;!?()[]{}=+-*/'\"\n")
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer of 59 tokens (ids 0, 1 are <pad>, <eos>); fits vocab 64."""
+def char_tokenizer(chars: str | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: ids 0, 1 are <pad>, <eos>, then one id per character.
+
+    Args:
+        chars: the characters; default: lowercase letters, digits and punctuation (59 tokens
+            in all, fits vocab 64).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {token: i for i, token in enumerate(_SPECIALS + _CHARS)}
+    vocab = {token: i for i, token in enumerate(_SPECIALS + (list(chars) if chars else _CHARS))}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tokenizer.decoder = decoders.Fuse()

@@ -151,10 +151,10 @@ async def _handle(
     job = runtime.admit(request)
     if request.stream:
         return _JobStream(runtime, job, _sse(runtime, job, kind))
-    result = await runtime.complete(job)
+    results = await runtime.complete(job)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
     echo = echo_prefix(request, job.stream.request.prompt_ids, runtime.engine.tokenizer)
-    body = _response(job, kind, result, runtime.config.serve.model_name, logprobs, echo)
+    body = _response(job, kind, results, runtime.config.serve.model_name, logprobs, echo)
     return JSONResponse(body)
 
 
@@ -180,64 +180,76 @@ class _JobStream(StreamingResponse):
             self._runtime.abandon(self._job)
 
 
-def _usage(job: Job, result: GenerationResult) -> dict[str, Any]:
-    prompt_tokens = (
-        result.log.prompt_len if result.log is not None else len(job.stream.request.prompt_ids)
-    )
+def _usage(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
+    """As OpenAI's: the prompt counted once, the completion tokens of every choice."""
+    prompt_tokens = len(job.stream.request.prompt_ids)
+    completion_tokens = sum(len(result.token_ids) for result in results)
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": len(result.token_ids),
-        "total_tokens": prompt_tokens + len(result.token_ids),
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 
-def _osd_stats(job: Job, result: GenerationResult) -> dict[str, Any]:
-    return {
-        **result.stats.as_dict(),
+def _osd_stats(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
+    """The first choice's decoding statistics (with n > 1, every choice's under choices)."""
+    stats = {
+        **results[0].stats.as_dict(),
         "adapter": job.lease.adapter,
         "adapter_version": job.lease.version,
         "method": job.stream.request.method,
         "route": job.route.reason,
         "note": job.route.note,
     }
+    if len(results) > 1:
+        stats["choices"] = [result.stats.as_dict() for result in results]
+    return stats
 
 
 def _response(
     job: Job,
     kind: str,
-    result: GenerationResult,
+    results: list[GenerationResult],
     model: str,
     logprobs: LogprobFormatter,
     echo: tuple[str, list[int]] = ("", []),
 ) -> dict[str, Any]:
+    return {
+        "id": new_id("chatcmpl" if kind == "chat" else "cmpl"),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": now(),
+        "model": model,
+        "choices": [_choice(kind, i, result, logprobs, echo) for i, result in enumerate(results)],
+        "usage": _usage(job, results),
+        "osd": _osd_stats(job, results),
+    }
+
+
+def _choice(
+    kind: str,
+    index: int,
+    result: GenerationResult,
+    logprobs: LogprobFormatter,
+    echo: tuple[str, list[int]],
+) -> dict[str, Any]:
     if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
+        return {
+            "index": index,
             "finish_reason": result.finish_reason,
             "message": {"role": "assistant", "content": result.text},
             "logprobs": logprobs.format(result.token_ids, result.logprobs),
         }
-        obj, prefix = "chat.completion", "chatcmpl"
-    else:
-        # echo: the prompt's text and tokens (with their logprobs) before the completion's.
-        entries = result.logprobs
-        if echo[1] and entries is not None:
-            entries = [*(result.prompt_logprobs or []), *entries]
-        choice = {
-            "index": 0,
-            "text": echo[0] + result.text,
-            "finish_reason": result.finish_reason,
-            "logprobs": logprobs.format(echo[1] + result.token_ids, entries),
-        }
-        obj, prefix = "text_completion", "cmpl"
+    # echo: the prompt's text and tokens (with their logprobs) before the completion's.
+    entries: list[TokenLogprob | None] | None = None
+    if result.logprobs is not None:
+        entries = [*result.logprobs]
+    if echo[1] and entries is not None:
+        entries = [*(result.prompt_logprobs or []), *entries]
     return {
-        "id": new_id(prefix),
-        "object": obj,
-        "created": now(),
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(job, result),
-        "osd": _osd_stats(job, result),
+        "index": index,
+        "text": echo[0] + result.text,
+        "finish_reason": result.finish_reason,
+        "logprobs": logprobs.format(echo[1] + result.token_ids, entries),
     }
 
 
@@ -257,35 +269,39 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
     formatter = LogprobFormatter(runtime.engine.tokenizer, chat)
     # Tokens whose text is held back (a possible stop string) send their logprobs with the
     # next event that has text, so every token's logprobs arrive, in order. With echo, the
-    # prompt comes first, in the first event (as vLLM sends it).
-    echo, held_ids = echo_prefix(job.request, job.stream.request.prompt_ids, runtime.tokenizer)
-    held: list[TokenLogprob | None] | None = None
+    # prompt comes first, in the first event (as vLLM sends it). All of it per choice: events
+    # carry their choice's index (OpenAI's n).
+    num_choices = len(job.streams)
+    prompt_ids = job.stream.request.prompt_ids
+    echo_text, echo_ids = echo_prefix(job.request, prompt_ids, runtime.tokenizer)
+    echo = [echo_text] * num_choices
+    held_ids = [list(echo_ids) for _ in range(num_choices)]
+    held: list[list[TokenLogprob | None] | None] = [None] * num_choices
+    first = [True] * num_choices
 
-    def choice(text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
-        logprobs = formatter.format(held_ids, held)
+    def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+        logprobs = formatter.format(held_ids[index], held[index])
         if chat:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            delta = {"role": "assistant", "content": text} if first[index] else {"content": text}
+            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
-    first = True
     try:
         async with contextlib.aclosing(runtime.stream(job)) as chunks:
-            async for chunk in chunks:
-                held_ids += chunk.token_ids
+            async for i, chunk in chunks:
+                held_ids[i] += chunk.token_ids
                 if chunk.logprobs is not None:
                     # The prompt's (echo's) come with the first chunk only.
-                    held = [*(held or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
-                if chunk.text or chunk.finish_reason or first:
-                    yield event([choice(echo + chunk.text, chunk.finish_reason, first)])
-                    echo = ""
-                    first = False
-                    held_ids, held = [], None if held is None else []
+                    held[i] = [*(held[i] or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
+                if chunk.text or chunk.finish_reason or first[i]:
+                    yield event([choice(i, echo[i] + chunk.text, chunk.finish_reason)])
+                    echo[i], first[i] = "", False
+                    held_ids[i], held[i] = [], None if held[i] is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         logger.exception("stream failed after its first byte: %s", exc)
         yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n".encode()
         return
-    result = job.stream.result()
+    results = job.results()  # every choice has ended: this does not block
     if job.request.include_usage:
-        yield event([], usage=_usage(job, result), osd=_osd_stats(job, result))
+        yield event([], usage=_usage(job, results), osd=_osd_stats(job, results))
     yield b"data: [DONE]\n\n"

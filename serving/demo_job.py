@@ -5,7 +5,10 @@ Serve app, the trainer), drives the demo workload through the real HTTP API whil
 shifts, and shows acceptance per domain, tokens/s and adapter versions live. A share of the
 requests (a window of ``concurrency`` consecutive ones in every ``reference_every``) is sent
 with speculation off: their tokens/s is the target-only reference, measured in the same run,
-that the speculative requests are compared with. At the end it
+that the speculative requests are compared with. A share of the requests (``--chat-share``) are
+chats on their domain, sent through ``/v1/chat/completions`` with the official ``openai`` client
+and reported as the ``chat`` domain (routed by their topic, so the domain's adapter serves and
+learns from them). At the end it
 writes ``report.json`` and ``report.png`` into the run directory, logs a W&B run (offline by
 default) and stops everything it started, also on Ctrl-C. Every number comes from the running
 system: responses' own speculative stats, the replica's adapter events, the store's versions.
@@ -48,6 +51,9 @@ class Sample:
     mean_k: float = 0.0  # tokens drafted per step, as the goodput controller chose them
     reference: bool = False  # sent with speculation off: the target-only reference
     decode_seconds: float = 0.0  # the replica's time from the first token to the last
+    endpoint: str = "completions"  # or "chat": /v1/chat/completions (then domain is "chat")
+    topic: str = ""  # the request's own domain, its route key (differs from domain for chats)
+    text_chars: int = 0  # characters of the returned text (a chat answering "" shows here)
 
 
 def is_reference(index: int, concurrency: int, every: int) -> bool:
@@ -70,8 +76,11 @@ class TrafficDriver:
         model: str,
         concurrency: int,
         reference_every: int = 10,
+        api_key: str | None = None,
     ) -> None:
+        self.base_url = base_url
         self.url = f"{base_url}/v1/completions"
+        self.api_key = api_key
         self.items, self.model, self.concurrency = items, model, concurrency
         self.reference_every = reference_every
         self.samples: list[Sample] = []
@@ -105,11 +114,89 @@ class TrafficDriver:
             return self._next - 1, self.items[self._next - 1]
 
     def _worker(self) -> None:
-        with httpx.Client(timeout=300) as client:
+        import openai
+
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # No retries: a failure is counted, as on the completions path.
+        chat = openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key or "unused",
+            max_retries=0,
+            timeout=300,
+        )
+        with httpx.Client(timeout=300, headers=headers) as client, chat:
             while (taken := self._take()) is not None:
                 index, item = taken
                 reference = is_reference(index, self.concurrency, self.reference_every)
-                self._send(client, item, reference)
+                if getattr(item, "messages", None) is not None:
+                    self._send_chat(chat, item, reference)
+                else:
+                    self._send(client, item, reference)
+
+    def _send_chat(self, client: Any, item: Any, reference: bool) -> None:
+        """One chat through the official client; the osd stats are the response's extra
+        field ``osd``, the domain and speculation settings go in the request's extra body."""
+        import openai
+
+        extra: dict[str, Any] = {"domain": item.domain}
+        if reference:
+            extra["spec"] = {"method": "none"}
+        options: dict[str, Any] = {} if item.seed is None else {"seed": item.seed}
+        start = time.monotonic()
+        try:
+            completion = client.chat.completions.create(
+                model=self.model,
+                messages=item.messages,
+                max_completion_tokens=item.max_tokens,
+                temperature=0.0 if item.temperature is None else item.temperature,
+                extra_body=extra,
+                **options,
+            )
+        except openai.APIStatusError as e:
+            self._failed(f"chat request {item.id}: HTTP {e.status_code}: {str(e)[:300]}")
+            return
+        except openai.APIError as e:
+            self._failed(f"chat request {item.id}: {type(e).__name__}: {e}")
+            return
+        stats = (completion.model_extra or {}).get("osd")
+        if not isinstance(stats, dict) or completion.usage is None:
+            self._failed(f"chat request {item.id}: no osd stats or usage in the response")
+            return
+        text = completion.choices[0].message.content or ""
+        self._record(
+            item, stats, completion.usage.completion_tokens, text, start, reference, "chat"
+        )
+
+    def _record(
+        self,
+        item: Any,
+        stats: dict[str, Any],
+        tokens: int,
+        text: str,
+        start: float,
+        reference: bool,
+        endpoint: str,
+    ) -> None:
+        sample = Sample(
+            time=time.monotonic() - self.start_time,
+            domain="chat" if endpoint == "chat" else item.domain,
+            phase=item.phase or item.domain,
+            acceptance=stats["acceptance_rate"],
+            tokens=tokens,
+            latency=time.monotonic() - start,
+            adapter=stats["adapter"],
+            version=stats["adapter_version"],
+            status=200,
+            drafted=stats["drafted"],
+            mean_k=stats["mean_draft_length"],
+            decode_seconds=stats["decode_seconds"],
+            reference=reference,
+            endpoint=endpoint,
+            topic=item.domain,
+            text_chars=len(text),
+        )
+        with self._lock:
+            self.samples.append(sample)
 
     def _send(self, client: httpx.Client, item: Any, reference: bool) -> None:
         body: dict[str, Any] = {
@@ -133,24 +220,9 @@ class TrafficDriver:
         if response.status_code != 200:
             self._failed(f"request {item.id}: HTTP {response.status_code}: {response.text[:300]}")
             return
-        stats = data["osd"]
-        sample = Sample(
-            time=time.monotonic() - self.start_time,
-            domain=item.domain,
-            phase=item.phase or item.domain,
-            acceptance=stats["acceptance_rate"],
-            tokens=data["usage"]["completion_tokens"],
-            latency=time.monotonic() - start,
-            adapter=stats["adapter"],
-            version=stats["adapter_version"],
-            status=200,
-            drafted=stats["drafted"],
-            mean_k=stats["mean_draft_length"],
-            decode_seconds=stats["decode_seconds"],
-            reference=reference,
-        )
-        with self._lock:
-            self.samples.append(sample)
+        text = data["choices"][0]["text"]
+        tokens = data["usage"]["completion_tokens"]
+        self._record(item, data["osd"], tokens, text, start, reference, "completions")
 
     def _failed(self, reason: str) -> None:
         with self._lock:
@@ -193,6 +265,18 @@ def describe_loop(health: dict[str, Any], supervision: dict[str, dict[str, Any]]
     return line
 
 
+def describe_chat(samples: list[Sample]) -> str:
+    """One line on the chats (/v1/chat/completions) so far, ending in a newline; "" if none."""
+    chats = [s for s in samples if s.endpoint == "chat"]
+    if not chats:
+        return ""
+    empty = sum(s.text_chars == 0 for s in chats)
+    topics = ", ".join(
+        f"{t} {sum(s.topic == t for s in chats)}" for t in sorted({s.topic for s in chats})
+    )
+    return f"chat (/v1/chat/completions, openai client): {len(chats)} ({topics}), {empty} empty\n"
+
+
 def live_view(
     driver: TrafficDriver,
     health: dict[str, Any],
@@ -226,6 +310,7 @@ def live_view(
     table.caption = (
         f"decoding: {spec:.1f} tok/s per request speculative, {alone:.1f} with speculation off "
         f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}\n"
+        + describe_chat(samples)
         + describe_loop(health, supervision or {})
     )
     return table
@@ -249,19 +334,28 @@ def poll_health(
             stop.wait(1.0)
 
 
-def demo_workload(schedule: str, max_tokens: int, seed: int) -> list[Any]:
-    """The demo's traffic: held-out prompts of each domain, in the order of ``schedule``."""
+def demo_workload(schedule: str, max_tokens: int, seed: int, chat_share: float = 0.0) -> list[Any]:
+    """The demo's traffic: held-out prompts of each domain, in the order of ``schedule``, a
+    ``chat_share`` of each domain's requests held-out chats on it."""
     from osd.demo import (
-        DOMAINS,
+        TEXT_DOMAINS,
         build_demo_models,
+        heldout_dialogues,
         heldout_prompts,
         make_workload,
         parse_schedule,
     )
 
     paths = build_demo_models(progress=True)
-    prompts = heldout_prompts(paths.corpus, DOMAINS)
-    items = make_workload(prompts, parse_schedule(schedule), max_tokens=max_tokens, seed=seed)
+    prompts = heldout_prompts(paths.corpus, TEXT_DOMAINS)
+    items = make_workload(
+        prompts,
+        parse_schedule(schedule),
+        max_tokens=max_tokens,
+        seed=seed,
+        dialogues=heldout_dialogues(paths.corpus),
+        chat_share=chat_share,
+    )
     return list(items)
 
 
@@ -283,8 +377,14 @@ def run(
             target=poll_health, args=(stack.base_url, health, events, stop), daemon=True
         )
         poller.start()
+        keys = config.serve.api_keys
         driver = TrafficDriver(
-            stack.base_url, items, config.serve.model_name, concurrency, reference_every
+            stack.base_url,
+            items,
+            config.serve.model_name,
+            concurrency,
+            reference_every,
+            api_key=keys[0] if keys else None,
         )
         driver.start()
         view = functools.partial(live_view, driver, health, len(items))
@@ -366,6 +466,13 @@ def main(argv: Sequence[str]) -> int:
         help="send one window of --concurrency requests in this many with speculation off, as "
         "the target-only reference (0: none)",
     )
+    parser.add_argument(
+        "--chat-share",
+        type=float,
+        default=0.2,
+        help="share of each domain's requests (code, SQL, math, JSON) sent as a chat on it "
+        "through /v1/chat/completions with the openai client (0: none)",
+    )
     parser.add_argument("--workload", help="a JSONL workload to replay instead of the demo's")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
@@ -378,7 +485,7 @@ def main(argv: Sequence[str]) -> int:
 
             items = load_workload(args.workload)
         else:
-            items = demo_workload(args.schedule, args.max_tokens, args.seed)
+            items = demo_workload(args.schedule, args.max_tokens, args.seed, args.chat_share)
         result = run(config, items, args.concurrency, args.reference_every)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)
@@ -390,6 +497,13 @@ def main(argv: Sequence[str]) -> int:
         print(
             f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "
             f"{numbers['final']:.3f} (rise {numbers['rise']:+.3f})"
+        )
+    chat = report["chat"]
+    if chat["requests"]:
+        print(
+            f"  chat: {chat['requests']} requests through /v1/chat/completions, "
+            f"{chat['empty_responses']} answered empty; acceptance by topic: "
+            + ", ".join(f"{t} {n['final']:.3f}" for t, n in chat["by_topic"].items())
         )
     print("decode tokens/s per request against the reference requests (speculation off):")
     for phase, numbers in report["reference"].items():

@@ -11,6 +11,7 @@ from typing import Any
 from osd.config import OSDConfig
 
 __all__ = [
+    "chat_summary",
     "decode_rate",
     "domain_summary",
     "reference_summary",
@@ -55,6 +56,20 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
             "rise": final - low,
         }
     return out
+
+
+def chat_summary(samples: list[Any], window: int = 10) -> dict[str, Any]:
+    """The requests sent through ``/v1/chat/completions`` (domain ``chat`` in the summary):
+    how many, how many answered an empty text, and their acceptance per topic (the domain the
+    chat was about, its route key) as :func:`domain_summary` measures it."""
+    chats = [s for s in samples if getattr(s, "endpoint", "completions") == "chat"]
+    by_topic = [dataclasses.replace(s, domain=s.topic) for s in chats]
+    return {
+        "requests": len(chats),
+        "empty_responses": sum(s.text_chars == 0 for s in chats),
+        "topics": {t: sum(s.topic == t for s in chats) for t in sorted({s.topic for s in chats})},
+        "by_topic": domain_summary(by_topic, window),
+    }
 
 
 def decode_rate(samples: list[Any]) -> float | None:
@@ -127,6 +142,7 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "failure_reasons": result.get("failure_reasons", []),
         "loop": result.get("loop", {}),
         "domains": domain_summary(samples),
+        "chat": chat_summary(samples),
         "reference": reference_summary(samples),
         "tokens_per_second": throughput_series(samples),
         "published": published,

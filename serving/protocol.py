@@ -77,6 +77,7 @@ def error_body(
 
 
 MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
+MAX_CHOICES = 16  # n: choices of one request, each a row of the batch
 
 
 def _check_unicode(text: str) -> None:
@@ -126,7 +127,8 @@ class _Common(BaseModel):
     )
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
-    n: int = 1
+    # Choices, each its own sample with a seed derived from (seed, index) (osd.spec.choices).
+    n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=256)
@@ -163,13 +165,6 @@ class _Common(BaseModel):
         if domain is not None and (not domain.isprintable() or len(domain.encode()) > MAX_ID_BYTES):
             raise ValueError(f"domain must be a printable label of at most {MAX_ID_BYTES} bytes")
         return domain
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n = 1 is supported, got {n}")
-        return n
 
     @field_validator("stop")
     @classmethod

@@ -4,7 +4,9 @@ All requests of a replica are decoded by one batched loop (:class:`osd.spec.loop
 BatchedEngine`): each is a row with its own KV slot, random streams and leased adapter
 version, and every step drafts, verifies and emits for all rows together. A small thread pool
 only waits on the rows' outputs for the event loop. After a request, its record goes to the log
-writer's queue (never blocking) unless it opted out.
+writer's queue (never blocking) unless it opted out. A request for ``n`` choices is a group of
+``n`` rows sharing one prefill (:mod:`osd.spec.choices`); each choice's record is logged on its
+own, under the request's id (so the trainer holds all choices of a prompt out, or none).
 """
 
 from __future__ import annotations
@@ -15,41 +17,27 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
-from osd.generation import GenerationResult, StreamChunk, merge_chunks
+from osd.generation import GenerationResult, StreamChunk
 from osd.model_sources import attach_lora_adapters, load_model_pair
+from osd.spec.choices import choice_requests
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
 from osd.spec.scheduler import BatchLimits
 from osd.threads import threads_for
 from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
+from serving.jobs import Job, stream_choices
 from serving.metrics import ReplicaMetrics
-from serving.protocol import APIError, ChatRequest, CompletionRequest, new_id
-from serving.router import AdapterRouter, RouteDecision
+from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
+from serving.router import AdapterRouter
 
 __all__ = ["Job", "ReplicaRuntime"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Job:
-    """One admitted request: its stream, route and adapter lease."""
-
-    request: CompletionRequest | ChatRequest
-    stream: RequestHandle
-    route: RouteDecision
-    lease: AdapterLease
-    request_id: str = field(default_factory=lambda: new_id("req"))
-    started: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    decoding: bool = False  # a streamed job's thread was started (it then finishes the job)
-    finished: bool = False  # lease and admission slot given back (exactly once)
 
 
 class ReplicaRuntime:
@@ -95,8 +83,11 @@ class ReplicaRuntime:
         self.adapter_events: deque[dict[str, Any]] = deque(maxlen=100)  # swaps, rollbacks...
         self.health: Any = None  # set by the replica's wiring: serving.health.LoopHealth
         limit = config.serve.max_ongoing_requests
-        # Threads that wait on rows' outputs (the decoding happens in the batch loop).
-        self._executor = ThreadPoolExecutor(max_workers=limit, thread_name_prefix="rows")
+        # Threads that wait on rows' outputs (the decoding happens in the batch loop): a
+        # streamed request takes one per choice (the pool starts them only when needed).
+        self._executor = ThreadPoolExecutor(
+            max_workers=limit * MAX_CHOICES, thread_name_prefix="rows"
+        )
         self._admission = threading.BoundedSemaphore(limit)
         self._finish_lock = threading.Lock()
         # Unloads adapter versions a finished request was the last to use, off the event loop.
@@ -151,7 +142,7 @@ class ReplicaRuntime:
                 self.metrics.router_fallbacks.inc()
             lease = self.slots.acquire(route.adapter)
             try:
-                stream = self._start(request, lease, max_tokens)
+                streams = self._start(request, lease, max_tokens)
             except EngineFull as exc:
                 self._give_back(lease)
                 raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded") from None
@@ -165,11 +156,11 @@ class ReplicaRuntime:
             self._admission.release()
             raise
         self.metrics.in_flight.inc()
-        return Job(request, stream, route, lease)
+        return Job(request, streams, route, lease)
 
     def _start(
         self, request: CompletionRequest | ChatRequest, lease: AdapterLease, max_tokens: int
-    ) -> RequestHandle:
+    ) -> list[RequestHandle]:
         spec, defaults = request.spec, self.config.spec
         prepared = self.engine.prepare(
             self.prompt_of(request),
@@ -194,7 +185,7 @@ class ReplicaRuntime:
             logprobs=request.num_logprobs,
             prompt_logprobs=request.num_prompt_logprobs,
         )
-        return self.batch.submit(prepared)
+        return self.batch.submit_group(choice_requests(prepared, request.n))
 
     def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
         """The request's stop token ids besides end-of-sequence; None: the engine's default."""
@@ -203,11 +194,11 @@ class ReplicaRuntime:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return [*extra, *([] if eos is None else [eos])]
 
-    async def complete(self, job: Job) -> GenerationResult:
-        """Runs a request to the end in the thread pool."""
+    async def complete(self, job: Job) -> list[GenerationResult]:
+        """Runs a request to the end in the thread pool; one result per choice."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self._executor, job.stream.result)
+            future = loop.run_in_executor(self._executor, job.results)
         except BaseException:  # the pool is shut down: the replica is closing
             self._finish(job, None)
             raise
@@ -216,7 +207,7 @@ class ReplicaRuntime:
         except asyncio.CancelledError:
             # The client went away: stop decoding; the lease and the admission slot go back
             # when the thread lets go of the draft, not before.
-            job.stream.cancel()
+            job.cancel()
             self._finish_when_done(job, future)
             raise
         except BaseException:
@@ -224,69 +215,22 @@ class ReplicaRuntime:
             raise
         job.first_token_at = job.first_token_at or time.perf_counter()
         self._finish(job, result)
-        return result
+        return result  # one per choice
 
-    async def stream(self, job: Job) -> AsyncIterator[StreamChunk]:
-        """Yields chunks as the thread pool verifies them; cancels if the consumer stops.
-
-        The clean-up never awaits: a consumer that is cancelled (the client disconnected) may
-        not wait for anything, so the thread that decodes accounts for the request when it
-        stops, after its current step.
-        """
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        stop = threading.Event()
-
-        def pump() -> GenerationResult | None:
-            try:
-                if stop.is_set():  # gone while this waited for a thread
-                    job.stream.cancel()
-                for chunk in job.stream:
-                    loop.call_soon_threadsafe(queue.put_nowait, ("chunk", chunk))
-                    if stop.is_set():
-                        job.stream.cancel()
-                        break
-                result = job.stream.result()
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", result))
-                return result
-            except BaseException as exc:  # noqa: BLE001 - handed to the event loop
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", exc))
-                return None
-
-        self._finish_when_done(job, loop.run_in_executor(self._executor, pump))
-        job.decoding = True  # (if the pool is shut down, the raise above leaves it to abandon)
-        held: tuple[str, Any] | None = None
-        try:
-            while True:
-                kind, item = held or await queue.get()
-                held = None
-                if kind == "chunk":
-                    # Steps that queued up while the consumer was busy go out as one chunk:
-                    # under load every event costs the proxy, the replica and the client.
-                    steps = [item]
-                    while held is None and not queue.empty():
-                        following = queue.get_nowait()
-                        if following[0] == "chunk":
-                            steps.append(following[1])
-                        else:
-                            held = following
-                    job.first_token_at = job.first_token_at or time.perf_counter()
-                    yield merge_chunks(steps)
-                    continue
-                self._finish(job, item if kind == "done" else None)  # the pump is done
-                if kind == "error":
-                    raise item
-                return
-        finally:
-            stop.set()  # the consumer went away (or the stream ended): the pump stops
-            job.stream.cancel()  # frees its row at the next step, even before a chunk came
+    def stream(self, job: Job) -> AsyncGenerator[tuple[int, StreamChunk]]:
+        """Yields (choice index, chunk) as the thread pool verifies them; cancels if the
+        consumer stops (:func:`serving.jobs.stream_choices`)."""
+        return stream_choices(job, self._executor, self._finish, self._finish_when_done)
 
     def _finish_when_done(self, job: Job, decoding: asyncio.Future[Any]) -> None:
         """Finishes ``job`` once its thread returns (a no-op if it was finished before)."""
 
         def done(future: asyncio.Future[Any]) -> None:
             ended = not future.cancelled() and future.exception() is None
-            self._finish(job, future.result() if ended else None)
+            results = future.result() if ended else None
+            self._finish(
+                job, None if results is None or any(r is None for r in results) else results
+            )
 
         decoding.add_done_callback(done)
 
@@ -294,10 +238,10 @@ class ReplicaRuntime:
         """Gives back a job whose response ended before it started decoding (the client went
         away first); a job already decoding is accounted for by its thread."""
         if not job.decoding:
-            job.stream.cancel()
+            job.cancel()
             self._finish(job, None)
 
-    def _finish(self, job: Job, result: GenerationResult | None) -> None:
+    def _finish(self, job: Job, results: list[GenerationResult] | None) -> None:
         """Metrics, router feedback, live monitor and the log record, off the decode path.
         Runs once per job, whoever calls it first."""
         with self._finish_lock:
@@ -305,8 +249,8 @@ class ReplicaRuntime:
                 return
             job.finished = True
         try:
-            if result is not None:
-                self._account(job, result)
+            if results is not None:
+                self._account(job, results)
         finally:
             self._admission.release()
             self.metrics.in_flight.dec()
@@ -319,12 +263,15 @@ class ReplicaRuntime:
             with contextlib.suppress(RuntimeError):  # the replica is closing: nothing to free
                 self._housekeeping.submit(self.slots.collect)
 
-    def _account(self, job: Job, result: GenerationResult) -> None:
-        stats, lease, domain = result.stats, job.lease, job.request.domain or ""
-        elapsed = time.perf_counter() - job.started
-        self.metrics.latency.observe(elapsed)
+    def _account(self, job: Job, results: list[GenerationResult]) -> None:
+        self.metrics.latency.observe(time.perf_counter() - job.started)
         if job.first_token_at is not None:
             self.metrics.ttft.observe(job.first_token_at - job.started)
+        for result in results:  # each choice is a generation of its own, with its own record
+            self._account_choice(job, result)
+
+    def _account_choice(self, job: Job, result: GenerationResult) -> None:
+        stats, lease, domain = result.stats, job.lease, job.request.domain or ""
         if stats.num_generated > 1 and job.first_token_at is not None:
             self.metrics.itl.observe(
                 (time.perf_counter() - job.first_token_at) / (stats.num_generated - 1)

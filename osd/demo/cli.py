@@ -4,6 +4,7 @@ osd demo-models build [--cache-dir DIR] [--force] [--scale tiny|full]
 osd demo-models path [--cache-dir DIR] [--scale tiny|full]
 osd demo-models report [--cache-dir DIR] [--scale tiny|full] [--refresh] [--json]
 osd demo-models workload --out FILE [--schedule prose:200,code:200,sql:200,mixed:200]
+                         [--chat-share 0.2]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from osd.demo.build import STAGES, build_demo_models, demo_models_root, stage_is_complete
-from osd.demo.recipe import DOMAINS, recipe_for
+from osd.demo.recipe import TEXT_DOMAINS, recipe_for
 
 __all__ = ["main"]
 
@@ -60,8 +61,15 @@ def _parser() -> argparse.ArgumentParser:
     workload.add_argument(
         "--schedule",
         default=DEFAULT_SCHEDULE,
-        help=f"phases 'name:count,...' in order; names: {', '.join(DOMAINS)}, mixed "
-        f"(default {DEFAULT_SCHEDULE})",
+        help=f"phases 'name:count,...' in order; names: {', '.join(TEXT_DOMAINS)}, mixed, "
+        f"chat (default {DEFAULT_SCHEDULE})",
+    )
+    workload.add_argument(
+        "--chat-share",
+        type=float,
+        default=0.2,
+        help="share of each domain's requests (code, sql, math, json) written as a chat on it "
+        "(a 'messages' line, sent through /v1/chat/completions; 0: none)",
     )
     workload.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
     workload.add_argument("--seed", type=int, default=0, help="seed of the order and mix")
@@ -124,7 +132,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _workload(args: argparse.Namespace) -> int:
-    from osd.demo.corpus import heldout_prompts
+    from osd.demo.corpus import heldout_dialogues, heldout_prompts
     from osd.demo.workload import make_workload, parse_schedule, write_workload
 
     try:
@@ -133,9 +141,16 @@ def _workload(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     paths = build_demo_models(args.cache_dir, args.scale, stop_after_stage="corpus")
-    prompts = heldout_prompts(paths.corpus, DOMAINS)
+    prompts = heldout_prompts(paths.corpus, TEXT_DOMAINS)
     try:
-        items = make_workload(prompts, schedule, max_tokens=args.max_tokens, seed=args.seed)
+        items = make_workload(
+            prompts,
+            schedule,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            dialogues=heldout_dialogues(paths.corpus),
+            chat_share=args.chat_share,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

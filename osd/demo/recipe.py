@@ -22,6 +22,7 @@ __all__ = [
     "ModelRecipe",
     "Recipe",
     "Scale",
+    "TEXT_DOMAINS",
     "TokenizerRecipe",
     "TrainRecipe",
     "recipe_for",
@@ -29,7 +30,9 @@ __all__ = [
 
 # Bump when a code change alters the corpus, tokenizer or weights a recipe produces.
 BUILD_VERSION = 2  # 2: the chat domain, the role tokens and the chat template
-DOMAINS = ("prose", "code", "sql", "math", "json", "chat")
+# Domains whose held-out prompts are plain text (completions); chat's are dialogues.
+TEXT_DOMAINS = ("prose", "code", "sql", "math", "json")
+DOMAINS = (*TEXT_DOMAINS, "chat")
 # What a chat dialogue of the corpus is about (its held-out requests are routed by it).
 CHAT_TOPICS = ("code", "sql", "math", "json")
 Scale = Literal["tiny", "full"]

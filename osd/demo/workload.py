@@ -4,16 +4,23 @@ A workload is a JSONL file, one request per line::
 
     {"prompt": "SELECT", "domain": "sql", "max_tokens": 64}
 
-Required: ``prompt`` (non-empty string), ``domain`` (non-empty string; the route key), and
+Required: ``prompt`` (non-empty string) or ``messages`` (a chat: a non-empty list of
+``{"role": "system" | "developer" | "user" | "assistant", "content": string}``, sent through
+``/v1/chat/completions``), not both; ``domain`` (non-empty string; the route key), and
 ``max_tokens`` (integer >= 1). Optional: ``temperature`` (>= 0), ``top_p`` (in (0, 1]),
 ``seed`` (integer), ``adapter`` (string), ``id`` (string), ``phase`` (string: which part of a
 schedule the request belongs to) and ``metadata`` (an object kept as is). Other keys are
 rejected, so a misspelt option never silently does nothing. Users can replace the demo traffic
-with their own file in this format.
+with their own file in this format::
+
+    {"messages": [{"role": "user", "content": "What is 2 + 3 * 4?"}], "domain": "math",
+     "max_tokens": 48}
 
 The demo schedule shifts topics: e.g. ``prose:200,code:200,sql:200,mixed:200`` is 200 prose
 prompts, then 200 code, then 200 SQL, then 200 drawn from all domains at random; prompts are
-held-out corpus prompts, never seen in training.
+held-out corpus prompts, never seen in training. With ``chat_share`` a share of the requests of
+each domain that has held-out dialogues (code, SQL, math, JSON) are chats on that domain instead;
+a ``chat`` phase is all chats, on topics drawn at random.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHAT",
     "MIXED",
     "WorkloadItem",
     "load_workload",
@@ -36,8 +44,10 @@ __all__ = [
 ]
 
 MIXED = "mixed"
-_REQUIRED = ("prompt", "domain", "max_tokens")
+CHAT = "chat"
+_REQUIRED = ("domain", "max_tokens")  # and one of prompt, messages
 _OPTIONAL = ("temperature", "top_p", "seed", "adapter", "id", "phase", "metadata")
+_ROLES = ("system", "developer", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -54,10 +64,22 @@ class WorkloadItem:
     id: str | None = None
     phase: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, str]] | None = None  # a chat (then ``prompt`` is "")
+
+    @property
+    def is_chat(self) -> bool:
+        """Sent through ``/v1/chat/completions``."""
+        return self.messages is not None
 
     def to_json(self) -> str:
         """One JSONL line without the unset optional fields."""
-        row = {k: v for k, v in asdict(self).items() if k in _REQUIRED or v not in (None, {})}
+        row = {
+            k: v
+            for k, v in asdict(self).items()
+            if k in _REQUIRED or (k == "prompt" and not self.is_chat) or v not in (None, {})
+        }
+        if self.is_chat:
+            row.pop("prompt", None)
         return json.dumps(row, ensure_ascii=False)
 
 
@@ -71,15 +93,23 @@ def _is_number(value: Any) -> bool:
 
 def _check_fields(row: Mapping[str, Any]) -> str | None:
     """What is wrong with a parsed line, or None."""
-    unknown = sorted(set(row) - set(_REQUIRED) - set(_OPTIONAL))
+    allowed = ("prompt", "messages", *_REQUIRED, *_OPTIONAL)
+    unknown = sorted(set(row) - set(allowed))
     if unknown:
-        return f"unknown keys {unknown}; allowed: {list(_REQUIRED + _OPTIONAL)}"
-    missing = [key for key in _REQUIRED if key not in row]
+        return f"unknown keys {unknown}; allowed: {list(allowed)}"
+    if "prompt" in row and "messages" in row:
+        return "give 'prompt' (a completion) or 'messages' (a chat), not both"
+    missing = [] if "prompt" in row or "messages" in row else ["prompt or messages"]
+    missing += [key for key in _REQUIRED if key not in row]
     if missing:
         return f"missing required keys {missing}"
     for key in ("prompt", "domain"):
-        if not isinstance(row[key], str) or not row[key]:
+        if key in row and (not isinstance(row[key], str) or not row[key]):
             return f"{key!r} must be a non-empty string, got {row[key]!r}"
+    if "messages" in row:
+        problem = _check_messages(row["messages"])
+        if problem:
+            return problem
     if not _is_int(row["max_tokens"]) or row["max_tokens"] < 1:
         return f"'max_tokens' must be an integer >= 1, got {row['max_tokens']!r}"
     temperature, top_p = row.get("temperature"), row.get("top_p")
@@ -94,6 +124,23 @@ def _check_fields(row: Mapping[str, Any]) -> str | None:
             return f"{key!r} must be a string, got {row[key]!r}"
     if not isinstance(row.get("metadata", {}), dict):
         return f"'metadata' must be an object, got {row['metadata']!r}"
+    return None
+
+
+def _check_messages(messages: Any) -> str | None:
+    if not isinstance(messages, list) or not messages:
+        return f"'messages' must be a non-empty list, got {messages!r}"
+    for i, message in enumerate(messages):
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or message["role"] not in _ROLES
+            or not isinstance(message["content"], str)
+        ):
+            return (
+                f"messages[{i}] must be {{'role': one of {list(_ROLES)}, 'content': a string}}, "
+                f"got {message!r}"
+            )
     return None
 
 
@@ -114,7 +161,7 @@ def parse_workload_line(text: str, line_number: int, source: str = "<workload>")
     if problem:
         raise ValueError(f"{where}: {problem}")
     number_fields = {k: float(row[k]) for k in ("temperature", "top_p") if row.get(k) is not None}
-    return WorkloadItem(**(dict(row) | number_fields))
+    return WorkloadItem(**({"prompt": ""} | dict(row) | number_fields))
 
 
 def load_workload(path: Path | str) -> list[WorkloadItem]:
@@ -163,12 +210,12 @@ def parse_schedule(text: str) -> list[tuple[str, int]]:
 class _PromptPool:
     """Hands out a domain's prompts in a seeded order, reshuffling when they run out."""
 
-    def __init__(self, prompts: Sequence[str], rng: random.Random) -> None:
+    def __init__(self, prompts: Sequence[Any], rng: random.Random) -> None:
         self.prompts = list(prompts)
         self.rng = rng
-        self.queue: list[str] = []
+        self.queue: list[Any] = []
 
-    def next(self) -> str:
+    def next(self) -> Any:
         if not self.queue:
             self.queue = list(self.prompts)
             self.rng.shuffle(self.queue)
@@ -181,37 +228,64 @@ def make_workload(
     *,
     max_tokens: int = 64,
     seed: int = 0,
+    dialogues: Mapping[str, Sequence[list[dict[str, str]]]] | None = None,
+    chat_share: float = 0.0,
 ) -> list[WorkloadItem]:
-    """Builds a shifting-topic workload from held-out prompts.
+    """Builds a shifting-topic workload from held-out prompts and dialogues.
 
     Args:
         prompts: domain -> held-out prompts.
-        schedule: (phase, count) pairs in order; a phase is a domain or ``"mixed"`` (each
-            request from a domain drawn uniformly at random).
+        schedule: (phase, count) pairs in order; a phase is a domain, ``"mixed"`` (each
+            request from a domain drawn uniformly at random) or ``"chat"`` (each a chat on a
+            topic of ``dialogues`` drawn at random).
         max_tokens: tokens to generate per request.
-        seed: seed of the prompt order and of the mixed phases' domain draws.
+        seed: seed of the prompt order, the mixed phases' domain draws and the chat draws.
+        dialogues: topic (a domain) -> held-out chats (lists of messages before the reply).
+        chat_share: in domain and mixed phases, the probability that a request of a domain
+            with dialogues is a chat on that domain (its ``domain``, the route key, stays the
+            topic's).
 
     Raises:
-        ValueError: if a phase names a domain without prompts.
+        ValueError: if a phase names a domain without prompts, or chats are asked without
+            dialogues, or ``chat_share`` is outside [0, 1].
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if not 0.0 <= chat_share <= 1.0:
+        raise ValueError(f"chat_share must be in [0, 1], got {chat_share}")
     domains = sorted(d for d, p in prompts.items() if p)
+    topics = sorted(t for t, d in (dialogues or {}).items() if d)
     rng = random.Random(seed)
+    chat_rng = random.Random(f"{seed}:chat-share")  # apart: chat_share=0 leaves the rest as is
     pools = {d: _PromptPool(prompts[d], random.Random(f"{seed}:{d}")) for d in domains}
+    chats = {
+        t: _PromptPool((dialogues or {})[t], random.Random(f"{seed}:chat:{t}")) for t in topics
+    }
     items: list[WorkloadItem] = []
     for phase, count in schedule:
-        if phase != MIXED and phase not in pools:
-            raise ValueError(f"schedule phase {phase!r} is not {MIXED!r} or one of {domains}")
+        if phase == CHAT and not topics:
+            raise ValueError(f"schedule phase {CHAT!r} needs held-out dialogues; none given")
+        if phase not in (MIXED, CHAT) and phase not in pools:
+            raise ValueError(
+                f"schedule phase {phase!r} is not {MIXED!r}, {CHAT!r} or one of {domains}"
+            )
         for _ in range(count):
-            domain = rng.choice(domains) if phase == MIXED else phase
+            messages = None
+            if phase == CHAT:
+                domain = chat_rng.choice(topics)
+                messages = chats[domain].next()
+            else:
+                domain = rng.choice(domains) if phase == MIXED else phase
+                if domain in chats and chat_share > 0 and chat_rng.random() < chat_share:
+                    messages = chats[domain].next()
             items.append(
                 WorkloadItem(
-                    prompt=pools[domain].next(),
+                    prompt="" if messages is not None else pools[domain].next(),
                     domain=domain,
                     max_tokens=max_tokens,
                     id=f"{len(items):06d}",
                     phase=phase,
+                    messages=messages,
                 )
             )
     return items

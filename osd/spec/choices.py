@@ -88,6 +88,7 @@ def share_prompt(
             moves["draft"] += prompt
             follower.draft_len = leader.draft_len
         follower.target_len = leader.target_len
+        follower.prompt_logprobs = leader.prompt_logprobs  # echo's: the same prompt's
     for row in rows:
         row.followers = []  # shared once: the group's rows are independent from here
     for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):

@@ -10,6 +10,7 @@ import torch
 from osd.sampling import History, RowSampling, extend_history, rows_to_probs, sample_from_probs
 from osd.spec import rng
 from osd.spec.forward import ModelPair, as_tensor, history_rows, left_padded, run_model
+from osd.spec.grammar_masks import GrammarMasks
 from osd.spec.rows import Row
 
 __all__ = ["Drafts", "propose"]
@@ -32,8 +33,11 @@ def propose(
     spec_k: list[int],
     branches: list[int],
     width: int,
+    masks: GrammarMasks | None = None,
 ) -> Drafts:
-    """Drafts k tokens per row (K sequences for SpecTr rows) in batched draft forwards."""
+    """Drafts k tokens per row (K sequences for SpecTr rows) in batched draft forwards; with
+    ``masks``, each position of a row with a grammar is masked after the tokens before it
+    (the masks are filled as the tokens are drafted)."""
     device, num_rows, num_drafts = pair.device, len(rows), max(branches)
     # q keeps the precision it was computed in (float64 models: float64), as the verifiers
     # must see exactly the distribution each token was sampled from.
@@ -71,8 +75,10 @@ def propose(
         num_logits=1,
         adapters=[row.request.adapter for row in members],
     )
-    q = rows_to_probs(logits[:, 0], sampling.select(index), history_rows(history, index))
-    q = q.unsqueeze(1)  # (D, 1, V)
+    allowed = None if masks is None else masks.draft_allowed(drafting, [0] * len(drafting), 0)
+    q = rows_to_probs(
+        logits[:, 0], sampling.select(index), history_rows(history, index), allowed
+    ).unsqueeze(1)  # (D, 1, V)
     ids[index, :, 0] = sample_from_probs(q.expand(-1, num_drafts, -1), draws[index, :, 0])
     probs[index, :, 0] = q
     if adaptive:
@@ -103,7 +109,10 @@ def propose(
         )
         seen = history_rows(history, row_of)  # and the branch's drafts before position i
         seen = None if seen is None else extend_history(seen, ids[row_of, branch_of, :i])
-        q = rows_to_probs(logits[:, 0], sampling.select(row_of), seen)  # (A, V)
+        if masks is not None:
+            masks.advance(i, ids)
+            allowed = masks.draft_allowed([b for b, _ in active], [j for _, j in active], i)
+        q = rows_to_probs(logits[:, 0], sampling.select(row_of), seen, allowed)  # (A, V)
         ids[row_of, branch_of, i] = sample_from_probs(q, draws[row_of, branch_of, i])
         probs[row_of, branch_of, i] = q
         if adaptive:

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -24,6 +24,7 @@ from osd.generation import (
     TextAssembler,
     TokenLogprob,
 )
+from osd.grammar import Grammar
 from osd.sampling import SamplingParams
 from osd.spec import rng
 from osd.spec.goodput import GoodputController
@@ -54,6 +55,8 @@ class DecodeRequest:
     route: str = ""
     # Alternatives per token of OpenAI's logprobs (0..20); None: no logprobs.
     logprobs: int | None = None
+    # Structured output: every token is masked by this grammar (osd.grammar); None: free text.
+    grammar: Grammar | None = None
     # The same for each prompt token (OpenAI's echo with logprobs); None: none.
     prompt_logprobs: int | None = None
 
@@ -115,6 +118,8 @@ class Row:
         self.assembler = TextAssembler(self.tokenizer, self.request.stop)
         self.draft_key = rng.stream_key(self.request.seed, rng.DRAFT_STREAM)
         self.verify_key = rng.stream_key(self.request.seed, rng.VERIFY_STREAM)
+        # The grammar's parser state after the tokens emitted so far (osd.spec.grammar_masks).
+        self.matcher: Any = None if self.request.grammar is None else self.request.grammar.matcher()
 
     @property
     def prefill_left(self) -> int:

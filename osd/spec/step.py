@@ -31,6 +31,7 @@ from osd.spec.forward import (
     run_model,
     top_m_distribution,
 )
+from osd.spec.grammar_masks import GrammarMasks
 from osd.spec.logprobs import PendingLogprobs, gather_logprobs, prefill_target
 from osd.spec.rows import Row
 from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
@@ -110,7 +111,9 @@ def _prefill_forward(
 def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:
     """Samples each row's first token from the target (a step with nothing drafted)."""
     device = logits.device
-    probs = rows_to_probs(logits, *pair.sampling(rows))
+    masks = GrammarMasks.start(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
+    allowed = None if masks is None else masks.target_allowed(1)[:, 0]
+    probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
     keys = as_tensor([row.verify_key for row in rows], device)
     steps = as_tensor([row.step for row in rows], device)
     tokens = sample_from_probs(probs, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION)))
@@ -126,6 +129,8 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
         tokens,
     )
     token_list = tokens.tolist()  # the host sync
+    if masks is not None:
+        masks.commit([[token] for token in token_list])
     logprobs = {} if on_way is None else on_way.rows()
     chunks = []
     for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
@@ -228,7 +233,10 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
     sampling, history = pair.sampling(rows)
-    drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1))
+    masks = GrammarMasks.start(rows, spec_k, branches, width, pair.vocab_size, device)
+    drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1), masks)
+    if masks is not None:  # the bonus position's masks, after each row's last drafted token
+        masks.advance(width, drafts.ids)
 
     # One target forward: each branch row holds its pending tokens, then its drafts.
     fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
@@ -262,7 +270,10 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     # its own k, where nothing is read).
     seen = history_rows(history, row_of)
     target_probs = rows_to_probs(
-        logits, sampling.select(row_of), None if seen is None else block_history(seen, spec)
+        logits,
+        sampling.select(row_of),
+        None if seen is None else block_history(seen, spec),
+        None if masks is None else masks.target_allowed(width + 1),
     )
     verified = _verify(rows, drafts, target_probs, first_row, branches, width)
 
@@ -299,6 +310,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         dim=1,
     ).tolist()
     logprobs = {} if on_way is None else on_way.rows()
+    if masks is not None:
+        masks.commit([row[4 : 4 + row[0]] + [row[1]] for row in packed])
     copies: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
     chunks = []
     for b, row in enumerate(rows):

@@ -29,6 +29,10 @@ def test_workload_writes_a_loadable_schedule(tiny_cache, tmp_path):
     items = load_workload(out)
     assert [i.domain for i in items[:5]] == ["sql"] * 3 + ["json"] * 2
     assert len(items) == 10 and all(i.max_tokens == 12 for i in items)
+    assert main([*argv, "--schedule", "chat:4,sql:6", "--chat-share", "1"]) == 0
+    items = load_workload(out)
+    assert all(i.is_chat and i.messages[-1]["role"] == "user" for i in items)
+    assert [i.domain for i in items[4:]] == ["sql"] * 6 and all(i.phase for i in items)
 
 
 def test_workload_with_bad_schedule_exits_two(tiny_cache, tmp_path, capsys):
@@ -45,7 +49,7 @@ def test_report_measures_once_then_reads_the_saved_numbers(copy_cache, capsys):
     assert "ppl target" in text and "sql" in text and "ratio" in text
     assert main([*argv, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["domains"]) == {"prose", "code", "sql", "math", "json"}
+    assert set(report["domains"]) == {"prose", "code", "sql", "math", "json", "chat"}
     assert 0 <= report["domains"]["sql"]["acceptance_t0"] <= 1
     assert report["settings"]["max_tokens"] == 6  # read back, not measured again
 

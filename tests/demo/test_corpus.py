@@ -20,8 +20,10 @@ def test_every_domain_has_training_and_heldout_documents(tiny_paths, domain):
     for doc in heldout:
         assert 0 < doc.prompt_chars < len(doc.text)
         assert doc.text.startswith(doc.prompt)
-        # The prompt ends where a token ends inside the text: never on whitespace.
-        assert not doc.prompt[-1].isspace()
+        if domain == "chat":  # ends with the template's generation prompt (a marker, "\n")
+            assert doc.prompt.endswith("<|assistant|>\n") and doc.topic
+        else:  # the prompt ends where a token ends inside the text: never on whitespace
+            assert not doc.prompt[-1].isspace()
 
 
 def test_corpus_is_deterministic(tiny_paths):
@@ -42,6 +44,15 @@ def test_generated_documents_depend_only_on_the_seed(generate):
     second = [generate(random.Random(7)).text for _ in range(3)]
     assert first == second
     assert generate(random.Random(8)).text != first[0]
+
+
+def test_chat_domain_holds_dialogues_answering_in_every_topic(tiny_paths):
+    docs = load_corpus_split(tiny_paths.corpus, "chat", "train")
+    assert all(d.text.startswith(("<|user|>\n", "<|system|>\n")) for d in docs)
+    assert all(d.text.endswith("<|endoftext|>") and "<|assistant|>\n" in d.text for d in docs)
+    by_topic = {d.topic: d.text for d in docs}
+    assert "def " in by_topic["code"] and "Write a Python function" in by_topic["code"]
+    assert "SELECT" in by_topic["sql"] or "UPDATE" in by_topic["sql"] or "INTO" in by_topic["sql"]
 
 
 def test_domains_have_their_own_look():

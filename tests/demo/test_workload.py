@@ -118,3 +118,67 @@ def test_committed_demo_workload_loads_with_known_domains():
     items = load_workload(path)
     assert {i.domain for i in items} == {"prose", "code", "sql", "math", "json"}
     assert items[0].phase == "prose" and items[-1].phase == "mixed"
+
+
+CHAT = {
+    "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+    "domain": "math",
+    "max_tokens": 8,
+}
+DIALOGUES = {
+    "sql": [[{"role": "user", "content": f"query {i}"}] for i in range(3)],
+    "code": [[{"role": "system", "content": "s"}, {"role": "user", "content": "def?"}]],
+}
+
+
+def test_chat_items_round_trip_without_a_prompt(tmp_path):
+    path = _write(tmp_path / "w.jsonl", [json.dumps(CHAT), json.dumps(GOOD)])
+    chat, plain = load_workload(path)
+    assert chat.is_chat and chat.messages == CHAT["messages"] and chat.prompt == ""
+    assert not plain.is_chat and plain.messages is None
+    again = tmp_path / "again.jsonl"
+    write_workload([chat, plain], again)
+    assert json.loads(again.read_text().splitlines()[0]) == CHAT  # no "prompt" key
+    assert load_workload(again) == [chat, plain]
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (CHAT | {"prompt": "x"}, "not both"),
+        ({"domain": "sql", "max_tokens": 3}, r"missing required keys \['prompt or messages'\]"),
+        (CHAT | {"messages": []}, "'messages' must be a non-empty list"),
+        (CHAT | {"messages": [{"role": "tool", "content": "x"}]}, r"messages\[0\] must be"),
+        (CHAT | {"messages": [{"role": "user"}]}, r"messages\[0\] must be"),
+        (CHAT | {"messages": [{"role": "user", "content": 3}]}, r"messages\[0\] must be"),
+    ],
+)
+def test_bad_chat_lines_are_refused(tmp_path, row, message):
+    with pytest.raises(ValueError, match=message):
+        load_workload(_write(tmp_path / "w.jsonl", [json.dumps(row)]))
+
+
+def test_chat_share_turns_a_share_of_each_domain_with_dialogues_into_chats():
+    schedule = [("prose", 20), ("sql", 200), ("mixed", 60)]
+    plain = make_workload(PROMPTS, schedule)
+    items = make_workload(PROMPTS, schedule, dialogues=DIALOGUES, chat_share=0.25)
+    assert [i.domain for i in items] == [i.domain for i in plain]  # the same draws of domains
+    assert [i.phase for i in items] == [i.phase for i in plain]
+    chats = [i for i in items if i.is_chat]
+    assert not any(i.is_chat for i in items if i.domain == "prose")  # no prose dialogues
+    assert all(i.messages in DIALOGUES[i.domain] and i.prompt == "" for i in chats)
+    assert 30 <= sum(i.phase == "sql" for i in chats) <= 70  # about a quarter of 200
+    assert {i.domain for i in chats} == {"sql", "code"}
+    assert all(i.prompt in PROMPTS[i.domain] for i in items if not i.is_chat)
+    assert make_workload(PROMPTS, schedule, dialogues=DIALOGUES, chat_share=0.0) == plain
+
+
+def test_chat_phase_is_all_chats_on_random_topics():
+    items = make_workload(PROMPTS, [("chat", 30), ("sql", 2)], dialogues=DIALOGUES)
+    assert all(i.is_chat and i.phase == "chat" for i in items[:30])
+    assert {i.domain for i in items[:30]} == {"sql", "code"}
+    assert not any(i.is_chat for i in items[30:])  # chat_share 0
+    with pytest.raises(ValueError, match="needs held-out dialogues"):
+        make_workload(PROMPTS, [("chat", 1)])
+    with pytest.raises(ValueError, match="chat_share"):
+        make_workload(PROMPTS, [("sql", 1)], dialogues=DIALOGUES, chat_share=1.5)

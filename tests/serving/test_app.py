@@ -96,7 +96,7 @@ def test_records_reach_the_log_buffer_unless_opted_out(client, serving_redis):
         ({"model": "osd", "prompt": "a", "max_tokens": 100000}, 400),
         ({"model": "osd", "prompt": "a" * 600}, 400),
         ({"model": "osd", "prompt": "a", "temperature": -1}, 400),
-        ({"model": "osd", "prompt": "a", "n": 2}, 400),
+        ({"model": "osd", "prompt": "a", "n": 17}, 400),
         ({"model": "osd"}, 400),
     ],
 )

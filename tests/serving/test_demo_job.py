@@ -16,6 +16,19 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
         for d in ("general", "code")
         for w in ("cat", "dog", "owl", "bee") * 4
     ]
+    # Chats on code through /v1/chat/completions (the official openai client), items 32-43.
+    rows += [
+        {
+            "messages": [
+                {"role": "system", "content": "You write Python."},
+                {"role": "user", "content": f"the {w} sat on"},
+            ],
+            "domain": "code",
+            "max_tokens": 12,
+            "phase": "chat",
+        }
+        for w in ("cat", "dog", "owl", "bee") * 3
+    ]
     workload.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run_dir = tmp_path / "run"
     done = subprocess.run(
@@ -43,10 +56,18 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
     assert report["requests"] == len(rows) and report["failures"] == 0
     assert {"general", "code"} <= set(report["domains"])
     assert all(0.0 <= s["acceptance"] <= 1.0 for s in report["samples"])
-    # Items 18, 19 (a window of --concurrency 2, one in 10) went with speculation off.
+    # Items 18, 19 and 38, 39 (a window of --concurrency 2, one in 10) went with speculation off
+    # (the chats 38, 39 too: the openai client sent the spec field in its extra body).
     reference = [i for i, s in enumerate(report["samples"]) if s["reference"]]
-    assert len(reference) == 2 and all(report["samples"][i]["drafted"] == 0 for i in reference)
+    assert len(reference) == 4 and all(report["samples"][i]["drafted"] == 0 for i in reference)
     assert report["reference"]["code"]["reference"] > 0  # items 16-31 are the code phase
+    chats = [s for s in report["samples"] if s["endpoint"] == "chat"]
+    assert len(chats) == 12 and {(s["domain"], s["topic"]) for s in chats} == {("chat", "code")}
+    assert sum(s["reference"] for s in chats) == 2 and all(s["tokens"] >= 1 for s in chats)
+    assert all(s["adapter"] == "code" for s in chats)  # routed by their topic
+    assert report["chat"]["requests"] == 12 and report["chat"]["topics"] == {"code": 12}
+    assert report["chat"]["empty_responses"] == sum(s["text_chars"] == 0 for s in chats)
+    assert "chat" in done.stdout and "/v1/chat/completions" in done.stdout
     assert all(0 <= s["mean_k"] <= 8 for s in report["samples"])
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert list(tmp_path.glob("wandb/offline-run-*"))

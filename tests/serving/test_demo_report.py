@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from serving.demo_job import Sample, describe_reference, is_reference, recent_by_domain
-from serving.demo_report import domain_summary, reference_summary
+from serving.demo_job import (
+    Sample,
+    describe_chat,
+    describe_reference,
+    is_reference,
+    recent_by_domain,
+)
+from serving.demo_report import chat_summary, domain_summary, reference_summary
 
 
 def sample(phase, tokens, seconds, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
@@ -75,3 +81,48 @@ def test_the_live_line_on_the_loop_names_problems_and_restarts():
         "(last: exit code 1)"
     )
     assert describe_loop({"status": "ok", "problems": []}, {}) == "loop: ok"
+
+
+def chat(topic, acceptance, *, text_chars=5):
+    """A finished chat on ``topic`` (reported as the chat domain)."""
+    return Sample(
+        time=0.0,
+        domain="chat",
+        phase=topic,
+        acceptance=acceptance,
+        tokens=8,
+        latency=1.0,
+        adapter=topic,
+        version=0,
+        status=200,
+        drafted=10,
+        mean_k=2.0,
+        endpoint="chat",
+        topic=topic,
+        text_chars=text_chars,
+    )
+
+
+def test_chats_are_a_domain_of_their_own_with_acceptance_per_topic():
+    samples = [sample("sql", 10, 1.0, acceptance=0.9) for _ in range(10)]
+    samples += [chat("sql", 0.2) for _ in range(10)] + [chat("sql", 0.6) for _ in range(10)]
+    samples += [chat("math", 0.5, text_chars=0) for _ in range(3)]
+    domains = domain_summary(samples)
+    assert set(domains) == {"sql", "chat"} and domains["sql"]["final"] == pytest.approx(0.9)
+    assert domains["chat"]["requests"] == 23
+    summary = chat_summary(samples)
+    assert summary["requests"] == 23 and summary["empty_responses"] == 3
+    assert summary["topics"] == {"math": 3, "sql": 20}
+    assert set(summary["by_topic"]) == {"sql"}  # math: fewer than a window of chats
+    assert summary["by_topic"]["sql"]["low"] == pytest.approx(0.2)
+    assert summary["by_topic"]["sql"]["final"] == pytest.approx(0.6)
+    assert set(recent_by_domain(samples)) == {"sql", "chat"}
+    line = describe_chat(samples)
+    assert "23 (math 3, sql 20), 3 empty" in line and line.endswith("\n")
+    assert describe_chat(samples[:10]) == ""
+    assert chat_summary(samples[:10]) == {
+        "requests": 0,
+        "empty_responses": 0,
+        "topics": {},
+        "by_topic": {},
+    }

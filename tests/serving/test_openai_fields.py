@@ -67,7 +67,7 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "prompt_cache_retention": ("24h", ACCEPTED),
     "prompt_cache_options": ({"mode": "explicit", "ttl": "30m"}, ACCEPTED),
     "parallel_tool_calls": (False, ACCEPTED),
-    "n": (2, REFUSE),
+    "n": (2, ACCEPTED),  # 1..16 choices (tests/serving/test_choices_api.py)
     "logprobs": (2, ACCEPTED),  # chat: true (CHAT_VALUES)
     "top_logprobs": (2, ACCEPTED),  # chat only, beside logprobs: true (WITH)
     "echo": (True, ACCEPTED),  # completions only

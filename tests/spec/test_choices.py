@@ -46,7 +46,7 @@ class TokenCounter:
 
 
 def options(method: str, **extra):
-    return dict(
+    defaults = dict(
         max_tokens=24,
         temperature=1.0,
         top_p=0.95,
@@ -55,8 +55,8 @@ def options(method: str, **extra):
         num_drafts=2,
         adapter="code",
         stop_token_ids=[],
-        **extra,
     )
+    return {**defaults, **extra}
 
 
 def test_choice_seeds_keep_choice_zero_and_differ():

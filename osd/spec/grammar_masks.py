@@ -1,0 +1,190 @@
+"""The grammar masks of one step, for the rows with structured output (:mod:`osd.grammar`).
+
+Position i of a row's block (and of each of its SpecTr branches) is masked by the row's
+grammar after the tokens drafted before it, for the draft's q and the target's p alike, so the
+verifiers see exactly the distributions tokens were drawn from. The masks are computed on the
+host while the draft runs: before drafting position i, each branch's matcher consumes its
+drafted token i - 1 and fills the mask of position i (all rows at once, in llguidance's thread
+pool); after the last drafted token it fills position k, the target's bonus position. The same
+masks then go to the target in one copy. Once the step's tokens are known, each row's matcher
+is rolled back to the step's start and advances by what the row emitted.
+
+A stop token (end-of-sequence or the request's stop ids) is never consumed: the row ends there,
+and positions after it are left unmasked (what is drafted after a stop is never emitted).
+Only rows with a grammar cost anything: a step without one never builds this object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from osd.devices import to_device
+from osd.grammar import unpack_bitmask
+from osd.spec.rows import Row
+
+__all__ = ["GrammarMasks"]
+
+_executor: Any = None
+_executor_lock = threading.Lock()
+
+
+def _pool() -> Any:
+    """llguidance's mask thread pool, one per process."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            import llguidance
+
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+@dataclass
+class _Branch:
+    """One branch of a constrained row during the step."""
+
+    row: Row
+    matcher: Any  # the row's own (branch 0) or a copy (SpecTr branches 1..K-1)
+    index: int  # its row in the step's fan-out (row b's branch j: sum(branches[:b]) + j)
+    batch_row: int  # b
+    branch: int  # j
+    k: int  # tokens it drafts this step
+    at: int = 0  # drafted tokens it has reached
+    consumed: int = 0  # tokens its matcher consumed (stops excluded)
+    ended: bool = False  # a stop token was drafted
+
+
+class GrammarMasks:
+    """Masks of one step; build with :meth:`start`.
+
+    Args:
+        rows: the step's rows.
+        spec_k: tokens each row drafts.
+        branches: draft sequences per row (1, or K for SpecTr).
+        width: the step's widest k (positions 0..width are masked).
+        vocab_size: the models' vocabulary.
+        device: where the models run.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Row],
+        spec_k: Sequence[int],
+        branches: Sequence[int],
+        width: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
+        self.width, self.vocab_size, self.device = width, vocab_size, device
+        words = (vocab_size + 31) // 32
+        self.bits = torch.full((sum(branches), width + 1, words), -1, dtype=torch.int32)
+        self.first = [sum(branches[:b]) for b in range(len(rows))]
+        self.branches: list[_Branch] = []
+        for b, row in enumerate(rows):
+            if row.matcher is None:
+                continue
+            for j in range(branches[b]):
+                matcher = row.matcher if j == 0 else row.matcher.deep_copy()
+                self.branches.append(_Branch(row, matcher, self.first[b] + j, b, j, spec_k[b]))
+        self._fill([(branch, 0) for branch in self.branches])
+
+    @staticmethod
+    def start(
+        rows: Sequence[Row],
+        spec_k: Sequence[int],
+        branches: Sequence[int],
+        width: int,
+        vocab_size: int,
+        device: torch.device,
+    ) -> GrammarMasks | None:
+        """The step's masks at position 0; None (and no work) when no row has a grammar."""
+        if all(row.matcher is None for row in rows):
+            return None
+        return GrammarMasks(rows, spec_k, branches, width, vocab_size, device)
+
+    def advance(self, position: int, ids: torch.Tensor) -> None:
+        """Brings every branch to ``min(position, its k)`` drafted tokens and fills its mask
+        there.
+
+        Args:
+            position: the position about to be drafted (``width``: the bonus position).
+            ids: (B, K, width) the tokens drafted so far (positions below ``position``).
+        """
+        moving = [b for b in self.branches if min(position, b.k) > b.at]
+        if not moving:
+            return
+        at = torch.tensor([[b.batch_row, b.branch] for b in moving], device=ids.device)
+        drafted = ids[at[:, 0], at[:, 1], :position].tolist()  # a host sync, grammar rows only
+        fills = []
+        for branch, tokens in zip(moving, drafted, strict=True):
+            target = min(position, branch.k)
+            for token in tokens[branch.at : target]:
+                if branch.ended:
+                    break
+                if token in branch.row.request.stop_token_ids:
+                    branch.ended = True
+                    break
+                _consume(branch.matcher, token)
+                branch.consumed += 1
+            branch.at = target
+            if not branch.ended:
+                fills.append((branch, target))
+        self._fill(fills)
+
+    def draft_allowed(self, batch_rows: Sequence[int], branch_of: Sequence[int], position: int):
+        """(A, V) bool on the device: the mask of each (row, branch) at ``position``."""
+        index = [self.first[b] + j for b, j in zip(batch_rows, branch_of, strict=True)]
+        return self._on_device(self.bits[index, position])
+
+    def target_allowed(self, num_positions: int) -> torch.Tensor:
+        """(R, num_positions, V) bool on the device: every fan-out row's masks."""
+        return self._on_device(self.bits[:, :num_positions])
+
+    def commit(self, emitted: Sequence[Sequence[int]]) -> None:
+        """Moves each row's matcher from the step's start to after what it emitted.
+
+        Args:
+            emitted: per batch row, the tokens it emitted this step, in order.
+        """
+        for branch in self.branches:
+            if branch.branch != 0:
+                continue  # SpecTr copies are dropped
+            matcher = branch.matcher
+            if branch.consumed and not matcher.rollback(branch.consumed):
+                raise RuntimeError(f"grammar rollback failed: {matcher.get_error()}")
+            for token in emitted[branch.batch_row]:
+                if token in branch.row.request.stop_token_ids:
+                    break
+                _consume(matcher, token)
+
+    def _fill(self, fills: list[tuple[_Branch, int]]) -> None:
+        if not fills:
+            return
+        flat = self.bits.view(-1, self.bits.shape[-1])
+        slots = [branch.index * (self.width + 1) + position for branch, position in fills]
+        _pool().unsafe_compute_mask_ptr(
+            [(branch.matcher, slot) for (branch, _), slot in zip(fills, slots, strict=True)],
+            flat.data_ptr(),
+            flat.shape[-1] * 4,
+            flat.shape[0],
+        )
+        for branch, slot in zip((b for b, _ in fills), slots, strict=True):
+            if branch.matcher.is_error():
+                raise RuntimeError(f"grammar failed: {branch.matcher.get_error()}")
+            if not flat[slot].any():  # nothing allowed: end the output rather than divide by 0
+                eos = min(branch.row.request.stop_token_ids, default=0)
+                bit = 1 << (eos % 32)
+                flat[slot, eos // 32] = bit - (1 << 32 if bit >= 1 << 31 else 0)  # as int32
+
+    def _on_device(self, bits: torch.Tensor) -> torch.Tensor:
+        return unpack_bitmask(to_device(bits.contiguous(), self.device), self.vocab_size)
+
+
+def _consume(matcher: Any, token: int) -> None:
+    if not matcher.consume_token(token):
+        raise RuntimeError(f"grammar refused token {token}: {matcher.get_error()}")

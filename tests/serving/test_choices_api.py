@@ -1,0 +1,116 @@
+"""n choices over HTTP with the official client: each choice is the request with its derived
+seed, streamed equals non-streamed, usage sums the choices, and each choice is logged as its
+own record (issue 14, item 4)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from osd.log_reader import LogReader
+from osd.spec.choices import choice_seed
+from tests.reliability.conftest import Replica, running_replica, toy_config
+
+PROMPT = "the cat sat"
+MESSAGES = [{"role": "user", "content": "hi there"}]
+SEED = 11
+N = 3
+
+
+@pytest.fixture(scope="module")
+def replica(serving_redis) -> Iterator[Replica]:
+    with running_replica(toy_config(), redis_url=serving_redis.url) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
+    )
+
+
+def create(client, kind: str, **fields):
+    if kind == "chat":
+        return client.chat.completions.create(model="osd", messages=MESSAGES, **fields)
+    return client.completions.create(model="osd", prompt=PROMPT, **fields)
+
+
+def text_of(kind: str, choice) -> str:
+    return choice.message.content if kind == "chat" else choice.text
+
+
+def streamed(client, kind: str, **fields) -> tuple[dict[int, str], dict[int, str], object]:
+    """Each choice's text and finish reason, reassembled by index, and the usage."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    usage = None
+    for chunk in create(
+        client, kind, stream=True, stream_options={"include_usage": True}, **fields
+    ):
+        for choice in chunk.choices:
+            piece = choice.delta.content if kind == "chat" else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (piece or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+        usage = chunk.usage or usage
+    return texts, finish, usage
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_n_choices_are_the_requests_with_derived_seeds_streamed_and_not(client, kind):
+    fields = dict(max_tokens=8, temperature=1.0, seed=SEED)
+    whole = create(client, kind, n=N, **fields)
+    assert [c.index for c in whole.choices] == list(range(N))
+    alone = [create(client, kind, **{**fields, "seed": choice_seed(SEED, i)}) for i in range(N)]
+    assert [text_of(kind, c) for c in whole.choices] == [text_of(kind, a.choices[0]) for a in alone]
+    assert len({text_of(kind, c) for c in whole.choices}) == N  # independent samples
+    # OpenAI's usage: the prompt once, every choice's completion tokens.
+    assert whole.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+
+    texts, finish, usage = streamed(client, kind, n=N, **fields)
+    assert [texts[i] for i in range(N)] == [text_of(kind, c) for c in whole.choices]
+    assert [finish[i] for i in range(N)] == [c.finish_reason for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_each_choice_is_logged_as_its_own_record(client, serving_redis):
+    reader = LogReader(serving_redis.url, group="test-choices", start_id="$")
+    create(client, "completion", n=N, max_tokens=8, seed=SEED, extra_body={"domain": "code"})
+    records, tries = [], 30
+    while tries and len(records) < N:
+        records += [r for _, r in reader.read(count=10, block_ms=1000)]
+        tries -= 1
+    assert sorted(r.seed for r in records) == sorted(choice_seed(SEED, i) for i in range(N))
+    assert len({r.request_id for r in records}) == 1  # one request: held out together
+    assert all(r.domain == "code" and r.num_generated == 8 for r in records)
+
+
+def test_n_with_logprobs_gives_every_choice_its_own(client):
+    out = create(client, "completion", n=2, max_tokens=6, seed=SEED, logprobs=1)
+    for i, choice in enumerate(out.choices):
+        alone = create(client, "completion", max_tokens=6, seed=choice_seed(SEED, i), logprobs=1)
+        expected = alone.choices[0].logprobs
+        assert choice.logprobs.tokens == expected.tokens
+        assert choice.logprobs.token_logprobs == pytest.approx(expected.token_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("n", [0, 17, "2", 1.5])
+def test_n_out_of_range_is_refused_naming_it(replica, n):
+    response = replica.client.post(
+        "/v1/completions", json={"model": "osd", "prompt": PROMPT, "n": n}
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"
+
+
+def test_best_of_stays_refused_by_name(replica):
+    response = replica.client.post(
+        "/v1/completions", json={"model": "osd", "prompt": PROMPT, "n": 2, "best_of": 3}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "best_of"
