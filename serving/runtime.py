@@ -326,6 +326,8 @@ class ReplicaRuntime:
 
 
 def _param_of(message: str) -> str | None:
+    if message.startswith("n = "):  # a group of choices that can never fit (BatchedEngine)
+        return "n"
     for param in (
         "logit_bias",
         "presence_penalty",

@@ -114,3 +114,16 @@ def test_best_of_stays_refused_by_name(replica):
     )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "best_of"
+
+
+def test_more_choices_than_the_kv_slots_hold_is_a_400_naming_n(replica):
+    slots = replica.runtime.batch.limits.num_slots  # spectr with K = 2: two slots per choice
+    body = {
+        "model": "osd",
+        "prompt": PROMPT,
+        "n": slots // 2 + 1,
+        "spec": {"method": "spectr", "K": 2},
+    }
+    response = replica.client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "n"
