@@ -122,6 +122,7 @@ def test_more_choices_than_the_kv_slots_hold_is_a_400_naming_n(replica):
         "model": "osd",
         "prompt": PROMPT,
         "n": slots // 2 + 1,
+        "max_tokens": 4,
         "spec": {"method": "spectr", "K": 2},
     }
     response = replica.client.post("/v1/completions", json=body)
