@@ -114,24 +114,30 @@ class TrafficDriver:
             return self._next - 1, self.items[self._next - 1]
 
     def _worker(self) -> None:
-        import openai
-
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        # No retries: a failure is counted, as on the completions path.
-        chat = openai.OpenAI(
-            base_url=f"{self.base_url}/v1",
-            api_key=self.api_key or "unused",
-            max_retries=0,
-            timeout=300,
-        )
-        with httpx.Client(timeout=300, headers=headers) as client, chat:
-            while (taken := self._take()) is not None:
-                index, item = taken
-                reference = is_reference(index, self.concurrency, self.reference_every)
-                if getattr(item, "messages", None) is not None:
+        chat: Any = None  # the openai client, made on this thread's first chat
+        with httpx.Client(timeout=300, headers=headers) as client:
+            try:
+                while (taken := self._take()) is not None:
+                    index, item = taken
+                    reference = is_reference(index, self.concurrency, self.reference_every)
+                    if getattr(item, "messages", None) is None:
+                        self._send(client, item, reference)
+                        continue
+                    if chat is None:
+                        import openai
+
+                        # No retries: a failure is counted, as on the completions path.
+                        chat = openai.OpenAI(
+                            base_url=f"{self.base_url}/v1",
+                            api_key=self.api_key or "unused",
+                            max_retries=0,
+                            timeout=300,
+                        )
                     self._send_chat(chat, item, reference)
-                else:
-                    self._send(client, item, reference)
+            finally:
+                if chat is not None:
+                    chat.close()
 
     def _send_chat(self, client: Any, item: Any, reference: bool) -> None:
         """One chat through the official client; the osd stats are the response's extra
@@ -446,6 +452,12 @@ def describe_reference(numbers: dict[str, Any]) -> str:
     )
 
 
+def _has_openai() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("openai") is not None
+
+
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="osd demo", description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -454,7 +466,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument(
         "--schedule",
         default="prose:40,code:200,sql:200,mixed:80",
-        help="domain:requests phases of the traffic",
+        help="domain:requests phases of the traffic (a phase: a domain, mixed, or chat: all "
+        "chats on topics drawn at random)",
     )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--concurrency", type=int, default=2)
@@ -476,6 +489,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--workload", help="a JSONL workload to replay instead of the demo's")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
+    if not 0.0 <= args.chat_share <= 1.0:
+        parser.error(f"--chat-share must be in [0, 1], got {args.chat_share}")
     config = load_config(args.config, args.overrides)
     config.serve.check_access()  # before anything starts
     install_signal_handlers()
@@ -486,6 +501,13 @@ def main(argv: Sequence[str]) -> int:
             items = load_workload(args.workload)
         else:
             items = demo_workload(args.schedule, args.max_tokens, args.seed, args.chat_share)
+        if any(getattr(i, "messages", None) is not None for i in items) and not _has_openai():
+            print(
+                "error: the chat requests are sent with the openai client: pip install openai "
+                "(or --chat-share 0)",
+                flush=True,
+            )
+            return 2
         result = run(config, items, args.concurrency, args.reference_every)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)
