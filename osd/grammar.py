@@ -34,7 +34,7 @@ _CACHE_SIZE = 64
 
 # JSON is generated compactly: flexible whitespace would let a weak model spend its whole
 # budget on spaces and newlines inside a valid object.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
 
 
 @dataclass(frozen=True, eq=False)

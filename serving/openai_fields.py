@@ -13,8 +13,7 @@ commonly send, and osd's own fields fall in one of three groups:
   the answer. Each entry says why.
 * **Refused unless default** (:data:`REFUSED`): a value that asks for behaviour osd does not
   provide is answered 400 ``unsupported_parameter`` naming the field. The field's no-op value
-  (``best_of: 1``, ``response_format:
-  {"type": "text"}``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
+  (``best_of: 1``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
   and others) send defaults on every request.
 
 A field in none of them (a typo such as ``max_token``) is refused with 400
@@ -73,6 +72,13 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
+        # Structured output (serving.structured_output), OpenAI's and vLLM's spellings.
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
         "n",  # 1..16 choices, each its own sample (osd.spec.choices)
     }
 )
@@ -139,9 +145,6 @@ class Refused:
 
 REFUSED: Mapping[str, Refused] = {
     # OpenAI, both endpoints
-    "response_format": Refused(
-        "structured output (JSON mode or a JSON schema)", _is_one_of({"type": "text"})
-    ),
     "store": Refused("storing completions for later retrieval", _is_false),
     "service_tier": Refused(
         "a latency or price tier; osd serves every request alike", _is_one_of("auto", "default")
@@ -174,11 +177,6 @@ REFUSED: Mapping[str, Refused] = {
     "use_beam_search": Refused("beam search", _is_false),
     "length_penalty": Refused("beam search", _is_one_of(1.0, 1)),
     "prompt_logprobs": Refused("log probabilities of the prompt tokens", _is_int(0)),
-    "guided_json": Refused("structured output", _is_null),
-    "guided_regex": Refused("structured output", _is_null),
-    "guided_choice": Refused("structured output", _is_null),
-    "guided_grammar": Refused("structured output", _is_null),
-    "structured_outputs": Refused("structured output", _is_null),
     "chat_template": Refused("a chat template of the client's", _is_null),
     "chat_template_kwargs": Refused("chat template arguments", _is_empty),
     "truncate_prompt_tokens": Refused("prompt truncation", _is_null),
@@ -320,7 +318,7 @@ def _part_text(path: str, part: Any) -> Any:
     if not isinstance(part, dict):
         raise FieldRefused(path, f"{path} must be a content part object", "invalid_type")
     kind = part.get("type")
-    if kind in PART_REFUSED:
+    if isinstance(kind, str) and kind in PART_REFUSED:
         raise _unsupported(f"{path}.{kind}", PART_REFUSED[kind], kind)
     if kind != "text":
         known = ", ".join(["text", *PART_REFUSED])

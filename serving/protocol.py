@@ -28,6 +28,7 @@ from pydantic import (
 from osd.record import MAX_ID_BYTES
 from osd.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
+from serving.structured_output import ResponseFormat, StructuredOutputs
 
 __all__ = [
     "APIError",
@@ -136,6 +137,13 @@ class _Common(BaseModel):
     domain: str | None = Field(default=None, max_length=128)
     spec: SpecOptions | None = None
     log: bool = True
+    # Structured output (serving.structured_output): OpenAI's, vLLM's, vLLM's older spelling.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=256)
+    guided_grammar: str | None = None
 
     @field_validator("temperature")
     @classmethod

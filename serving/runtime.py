@@ -24,6 +24,7 @@ from typing import Any
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
 from osd.generation import GenerationResult, StreamChunk
+from osd.grammar import Grammar
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.spec.choices import choice_requests
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
@@ -34,6 +35,7 @@ from serving.jobs import Job, stream_choices
 from serving.metrics import ReplicaMetrics
 from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
 from serving.router import AdapterRouter
+from serving.structured_output import grammar_ask
 
 __all__ = ["Job", "ReplicaRuntime"]
 
@@ -111,7 +113,28 @@ class ReplicaRuntime:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
-    def admit(self, request: CompletionRequest | ChatRequest) -> Job:
+    async def grammar_of(self, request: CompletionRequest | ChatRequest) -> Grammar | None:
+        """The structured-output grammar the request asks for, compiled off the event loop
+        (a large schema takes up to about a second; repeated ones are cached); None: none.
+
+        Raises:
+            APIError: 400 naming the field whose grammar does not compile.
+        """
+        try:
+            ask = grammar_ask(request)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="response_format") from None
+        if ask is None:
+            return None
+        field, kind, spec = ask
+        try:
+            return await asyncio.to_thread(lambda: self.engine.grammars.compile(kind, spec))
+        except ValueError as exc:
+            raise APIError(400, f"{field}: {exc}", param=field) from None
+
+    def admit(
+        self, request: CompletionRequest | ChatRequest, grammar: Grammar | None = None
+    ) -> Job:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
         if request.model != serve.model_name:
@@ -142,7 +165,7 @@ class ReplicaRuntime:
                 self.metrics.router_fallbacks.inc()
             lease = self.slots.acquire(route.adapter)
             try:
-                streams = self._start(request, lease, max_tokens)
+                streams = self._start(request, lease, max_tokens, grammar)
             except EngineFull as exc:
                 self._give_back(lease)
                 raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded") from None
@@ -159,7 +182,11 @@ class ReplicaRuntime:
         return Job(request, streams, route, lease)
 
     def _start(
-        self, request: CompletionRequest | ChatRequest, lease: AdapterLease, max_tokens: int
+        self,
+        request: CompletionRequest | ChatRequest,
+        lease: AdapterLease,
+        max_tokens: int,
+        grammar: Grammar | None,
     ) -> list[RequestHandle]:
         spec, defaults = request.spec, self.config.spec
         prepared = self.engine.prepare(
@@ -184,6 +211,7 @@ class ReplicaRuntime:
             route=request.domain or "",
             logprobs=request.num_logprobs,
             prompt_logprobs=request.num_prompt_logprobs,
+            grammar=grammar,
         )
         return self.batch.submit_group(choice_requests(prepared, request.n))
 

@@ -116,6 +116,14 @@ class Replica:
     def complete(self, **fields: Any) -> Any:
         return self.client.post("/v1/completions", json=completion(**fields))
 
+    def openai(self, api_key: str = "x") -> Any:
+        """The official client, talking to the app in process (TestClient is an httpx.Client)."""
+        import openai
+
+        return openai.OpenAI(
+            base_url="http://testserver/v1", api_key=api_key, http_client=self.client, max_retries=0
+        )
+
     def health(self) -> dict[str, Any]:
         response = self.client.get("/health")
         assert response.status_code == 200

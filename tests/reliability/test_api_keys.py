@@ -18,9 +18,7 @@ KEYS = "serve.api_keys=[k-first-0123456789, k-second-0123456789]"
 
 def client(replica, api_key: str) -> openai.OpenAI:
     # Starlette's TestClient is an httpx.Client: the official client talks to the app in process.
-    return openai.OpenAI(
-        base_url="http://testserver/v1", api_key=api_key, http_client=replica.client, max_retries=0
-    )
+    return replica.openai(api_key)
 
 
 def test_the_official_client_needs_one_of_the_keys(caplog):

@@ -27,9 +27,7 @@ def replica(serving_redis) -> Iterator[Replica]:
 
 @pytest.fixture(scope="module")
 def client(replica) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
-    )
+    return replica.openai()
 
 
 def create(client, kind: str, **fields):

@@ -25,9 +25,7 @@ def replica() -> Iterator[Replica]:
 
 @pytest.fixture(scope="module")
 def client(replica) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url="http://testserver/v1", api_key="x", http_client=replica.client, max_retries=0
-    )
+    return replica.openai()
 
 
 def target_logprobs(replica, token_ids: list[int]) -> torch.Tensor:

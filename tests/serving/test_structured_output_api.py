@@ -1,0 +1,118 @@
+"""Structured output over HTTP with the official client (issue 14, item 2): OpenAI's
+response_format (json_object, json_schema), vLLM's structured_outputs and guided_* fields, on
+both endpoints, streamed and not; outputs parse and follow the schema; a grammar that does not
+compile, or two asks at once, is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.serving.test_choices_api import create, text_of
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["sql", "json", "py"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "kind", "n"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True},
+}
+
+
+@pytest.fixture(scope="module")
+def replica() -> Iterator[Replica]:
+    with running_replica(toy_config("serve.max_tokens_limit=64")) as replica:
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> openai.OpenAI:
+    return replica.openai()
+
+
+def follows_schema(text: str) -> bool:
+    value = json.loads(text)
+    return (
+        set(value) == {"ok", "kind", "n"}
+        and isinstance(value["ok"], bool)
+        and value["kind"] in ("sql", "json", "py")
+        and isinstance(value["n"], int)
+        and 0 <= value["n"] <= 99
+    )
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_json_schema_outputs_parse_streamed_and_not(client, kind):
+    extra = {"response_format": JSON_SCHEMA_FORMAT}
+    whole = create(client, kind, max_tokens=64, seed=3, n=3, extra_body=extra)
+    for choice in whole.choices:
+        assert choice.finish_reason == "stop", text_of(kind, choice)
+        assert follows_schema(text_of(kind, choice)), text_of(kind, choice)
+    pieces = [
+        (c.choices[0].delta.content if kind == "chat" else c.choices[0].text) or ""
+        for c in create(client, kind, max_tokens=64, seed=3, stream=True, extra_body=extra)
+        if c.choices
+    ]
+    assert "".join(pieces) == text_of(kind, whole.choices[0])
+
+
+def test_json_object_is_a_json_object_or_an_unfinished_one(client):
+    for seed in range(4):
+        choice = create(
+            client, "chat", max_tokens=40, seed=seed, response_format={"type": "json_object"}
+        ).choices[0]
+        text = choice.message.content
+        assert text.startswith("{"), text
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize(
+    ("fields", "check"),
+    [
+        ({"structured_outputs": {"regex": "[ab]{2,5}-[0-9]"}}, r"[ab]{2,5}-[0-9]"),
+        ({"guided_regex": "(yes|no)!"}, r"(yes|no)!"),
+        ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, r"red|green|blue"),
+        ({"guided_choice": ["up", "down"]}, r"up|down"),
+        ({"structured_outputs": {"grammar": 'start: "x" NUM\nNUM: /[0-9]{1,3}/'}}, r"x[0-9]{1,3}"),
+        ({"structured_outputs": {"json": SCHEMA}}, None),
+        ({"guided_json": json.dumps(SCHEMA)}, None),
+    ],
+)
+def test_vllm_structured_outputs(client, fields, check):
+    for seed in range(3):
+        choice = create(client, "completion", max_tokens=64, seed=seed, extra_body=fields)
+        text = choice.choices[0].text
+        assert choice.choices[0].finish_reason == "stop", text
+        assert re.fullmatch(check, text) if check else follows_schema(text), text
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"regex": "[ab"}}, "structured_outputs.regex"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_choice": []}, "guided_choice"),
+    ],
+)
+def test_bad_structured_output_is_a_400_naming_the_field(client, fields, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, "completion", max_tokens=5, extra_body=fields)
+    assert caught.value.body["param"] == param, caught.value.body
