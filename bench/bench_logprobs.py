@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
 
 import torch
 
-import osd.spec.loop
 from bench.cpu import add_threads_argument, apply_bench_threads
+from bench.step_timer import step_times
 from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.spec.logprobs import gather_logprobs
-from osd.spec.loop import BatchedEngine
-from osd.spec.scheduler import BatchLimits
 from osd.testing import noisy_copy, tiny_llama
 
 BATCH = 8
@@ -40,39 +37,19 @@ VARIANTS: dict[str, list[int | None]] = {
 
 def step_seconds(decoder: SpeculativeDecoder, logprobs: list[int | None], tokens: int) -> float:
     """Median seconds of the batched steps decoding one batch with these logprobs per row."""
-    times: list[float] = []
-    real = osd.spec.loop.run_step
-
-    def timed(*args: Any) -> Any:
-        started = time.perf_counter()
-        out = real(*args)
-        if decoder.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - started)
-        return out
-
-    osd.spec.loop.run_step = timed  # type: ignore[assignment]
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=BATCH, kv_slots=BATCH))
-    try:
-        handles = [
-            engine.submit(
-                decoder.prepare(
-                    [3 + b, 5, 7 + b, 9],
-                    max_tokens=tokens,
-                    temperature=0,
-                    method="block",
-                    num_spec_tokens=4,
-                    stop_token_ids=[],
-                    logprobs=n,
-                )
-            )
-            for b, n in enumerate(logprobs)
-        ]
-        for handle in handles:
-            handle.result()
-    finally:
-        engine.close()
-        osd.spec.loop.run_step = real  # type: ignore[assignment]
+    requests = [
+        decoder.prepare(
+            [3 + b, 5, 7 + b, 9],
+            max_tokens=tokens,
+            temperature=0,
+            method="block",
+            num_spec_tokens=4,
+            stop_token_ids=[],
+            logprobs=n,
+        )
+        for b, n in enumerate(logprobs)
+    ]
+    times = step_times(decoder, requests)
     return statistics.median(times)
 
 

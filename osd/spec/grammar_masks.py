@@ -30,6 +30,10 @@ from osd.spec.rows import Row
 __all__ = ["GrammarMasks"]
 
 _executor: Any = None
+# Masks filled in the calling thread up to this many per call, in llguidance's pool above it:
+# a mask of a parser state seen before takes microseconds, less than waking pool threads that
+# may be competing with torch's for the cores (measured: bench/bench_structured.py).
+_SERIAL_FILLS = 64
 _executor_lock = threading.Lock()
 
 
@@ -167,12 +171,17 @@ class GrammarMasks:
             return
         flat = self.bits.view(-1, self.bits.shape[-1])
         slots = [branch.index * (self.width + 1) + position for branch, position in fills]
-        _pool().unsafe_compute_mask_ptr(
-            [(branch.matcher, slot) for (branch, _), slot in zip(fills, slots, strict=True)],
-            flat.data_ptr(),
-            flat.shape[-1] * 4,
-            flat.shape[0],
-        )
+        mask_bytes = flat.shape[-1] * 4
+        if len(fills) <= _SERIAL_FILLS:  # in this thread: a handoff costs more than the work
+            for (branch, _), slot in zip(fills, slots, strict=True):
+                branch.matcher.unsafe_compute_mask_ptr(flat[slot].data_ptr(), mask_bytes)
+        else:
+            _pool().unsafe_compute_mask_ptr(
+                [(branch.matcher, slot) for (branch, _), slot in zip(fills, slots, strict=True)],
+                flat.data_ptr(),
+                mask_bytes,
+                flat.shape[0],
+            )
         for branch, slot in zip((b for b, _ in fills), slots, strict=True):
             if branch.matcher.is_error():
                 raise RuntimeError(f"grammar failed: {branch.matcher.get_error()}")
