@@ -19,9 +19,11 @@ from typing import Any, Literal, TypedDict, Unpack
 import torch
 from transformers import PreTrainedModel
 
+from osd.errors import ParamError
 from osd.generation import GenerationResult, StreamChunk
 from osd.grammar import Grammar, GrammarCompiler
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
+from osd.request_checks import MAX_SPEC_TOKENS, check_bias, check_options, prompt_ids
 from osd.sampling import SamplingParams
 from osd.spec.choices import choice_requests
 from osd.spec.forward import ModelPair
@@ -59,13 +61,6 @@ class RequestOptions(TypedDict, total=False):
     logprobs: int | None
     prompt_logprobs: int | None
     grammar: Grammar | None
-
-
-# Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
-MAX_SPEC_TOKENS = 64
-MAX_DRAFTS = 64
-METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat top_logprobs
 
 
 class SpeculativeDecoder:
@@ -227,7 +222,8 @@ class SpeculativeDecoder:
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
     ) -> DecodeRequest:
-        """Validates one request's arguments; raises ValueError naming the bad one.
+        """Validates one request's arguments; raises :class:`osd.errors.ParamError` naming the
+        bad one (its ``param``).
 
         Args:
             prompt: text (needs a tokenizer) or token ids.
@@ -263,23 +259,19 @@ class SpeculativeDecoder:
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
         """
-        prompt_ids = self._prompt_ids(prompt)
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
         auto_spec = num_spec_tokens == "auto"
         if auto_spec:
             num_spec_tokens = self.max_spec_tokens
-        if not isinstance(num_spec_tokens, int) or not 1 <= num_spec_tokens <= MAX_SPEC_TOKENS:
-            raise ValueError(
-                f"num_spec_tokens (k) must be in 1..{MAX_SPEC_TOKENS}, got {num_spec_tokens}"
-            )
-        if not 1 <= num_drafts <= MAX_DRAFTS:
-            raise ValueError(f"num_drafts (K) must be in 1..{MAX_DRAFTS}, got {num_drafts}")
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS} or None, got {value}")
+        check_options(
+            method=method,
+            num_spec_tokens=num_spec_tokens,
+            num_drafts=num_drafts,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        assert isinstance(num_spec_tokens, int)  # checked above
         params = SamplingParams(
             temperature=temperature,
             top_p=top_p,
@@ -290,20 +282,14 @@ class SpeculativeDecoder:
             repetition_penalty=repetition_penalty,
             logit_bias=tuple((logit_bias or {}).items()),
         )
-        outside = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"logit_bias names token ids outside the vocabulary of {self.vocab_size}: "
-                f"{outside[:5]}"
-            )
+        check_bias(params, self.vocab_size)
         self.draft.check_adapter(adapter)
         max_new = max_tokens
         if self.max_context is not None:
-            if len(prompt_ids) >= self.max_context:
-                raise ValueError(
-                    f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}"
-                )
-            max_new = min(max_tokens, self.max_context - len(prompt_ids))
+            if len(ids) >= self.max_context:
+                message = f"prompt has {len(ids)} tokens; the context holds {self.max_context}"
+                raise ParamError("prompt", message)
+            max_new = min(max_tokens, self.max_context - len(ids))
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if stop_token_ids is None:
             stop_token_ids = [] if eos is None else [eos]
@@ -311,7 +297,7 @@ class SpeculativeDecoder:
             stop_token_ids = [*stop_token_ids, self.grammars.eos_token_id]
         seed = secrets.randbits(62) if seed is None else seed
         return DecodeRequest(
-            prompt_ids=tuple(prompt_ids),
+            prompt_ids=tuple(ids),
             seed=seed,
             max_new_tokens=max_new,
             params=params,
@@ -331,20 +317,6 @@ class SpeculativeDecoder:
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
         )
-
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            prompt_ids = list(self.tokenizer(prompt)["input_ids"])
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        return prompt_ids
 
 
 class GenerationStream:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from osd.devices import to_device
+from osd.errors import ParamError
 
 __all__ = [
     "GREEDY_BELOW",
@@ -77,27 +78,34 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ParamError("temperature", f"temperature must be >= 0, got {self.temperature!r}")
         if self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParamError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+            raise ParamError("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise ParamError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+                raise ParamError(name, f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
         if not 0.0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+            raise ParamError(
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty!r}",
+            )
         bias = self.logit_bias
         pairs = sorted(bias.items() if isinstance(bias, Mapping) else bias)
         for token, value in pairs:
             if not isinstance(token, int) or token < 0:
-                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                raise ParamError(
+                    "logit_bias", f"logit_bias keys must be token ids >= 0, got {token!r}"
+                )
             if not -100.0 <= value <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value!r}")
+                raise ParamError(
+                    "logit_bias", f"logit_bias values must be in [-100, 100], got {value!r}"
+                )
         object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in pairs))
 
     @property

@@ -23,6 +23,7 @@ from typing import Any
 
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
+from osd.errors import ParamError
 from osd.generation import GenerationResult, StreamChunk
 from osd.grammar import Grammar
 from osd.model_sources import attach_lora_adapters, load_model_pair
@@ -107,9 +108,19 @@ class ReplicaRuntime:
         messages = [m.model_dump() for m in request.messages]
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return str(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            )
+            from jinja2 import TemplateError
+
+            try:
+                rendered = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except TemplateError as exc:  # a template that refuses a role or an order
+                raise APIError(
+                    400,
+                    f"messages: the model's chat template refused them: {exc}",
+                    param="messages",
+                ) from None
+            return str(rendered)
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
@@ -174,7 +185,7 @@ class ReplicaRuntime:
                 raise
         except ValueError as exc:
             self._admission.release()
-            raise APIError(400, str(exc), param=_param_of(str(exc))) from None
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
         except BaseException:
             self._admission.release()
             raise
@@ -213,7 +224,10 @@ class ReplicaRuntime:
             prompt_logprobs=request.num_prompt_logprobs,
             grammar=grammar,
         )
-        return self.batch.submit_group(choice_requests(prepared, request.n))
+        try:
+            return self.batch.submit_group(choice_requests(prepared, request.n))
+        except ValueError as exc:
+            raise _never_fits(exc) from None
 
     def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
         """The request's stop token ids besides end-of-sequence; None: the engine's default."""
@@ -353,24 +367,14 @@ class ReplicaRuntime:
             self.log_writer.close()
 
 
-def _param_of(message: str) -> str | None:
-    if message.startswith("n = "):  # a group of choices that can never fit (BatchedEngine)
-        return "n"
-    for param in (
-        "logit_bias",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "min_p",
-        "prompt",
-        "temperature",
-        "top_p",
-        "top_k",
-        "max_tokens",
-        "num_spec_tokens",
-        "num_drafts",
-        "method",
-    ):
-        if param in message:
-            return param
-    return None
+def _never_fits(exc: ValueError) -> ValueError:
+    """The engine's refusal of a group that can never fit, naming the request's parameter.
+
+    :meth:`osd.spec.loop.BatchedEngine.submit_group` says which limit was passed in its text
+    alone; once it raises :class:`osd.errors.ParamError` itself, this goes.
+    """
+    message = str(exc)
+    for prefix, param in (("n = ", "n"), ("num_drafts", "num_drafts"), ("prompt", "prompt")):
+        if message.startswith(prefix):
+            return ParamError(param, message)
+    return exc
