@@ -363,8 +363,9 @@ class AdapterStore(abc.ABC):
 
 
 def adapter_store_location(config: Any, redis_url: str) -> str:
-    """The store the replicas follow: the Redis URL, or `adapters.root` (default
-    ``<run_dir>/adapters``) for the directory store."""
+    """Where `config.adapters` puts the store: the Redis URL, or `adapters.root` (default
+    ``<run_dir>/adapters``) for the directory store. The trainer publishes there and the
+    replicas' watchers follow it; both ask this function, so they cannot disagree."""
     if config.adapters.store == "redis":
         if not redis_url:
             raise ValueError("adapters.store is redis but no Redis URL was given")

@@ -29,7 +29,7 @@ from osd.adapter_manifest import (
     PublishConflict,
 )
 from osd.adapter_retention import make_replica_id
-from osd.adapter_store import AdapterStore, open_adapter_store
+from osd.adapter_store import AdapterStore, adapter_store_location, open_adapter_store
 from osd.config import OSDConfig
 from osd.spec.loop import single_threaded_torch
 from serving.adapter_slots import peft_adapter_name
@@ -156,11 +156,12 @@ class AdapterWatcher:
     def from_config(
         cls, runtime: ReplicaRuntime, config: OSDConfig, redis_url: str
     ) -> AdapterWatcher:
+        """The watcher of the store `config.adapters` names, where the trainer publishes
+        (:func:`osd.adapter_store.adapter_store_location`)."""
         a = config.adapters
-        location = redis_url if a.store == "redis" else a.root
         return cls(
             runtime,
-            open_adapter_store(location),
+            open_adapter_store(adapter_store_location(config, redis_url)),
             reconcile_interval_s=a.reconcile_interval_s,
             window=a.rollback_window,
             margin=a.rollback_margin,
