@@ -6,11 +6,10 @@ the prose domain (paragraphs of English; examples and tables dropped); its sourc
 docstrings removed and normalised by ``ast.unparse`` (which also drops comments), is the code
 domain. SQL, arithmetic word problems and JSON are generated (:mod:`osd.demo.synthetic`). The
 chat domain is dialogues over the others, rendered with the chat template (:mod:`osd.demo.chat`):
-generated questions answered with SQL, worked answers and JSON, and requests for a standard
-library function (its signature and the first sentence of its docstring) answered with its code.
-Files
-are read in sorted order, documents shuffled with a seeded generator and capped, so a recipe
-always yields the same corpus on the same Python version.
+generated questions answered with SQL, worked answers and JSON (:mod:`osd.demo.dialogues`), and
+requests for a standard library function (its signature and the first sentence of its docstring)
+answered with its code. Files are read in sorted order, documents shuffled with a seeded generator
+and capped, so a recipe always yields the same corpus on the same Python version.
 
 Held-out documents come from held-out stdlib files (every ``heldout_every``-th sorted file) or a
 separate random stream, and are never in the training split.
@@ -29,17 +28,9 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from osd.demo.dialogues import dialogue_document, json_dialogue, math_dialogue, sql_dialogue
 from osd.demo.recipe import CHAT_TOPICS, DOMAINS, CorpusRecipe
-from osd.demo.synthetic import (
-    Document,
-    dialogue_document,
-    json_dialogue,
-    json_document,
-    math_dialogue,
-    math_document,
-    sql_dialogue,
-    sql_document,
-)
+from osd.demo.synthetic import Document, json_document, math_document, sql_document
 
 __all__ = [
     "Corpus",

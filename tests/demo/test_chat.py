@@ -11,8 +11,8 @@ from transformers import AutoTokenizer
 
 from osd.demo import CHAT_TEMPLATE, load_corpus_split, parse_chat, render_chat
 from osd.demo.corpus import heldout_dialogues
+from osd.demo.dialogues import json_dialogue, math_dialogue, sql_dialogue
 from osd.demo.recipe import CHAT_TOPICS, ROLE_TOKENS
-from osd.demo.synthetic import json_dialogue, math_dialogue, sql_dialogue
 from osd.demo.training import encode_streams
 
 CONVERSATIONS = [

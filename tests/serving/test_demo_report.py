@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from serving.demo_job import (
-    Sample,
-    describe_chat,
-    describe_reference,
-    is_reference,
-    recent_by_domain,
-)
+from serving.demo_job import describe_reference
+from serving.demo_live import describe_chat, recent_by_domain
 from serving.demo_report import chat_summary, domain_summary, reference_summary
+from serving.demo_traffic import Sample, is_reference
 
 
 def sample(phase, tokens, seconds, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
@@ -69,7 +65,7 @@ def test_acceptance_comes_from_requests_that_drafted():
 
 
 def test_the_live_line_on_the_loop_names_problems_and_restarts():
-    from serving.demo_job import describe_loop
+    from serving.demo_live import describe_loop
 
     health = {"status": "degraded", "problems": ["trainer: no heartbeat for 40 s"]}
     supervision = {
