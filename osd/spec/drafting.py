@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.sampling import History, RowSampling, extend_history, rows_to_probs, sample_from_probs
+from osd.prefix_history import History, extend_history
+from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
 from osd.spec import rng
 from osd.spec.forward import ModelPair, as_tensor, history_rows, left_padded, run_model
 from osd.spec.grammar_masks import GrammarMasks

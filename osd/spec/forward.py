@@ -14,7 +14,8 @@ import torch
 
 from osd.devices import to_device
 from osd.models import CausalLM
-from osd.sampling import History, RowSampling
+from osd.prefix_history import History
+from osd.sampling import RowSampling
 from osd.spec.goodput import GoodputController
 from osd.spec.history import TokenHistory
 from osd.spec.kv_cache import SlotKVCache, plan_forward

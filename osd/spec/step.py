@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from osd.generation import StreamChunk
-from osd.sampling import block_history, rows_to_probs, sample_from_probs
+from osd.prefix_history import block_history
+from osd.sampling import rows_to_probs, sample_from_probs
 from osd.spec import rng
 from osd.spec.choices import share_prompt
 from osd.spec.drafting import Drafts, propose

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from osd import SamplingParams, SpeculativeDecoder
-from osd.sampling import History, logits_to_probs
+from osd.prefix_history import History
+from osd.sampling import logits_to_probs
 from osd.spec import step as step_module
 from osd.spec.loop import BatchedEngine
 from osd.spec.scheduler import BatchLimits
