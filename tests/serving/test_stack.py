@@ -10,11 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.reliability.conftest import wait_for
 from tests.serving.conftest import TOY, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,6 +29,22 @@ def processes_mentioning(*needles: str) -> list[str]:
         for line in out.splitlines()[1:]
         if any(n and n in line for n in needles) and "ps -eo" not in line
     ]
+
+
+def children(pid: int, pattern: str) -> list[str]:
+    """The command lines of process `pid`'s children that match `pattern`."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    rows = [line.split(None, 2) for line in out.splitlines()[1:]]
+    return [args for _, ppid, args in rows if ppid == str(pid) and re.search(pattern, args)]
+
+
+def assert_gone(find: Callable[[], list[str]], timeout_s: float = 30.0) -> None:
+    """Polls until `find()` lists no process (children exit just after their parent does);
+    fails with those left."""
+    deadline = time.monotonic() + timeout_s
+    while (left := find()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
 
 
 def wait_for_line(process, pattern, timeout_s):
@@ -95,21 +113,24 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
             if when == "killed":
                 process.kill()
                 process.wait(timeout=30)
-                time.sleep(3)
                 try:
-                    assert processes_mentioning(str(run_dir)) == []
+                    assert_gone(lambda: processes_mentioning(str(run_dir)))
                 finally:  # Ray's own processes are not this test's subject
                     for line in processes_mentioning(session):
                         os.kill(int(line.split()[0]), signal.SIGKILL)
                 return
-            deadline = time.monotonic() + 120
-            while (health := loop_health(port))["status"] != "ok":
-                assert time.monotonic() < deadline, health
-                time.sleep(1)
+            wait_for(lambda: loop_health(port)["status"] == "ok", timeout_s=120, interval_s=1)
         # Keep reading its output: a full pipe would block the shutdown it prints about.
         threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
-        if when == "during-start":
-            time.sleep(8)  # redis-server is up, Ray is starting
+        if when == "during-start":  # once redis-server is up and Ray is starting
+            wait_for(
+                lambda: (
+                    children(process.pid, r"redis-server")
+                    and children(process.pid, r"gcs_server|raylet")
+                ),
+                timeout_s=240,
+                interval_s=0.1,
+            )
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=120)
@@ -118,8 +139,11 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
     finally:
         if process.poll() is None:
             process.kill()
-    time.sleep(2)
-    leftovers = processes_mentioning(str(run_dir), session)
-    if trainer:
-        leftovers += [p for p in processes_mentioning(" osd.cli train") if p.split()[0] == trainer]
-    assert leftovers == []
+
+    def leftovers() -> list[str]:
+        found = processes_mentioning(str(run_dir), session)
+        if trainer:
+            found += [p for p in processes_mentioning(" osd.cli train") if p.split()[0] == trainer]
+        return found
+
+    assert_gone(leftovers)
