@@ -23,7 +23,6 @@ from typing import Any
 
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
-from osd.errors import ParamError
 from osd.generation import GenerationResult, StreamChunk
 from osd.grammar import Grammar
 from osd.model_sources import attach_lora_adapters, load_model_pair
@@ -224,10 +223,7 @@ class ReplicaRuntime:
             prompt_logprobs=request.num_prompt_logprobs,
             grammar=grammar,
         )
-        try:
-            return self.batch.submit_group(choice_requests(prepared, request.n))
-        except ValueError as exc:
-            raise _never_fits(exc) from None
+        return self.batch.submit_group(choice_requests(prepared, request.n))
 
     def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
         """The request's stop token ids besides end-of-sequence; None: the engine's default."""
@@ -365,16 +361,3 @@ class ReplicaRuntime:
         self._housekeeping.shutdown(wait=False)
         if self.log_writer is not None:
             self.log_writer.close()
-
-
-def _never_fits(exc: ValueError) -> ValueError:
-    """The engine's refusal of a group that can never fit, naming the request's parameter.
-
-    :meth:`osd.spec.loop.BatchedEngine.submit_group` says which limit was passed in its text
-    alone; once it raises :class:`osd.errors.ParamError` itself, this goes.
-    """
-    message = str(exc)
-    for prefix, param in (("n = ", "n"), ("num_drafts", "num_drafts"), ("prompt", "prompt")):
-        if message.startswith(prefix):
-            return ParamError(param, message)
-    return exc

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from osd.errors import ParamError
 from osd.generation import GenerationResult, StreamChunk
 from osd.spec.choices import check_group
 from osd.spec.goodput import GoodputController
@@ -204,20 +205,23 @@ class BatchedEngine:
         request, num_rows = requests[0], len(requests)
         if request.num_slots * num_rows > self.limits.num_slots:
             what = f"n = {num_rows} choices of " if num_rows > 1 else ""
-            raise ValueError(
+            raise ParamError(
+                "n" if num_rows > 1 else "num_drafts",
                 f"{what}num_drafts {request.num_slots} needs more KV slots than this engine has "
-                f"({self.limits.num_slots})"
+                f"({self.limits.num_slots})",
             )
         if num_rows > self.limits.max_num_seqs:
-            raise ValueError(
+            raise ParamError(
+                "n",
                 f"n = {num_rows} choices need {num_rows} rows; this engine decodes "
-                f"{self.limits.max_num_seqs} at once"
+                f"{self.limits.max_num_seqs} at once",
             )
         total = len(request.prompt_ids) + request.max_new_tokens
         if total > self.max_len:
-            raise ValueError(
+            raise ParamError(
+                "prompt",
                 f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
-                f"({request.max_new_tokens}) exceeds the context of {self.max_len}"
+                f"({request.max_new_tokens}) exceeds the context of {self.max_len}",
             )
         handles = [RequestHandle(Row(r, self.decoder.tokenizer), self._wake) for r in requests]
         handle = handles[0]

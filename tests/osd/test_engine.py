@@ -160,7 +160,7 @@ def test_stops_at_eos_token(engine):
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),  # 0 is allowed: prompt scoring (echo)
         ({"method": "beam"}, "method"),
         ({"adapter": "nope"}, "unknown adapter"),
         ({"prompt": [1] * 600}, "context"),
