@@ -166,8 +166,10 @@ class SpeculativeDecoder:
         rows[0].followers = rows[1:]
         pair = self.model_pair(width * n, len(request.prompt_ids) + request.max_new_tokens)
         prefill(pair, rows[:1], len(request.prompt_ids))
+        _raise_failed(rows)
         while active := [row for row in rows if not row.done]:
             run_step(pair, active)
+            _raise_failed(active)
         return [row.result() for row in rows]
 
     def stream(
@@ -342,8 +344,11 @@ class GenerationStream:
         if row.done:
             raise StopIteration
         if row.prefill_left:
-            return prefill(self._pair, [row], row.prefill_left)[0]
-        return run_step(self._pair, [row])[0]
+            chunks = prefill(self._pair, [row], row.prefill_left)
+        else:
+            chunks = run_step(self._pair, [row])
+        _raise_failed([row])
+        return chunks[0]
 
     @property
     def num_generated(self) -> int:
@@ -360,6 +365,13 @@ class GenerationStream:
         for _ in self:
             pass
         return self._row.result()
+
+
+def _raise_failed(rows: Sequence[Row]) -> None:
+    """Raises what failed one of ``rows`` alone during a step (e.g. its grammar)."""
+    for row in rows:
+        if row.error is not None:
+            raise row.error
 
 
 def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any) -> int:

@@ -99,6 +99,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return cached
         matcher = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
+        matcher.compute_bitmask()  # the first mask too: some limits are only met computing it
         if matcher.is_error():
             raise ValueError(f"the {kind} does not compile: {_first_line(matcher.get_error())}")
         grammar = Grammar(kind, source, matcher)
@@ -175,7 +176,9 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 
 
 class _TokenTexts:
-    """The duck-typed tokenizer llguidance.TokenizerWrapper reads: each token's bytes."""
+    """The duck-typed tokenizer llguidance.TokenizerWrapper reads: each token's bytes, from its
+    vocabulary entry (SentencePiece's word marker as a space, ``<0xNN>`` as that byte), not from
+    decoding it alone, which drops a leading space and turns a lone byte into U+FFFD."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
@@ -183,14 +186,24 @@ class _TokenTexts:
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
         self.special_token_ids = list(getattr(tokenizer, "all_special_ids", []))
         known = len(tokenizer)
-        self.tokens = [
-            tokenizer.decode([i]).encode() if i < known else b"" for i in range(vocab_size)
-        ]
+        self.tokens = [_token_bytes(tokenizer, i) if i < known else b"" for i in range(vocab_size)]
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def _token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return b""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace("\u2581", " ").encode()
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

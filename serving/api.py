@@ -148,6 +148,7 @@ async def _handle(
 ) -> JSONResponse | StreamingResponse:
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
+    runtime.check_model(request)  # before any grammar is compiled for it
     job = runtime.admit(request, await runtime.grammar_of(request))
     if request.stream:
         return _JobStream(runtime, job, _sse(runtime, job, kind))

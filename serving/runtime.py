@@ -23,6 +23,7 @@ from typing import Any
 
 from osd.config import OSDConfig
 from osd.engine import SpeculativeDecoder
+from osd.errors import ParamError
 from osd.generation import GenerationResult, StreamChunk
 from osd.grammar import Grammar
 from osd.model_sources import attach_lora_adapters, load_model_pair
@@ -96,6 +97,9 @@ class ReplicaRuntime:
         self._housekeeping = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapters", initializer=single_threaded_torch
         )
+        # Structured-output grammars compile here, one at a time: a flood of new schemas queues
+        # instead of taking the cores from the decode loop.
+        self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
 
     @property
     def tokenizer(self) -> Any:
@@ -123,6 +127,17 @@ class ReplicaRuntime:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
+    def check_model(self, request: CompletionRequest | ChatRequest) -> None:
+        """Raises the 404 of a request for a model this replica does not serve."""
+        name = self.config.serve.model_name
+        if request.model != name:
+            raise APIError(
+                404,
+                f"model {request.model!r} does not exist; this server serves {name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
     async def grammar_of(self, request: CompletionRequest | ChatRequest) -> Grammar | None:
         """The structured-output grammar the request asks for, compiled off the event loop
         (a large schema takes up to about a second; repeated ones are cached); None: none.
@@ -132,13 +147,16 @@ class ReplicaRuntime:
         """
         try:
             ask = grammar_ask(request)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="response_format") from None
+        except ParamError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         if ask is None:
             return None
         field, kind, spec = ask
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.to_thread(lambda: self.engine.grammars.compile(kind, spec))
+            return await loop.run_in_executor(
+                self._compiles, self.engine.grammars.compile, kind, spec
+            )
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", param=field) from None
 
@@ -147,13 +165,7 @@ class ReplicaRuntime:
     ) -> Job:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
-        if request.model != serve.model_name:
-            raise APIError(
-                404,
-                f"model {request.model!r} does not exist; this server serves {serve.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        self.check_model(request)
         asked = (request.max_completion_tokens, request.max_tokens)  # 0: echo's prompt alone
         max_tokens = next((m for m in asked if m is not None), 16)
         if max_tokens > serve.max_tokens_limit:
@@ -359,5 +371,6 @@ class ReplicaRuntime:
         self.batch.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._housekeeping.shutdown(wait=False)
+        self._compiles.shutdown(wait=False, cancel_futures=True)
         if self.log_writer is not None:
             self.log_writer.close()

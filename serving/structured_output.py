@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from osd.errors import ParamError
+
 __all__ = ["GrammarAsk", "JSONSchemaFormat", "ResponseFormat", "StructuredOutputs", "grammar_ask"]
 
 GrammarAsk = tuple[str, str, Any]  # (request field, osd.grammar kind, spec)
@@ -102,7 +104,7 @@ def grammar_ask(request: Any) -> GrammarAsk | None:
     """The grammar a validated request asks for, and the field that asked; None: free text.
 
     Raises:
-        ValueError: more than one field asks (the message names them).
+        ParamError: more than one field asks (the message names them; ``param``: the second).
     """
     asks: list[GrammarAsk] = []
     response_format: ResponseFormat | None = request.response_format
@@ -119,7 +121,9 @@ def grammar_ask(request: Any) -> GrammarAsk | None:
         if value is not None:
             asks.append((name, kind, value))
     if len(asks) > 1:
-        raise ValueError(
-            "ask for one structured output at most, got " + ", ".join(field for field, _, _ in asks)
+        raise ParamError(
+            asks[1][0].partition(".")[0],
+            "ask for one structured output at most, got "
+            + ", ".join(field for field, _, _ in asks),
         )
     return asks[0] if asks else None

@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from osd.errors import ParamError
 from osd.spec import rng
 from osd.spec.forward import ModelPair, as_tensor
 from osd.spec.rows import DecodeRequest, Row
@@ -49,7 +50,7 @@ def choice_seed(seed: int, index: int) -> int:
 def choice_requests(request: DecodeRequest, n: int) -> list[DecodeRequest]:
     """The ``n`` choices of ``request``: copies with seeds :func:`choice_seed` ``(seed, i)``."""
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise ParamError("n", f"n must be >= 1, got {n}")
     return [dataclasses.replace(request, seed=choice_seed(request.seed, i)) for i in range(n)]
 
 

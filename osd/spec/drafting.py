@@ -94,6 +94,8 @@ def propose(
         row_of = as_tensor([b for b, _ in active], device)
         branch_of = as_tensor([j for _, j in active], device)
         owners = [rows[b] for b, _ in active]
+        if masks is not None:  # position i - 1's tokens to the host while this forward runs
+            masks.prefetch(i, ids)
         logits = run_model(
             pair,
             pair.draft,

@@ -3,15 +3,23 @@
 Position i of a row's block (and of each of its SpecTr branches) is masked by the row's
 grammar after the tokens drafted before it, for the draft's q and the target's p alike, so the
 verifiers see exactly the distributions tokens were drawn from. The masks are computed on the
-host while the draft runs: before drafting position i, each branch's matcher consumes its
-drafted token i - 1 and fills the mask of position i (all rows at once, in llguidance's thread
-pool); after the last drafted token it fills position k, the target's bonus position. The same
-masks then go to the target in one copy. Once the step's tokens are known, each row's matcher
-is rolled back to the step's start and advances by what the row emitted.
+host, in the decode thread (llguidance's thread pool only for many masks at once): once the
+draft's forward for position i is queued, each branch's matcher consumes its drafted token
+i - 1 and fills the mask of position i; after the last drafted token it fills position k, the
+target's bonus position, while the target's forward is queued. On a GPU the drafted tokens
+reach the host by a copy started before that forward (:meth:`GrammarMasks.prefetch`), so the
+masks are computed while it runs. The same masks then go to the target in one copy. Once the
+step's tokens are known, each row's matcher is rolled back to the step's start and advances by
+what the row emitted.
 
 A stop token (end-of-sequence or the request's stop ids) is never consumed: the row ends there,
 and positions after it are left unmasked (what is drafted after a stop is never emitted).
 Only rows with a grammar cost anything: a step without one never builds this object.
+
+A grammar that fails while decoding (llguidance refuses a token or runs out of a resource
+limit: something compiling the grammar cannot always foresee) fails its own request only: the
+row gets the error (``Row.error``), its masks stop (its last tokens are never returned), and the
+loop ends that request with the error while the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -88,6 +96,7 @@ class GrammarMasks:
         words = (vocab_size + 31) // 32
         self.bits = torch.full((sum(branches), width + 1, words), -1, dtype=torch.int32)
         self.first = [sum(branches[:b]) for b in range(len(rows))]
+        self._fetched: tuple[int, torch.Tensor, Any] | None = None  # (position, host ids, event)
         self.branches: list[_Branch] = []
         for b, row in enumerate(rows):
             if row.matcher is None:
@@ -122,8 +131,13 @@ class GrammarMasks:
         moving = [b for b in self.branches if min(position, b.k) > b.at]
         if not moving:
             return
-        at = torch.tensor([[b.batch_row, b.branch] for b in moving], device=ids.device)
-        drafted = ids[at[:, 0], at[:, 1], :position].tolist()  # a host sync, grammar rows only
+        fetched = self._fetched if self._fetched and self._fetched[0] == position else None
+        if fetched is not None:  # copied while the forward ran: wait for the copy alone
+            fetched[2].synchronize()
+            drafted = [fetched[1][b.batch_row, b.branch].tolist() for b in moving]
+        else:
+            at = torch.tensor([[b.batch_row, b.branch] for b in moving], device=ids.device)
+            drafted = ids[at[:, 0], at[:, 1], :position].tolist()  # a host sync
         fills = []
         for branch, tokens in zip(moving, drafted, strict=True):
             target = min(position, branch.k)
@@ -133,12 +147,26 @@ class GrammarMasks:
                 if token in branch.row.request.stop_token_ids:
                     branch.ended = True
                     break
-                _consume(branch.matcher, token)
+                if not branch.matcher.consume_token(token):
+                    _broken(branch, f"it refused token {token}")
+                    break
                 branch.consumed += 1
             branch.at = target
             if not branch.ended:
                 fills.append((branch, target))
         self._fill(fills)
+
+    def prefetch(self, position: int, ids: torch.Tensor) -> None:
+        """On a GPU, starts copying the tokens drafted below ``position`` to the host without
+        waiting, so that :meth:`advance` at ``position``, called after the next forward is
+        queued, waits for this copy only and computes the masks while that forward runs."""
+        if ids.device.type != "cuda":
+            return
+        host = torch.empty(ids[:, :, :position].shape, dtype=ids.dtype, pin_memory=True)
+        host.copy_(ids[:, :, :position], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._fetched = (position, host, done)
 
     def draft_allowed(self, batch_rows: Sequence[int], branch_of: Sequence[int], position: int):
         """(A, V) bool on the device: the mask of each (row, branch) at ``position``."""
@@ -156,15 +184,18 @@ class GrammarMasks:
             emitted: per batch row, the tokens it emitted this step, in order.
         """
         for branch in self.branches:
-            if branch.branch != 0:
-                continue  # SpecTr copies are dropped
+            if branch.branch != 0 or branch.row.error is not None:
+                continue  # SpecTr copies are dropped; a failed row ends
             matcher = branch.matcher
             if branch.consumed and not matcher.rollback(branch.consumed):
-                raise RuntimeError(f"grammar rollback failed: {matcher.get_error()}")
+                _broken(branch, "its rollback failed")
+                continue
             for token in emitted[branch.batch_row]:
                 if token in branch.row.request.stop_token_ids:
                     break
-                _consume(matcher, token)
+                if not matcher.consume_token(token):
+                    _broken(branch, f"it refused token {token}")
+                    break
 
     def _fill(self, fills: list[tuple[_Branch, int]]) -> None:
         if not fills:
@@ -184,8 +215,9 @@ class GrammarMasks:
             )
         for branch, slot in zip((b for b, _ in fills), slots, strict=True):
             if branch.matcher.is_error():
-                raise RuntimeError(f"grammar failed: {branch.matcher.get_error()}")
-            if not flat[slot].any():  # nothing allowed: end the output rather than divide by 0
+                _broken(branch, "it failed")
+                flat[slot] = -1  # any token: the row's output is not returned
+            elif not flat[slot].any():  # nothing allowed: end the output rather than divide by 0
                 eos = min(branch.row.request.stop_token_ids, default=0)
                 bit = 1 << (eos % 32)
                 flat[slot, eos // 32] = bit - (1 << 32 if bit >= 1 << 31 else 0)  # as int32
@@ -194,6 +226,12 @@ class GrammarMasks:
         return unpack_bitmask(to_device(bits.contiguous(), self.device), self.vocab_size)
 
 
-def _consume(matcher: Any, token: int) -> None:
-    if not matcher.consume_token(token):
-        raise RuntimeError(f"grammar refused token {token}: {matcher.get_error()}")
+def _broken(branch: _Branch, what: str) -> None:
+    """Fails the branch's request (once) and stops its masks."""
+    branch.ended = True
+    if branch.row.error is None:
+        detail = branch.matcher.get_error().strip().splitlines()
+        branch.row.error = RuntimeError(
+            f"structured output failed: the grammar's parser {what}"
+            + (f" ({detail[0]})" if detail else "")
+        )

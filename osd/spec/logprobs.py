@@ -18,8 +18,10 @@ come from the chunked prefill, in the same raw mode. A prefill forward asks the 
 last position's logits only; rows that want their prompt's logprobs run in a forward of their
 own that keeps every position's (:func:`prefill_target`), so the other rows' forward is what
 it was. Each chunk's logprobs are copied without blocking, like a step's, and read after the
-sync that samples the row's first token (:class:`PromptLogprobs`). Their memory is a chunk's
-(tokens x vocabulary) float32 logits, as the prefill budget bounds a chunk.
+sync that samples the row's first token (:class:`PromptLogprobs`). Their memory: the asking
+rows' chunks padded to the longest, (rows x longest chunk x vocabulary) float32, twice while
+the log-softmax is taken; the batched loop's prefill budget bounds a chunk, the Python API's
+``generate``/``stream`` prefill the whole prompt as one.
 """
 
 from __future__ import annotations

@@ -334,14 +334,15 @@ class BatchedEngine:
             self._fail(self._prefilling, exc)
             self._prefilling = []
             return
+        self._prefilling = self._drop_failed(self._prefilling)
         ready = [h for h in self._prefilling if h._row.prefill_left <= 0]
         self._prefilling = [h for h in self._prefilling if h._row.prefill_left > 0]
         for leader in ready:  # their first tokens came with the prefill, the followers' too
             group = [leader, *leader._followers]
             leader._followers = []
             for handle in group:
-                if handle._row.done:
-                    self._release(handle)
+                if handle._row.error is not None or handle._row.done:
+                    self._release(handle, handle._row.error)
                 else:
                     self._decoding.append(handle)
 
@@ -355,6 +356,7 @@ class BatchedEngine:
             self._fail(self._decoding, exc)
             self._decoding = []
             return
+        self._decoding = self._drop_failed(self._decoding)
         stats = self.stats
         stats.steps += 1
         stats.rows_stepped += len(rows)
@@ -364,6 +366,13 @@ class BatchedEngine:
             self._decoding = [h for h in self._decoding if not h._row.done]
             for handle in finished:
                 self._release(handle)
+
+    def _drop_failed(self, handles: list[RequestHandle]) -> list[RequestHandle]:
+        """Ends the requests a step failed alone (``Row.error``); returns the others."""
+        failed = [h for h in handles if h._row.error is not None]
+        for handle in failed:
+            self._release(handle, handle._row.error)
+        return [h for h in handles if h._row.error is None] if failed else handles
 
     def _release(self, handle: RequestHandle, error: BaseException | None = None) -> None:
         """Frees a handle's slots and ends its stream, with its followers not yet prefilled."""

@@ -110,6 +110,8 @@ class Row:
     # Rows of the same prompt that get this row's prefill when its prompt is complete
     # (osd.spec.choices: OpenAI's n); emptied once shared.
     followers: list[Row] = field(default_factory=list)
+    # What failed this request alone during a step (e.g. its grammar); the loop ends it with it.
+    error: BaseException | None = None
     # The prompt's logprobs, chunk by chunk, when the request asks (osd.spec.logprobs).
     prompt_logprobs: PromptLogprobs | None = None
 

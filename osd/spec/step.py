@@ -236,8 +236,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     sampling, history = pair.sampling(rows)
     masks = GrammarMasks.start(rows, spec_k, branches, width, pair.vocab_size, device)
     drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1), masks)
-    if masks is not None:  # the bonus position's masks, after each row's last drafted token
-        masks.advance(width, drafts.ids)
+    if masks is not None:  # the drafts to the host while the target's forward runs
+        masks.prefetch(width, drafts.ids)
 
     # One target forward: each branch row holds its pending tokens, then its drafts.
     fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
@@ -267,6 +267,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         prefix=[rows[b].target_len for b, _ in fan_out],
         num_logits=width + 1,
     )  # (R, k + 1, V)
+    if masks is not None:  # the bonus position's masks, after each row's last drafted token
+        masks.advance(width, drafts.ids)
     # Position i of a branch row sees that branch's drafts before it (its padding only past
     # its own k, where nothing is read).
     seen = history_rows(history, row_of)

@@ -108,7 +108,8 @@ def test_vllm_structured_outputs(client, fields, check):
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"structured_outputs": {}}, "structured_outputs"),
-        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a"}, "guided_json": {}}, "guided_json"),
         ({"guided_choice": []}, "guided_choice"),
     ],
 )

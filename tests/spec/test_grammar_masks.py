@@ -258,3 +258,23 @@ def test_free_rows_unchanged_beside_grammar_rows(char_decoder):
         engine.close()
     assert beside_ids == alone_ids
     assert set(answers) <= {"yes", "no"}
+
+
+def test_a_grammar_failing_mid_decode_fails_its_request_alone(char_decoder):
+    """A grammar that compiles but whose parser gives up on a token (llguidance's resource
+    limits) ends its own request with the error; the rows beside it finish normally."""
+    grammar = char_decoder.grammars.compile("regex", "a{1000000}")
+    engine = BatchedEngine(char_decoder, BatchLimits(max_num_seqs=8, kv_slots=24))
+    try:
+        free = [
+            engine.submit(char_decoder.prepare("abc", max_tokens=12, seed=s, method=m))
+            for s, m in ((1, "block"), (2, "spectr"))
+        ]
+        doomed = engine.submit(char_decoder.prepare("q", max_tokens=12, seed=3, grammar=grammar))
+        with pytest.raises(RuntimeError, match="structured output failed"):
+            doomed.result()
+        assert all(h.result().finish_reason in ("stop", "length") for h in free)
+    finally:
+        engine.close()
+    with pytest.raises(RuntimeError, match="structured output failed"):
+        char_decoder.generate("q", max_tokens=12, seed=3, grammar=grammar)
