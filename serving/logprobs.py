@@ -39,6 +39,8 @@ class LogprobFormatter:
         self._tokenizer = tokenizer
         self._chat = chat
         self._offset = 0
+        # Special tokens (a prompt's BOS) are not in the returned text: they take no offset.
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     def _text(self, token_id: int) -> str:
         if self._tokenizer is None:
@@ -70,9 +72,9 @@ class LogprobFormatter:
                 ]
             }
         offsets = []
-        for text in texts:
+        for token_id, text in zip(token_ids, texts, strict=True):
             offsets.append(self._offset)
-            self._offset += len(text)
+            self._offset += 0 if token_id in self._special else len(text)
         return {
             "tokens": texts,
             "token_logprobs": [None if entry is None else entry.logprob for entry in entries],

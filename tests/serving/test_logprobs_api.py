@@ -206,3 +206,22 @@ def test_max_tokens_0_with_echo_scores_the_prompt(replica, client):
     assert ids.choices[0].text == replica.runtime.engine.tokenizer.decode(
         prompt, skip_special_tokens=True
     )
+
+
+def test_special_tokens_take_no_text_offset():
+    """An echoed prompt's BOS is among the tokens but not in the text: it takes no offset."""
+    from osd.demo.recipe import TokenizerRecipe
+    from osd.demo.vocab import train_tokenizer
+    from osd.generation import TokenLogprob
+    from serving.logprobs import LogprobFormatter
+
+    tokenizer = train_tokenizer(["hello world the cat"] * 20, TokenizerRecipe(vocab_size=300))
+    ids = tokenizer("hello world")["input_ids"]
+    assert tokenizer.decode(ids[:1]) == "<|bos|>"
+    entries = [None] + [TokenLogprob(-1.0, ()) for _ in ids[1:]]
+    formatted = LogprobFormatter(tokenizer, chat=False).format(ids, entries)
+    assert formatted is not None
+    text = "hello world"
+    for token, offset in zip(formatted["tokens"][1:], formatted["text_offset"][1:], strict=True):
+        assert text[offset : offset + len(token)] == token
+    assert formatted["text_offset"][:2] == [0, 0]
