@@ -1,6 +1,6 @@
 """Acceptance estimates from logged target distributions, without serving the draft.
 
-docs/ALGORITHMS.md section 4: for one position with target `p` and draft `q`,
+docs/algorithms.md, "Acceptance estimates": for one position with target `p` and draft `q`,
 `beta = sum_x min(p(x), q(x))` is the exact probability that token verification accepts a token
 drafted from `q` (at temperature 1, which is what the replicas log). Averaged over logged
 positions it estimates a draft's acceptance rate on real traffic, which is how a candidate

@@ -1,6 +1,6 @@
 """The manifest of one adapter version, and the names, events and errors of the adapter store.
 
-docs/DESIGN.md, "Adapter version": name, version, base draft model id and hash, rank, target
+docs/design.md, "Adapter version": name, version, base draft model id and hash, rank, target
 modules, sha256 of the weights, creation time and the acceptance estimate that justified it; here
 also lora_alpha (the scaling a replica needs to apply the weights), the weights' size (so a
 truncated file is named as such), the parent version and a format version.

@@ -1,6 +1,6 @@
 """Versioned LoRA adapters: immutable versions, one compare-and-set pointer per name, notifications.
 
-docs/DESIGN.md, "Adapter version": a version is immutable once published (LoRA weights as
+docs/design.md, "Adapter version": a version is immutable once published (LoRA weights as
 safetensors plus an `AdapterManifest`); a single pointer per adapter name says which version is
 current; a notification tells replicas to look, and replicas also reconcile against the pointer
 (`AdapterStore.changed_pointers`), since notifications can be lost.

@@ -104,7 +104,7 @@ class RequestSettings:
 
 @dataclass
 class GenerationLog:
-    """What the target thought, per request: the trainer's input (see DESIGN.md "Record").
+    """What the target thought, per request: the trainer's input (docs/design.md, "Record").
 
     Attributes:
         settings: how the request was decoded.

@@ -1,6 +1,6 @@
 """The replica side of the log buffer: records go to a Redis stream without ever blocking decoding.
 
-docs/DESIGN.md, "Never block serving": `LogWriter.log` puts the record into a bounded in-memory
+docs/design.md, "Never block serving": `LogWriter.log` puts the record into a bounded in-memory
 queue and returns (a few microseconds); a daemon thread packs queued records and sends them in
 batches, one pipeline of ``XADD <stream> MAXLEN ~ <maxlen> * r <bytes>`` per batch. When a round
 trip fails (Redis slow or down) the thread retries the batch up to `max_attempts` times with capped

@@ -1,8 +1,8 @@
 """Distillation losses between the logged target distribution and the draft, over top-m buckets.
 
 Online speculative decoding (Liu et al. 2023, arXiv 2310.07177) distils the draft towards the
-target on live traffic; docs/ALGORITHMS.md section 5 lists the divergences. In the usual
-distillation vocabulary the target is the teacher and the draft the student; this module says
+target on live traffic; docs/algorithms.md, "Distillation losses", lists the divergences. In the
+usual distillation vocabulary the target is the teacher and the draft the student; this module says
 target/draft like the rest of the project.
 
 The replicas log only the target's top-m probabilities at temperature 1 (`osd.record.Record`), so
@@ -250,9 +250,9 @@ def tvd_loss(
 ) -> Tensor:
     """Total variation `1/2 sum |p - q|` over the top-m + tail buckets.
 
-    Per position this is `1 - beta` of docs/ALGORITHMS.md section 4 (when m == V), the
-    quantity token acceptance depends on (DistillSpec, arXiv 2310.08461). Args and returns as
-    in `forward_kl_loss`.
+    Per position this is `1 - beta` of docs/algorithms.md, "Acceptance estimates" (when
+    m == V), the quantity token acceptance depends on (DistillSpec, arXiv 2310.08461). Args and
+    returns as in `forward_kl_loss`.
     """
     return _loss("tvd", draft_logits, target_top_ids, target_top_probs, mask, 0.5)
 

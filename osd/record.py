@@ -1,7 +1,7 @@
 """The log record: what a replica remembers about one finished request, for the trainer.
 
 One record per finished request carries everything the trainer needs to distil the draft without
-ever running the target (docs/DESIGN.md, "Record"): ids of the route and adapter, the sampling
+ever running the target (docs/design.md, "Record"): ids of the route and adapter, the sampling
 parameters, all token ids, per-step drafted and accepted counts, the draft's probability of every
 drafted token, and the target's top-m distribution (temperature 1) at every generated position.
 Records carry no text: request id, domain and adapter name are short printable identifiers.

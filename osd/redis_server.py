@@ -1,6 +1,6 @@
 """A private local `redis-server`, and the Redis client settings the log buffer shares.
 
-`LocalRedis` is the embedded default of docs/DESIGN.md ("one command on a fresh machine runs the
+`LocalRedis` is the embedded default of docs/design.md ("one command on a fresh machine runs the
 whole loop") and the fixture of the buffer's integration tests: it runs `redis-server` on a free
 localhost port in its own data directory with the append-only file on, so that data survives
 `restart()` (also after `kill()`, up to the last fsync, at most a second of writes).

@@ -2,7 +2,8 @@
 
 The draft's ``q`` and the target's ``p`` both come from :func:`rows_to_probs`, so every
 verifier sees exactly the post-processing distribution that each token was sampled from;
-getting that wrong breaks losslessness silently (ALGORITHMS.md). The processing, in order:
+getting that wrong breaks losslessness silently (docs/algorithms.md, "Post-processing keeps
+verification exact"). The processing, in order:
 a structured-output grammar's mask (disallowed tokens get no mass, :mod:`osd.grammar`);
 ``logit_bias`` added; ``repetition_penalty`` on tokens of the prompt or generated so far (a
 positive logit divided by it, a negative one multiplied, as vLLM and HF do);

@@ -3,8 +3,9 @@
 Each verifier decides how many drafted tokens to keep and the distribution of the one token
 that follows them (a *recovered* token after a rejection, a *bonus* token after a full
 acceptance), such that the emitted tokens are distributed exactly as if the target had sampled
-them one at a time. See ALGORITHMS.md; papers: Leviathan et al. 2023 (arXiv 2211.17192), Block
-Verification (Sun et al. 2024, arXiv 2403.10444), SpecTr (Sun et al. 2023, arXiv 2310.15141).
+them one at a time. See docs/algorithms.md ("Token verification", "Block verification",
+"SpecTr K-SEQ"); papers: Leviathan et al. 2023 (arXiv 2211.17192), Block Verification (Sun et
+al. 2024, arXiv 2403.10444), SpecTr (Sun et al. 2023, arXiv 2310.15141).
 
 All functions are pure and batched over a leading dimension B. Random numbers are passed in as
 uniforms, so tests can drive every decision. ``p`` is always the target, ``q`` the draft, and

@@ -2,8 +2,9 @@
 
 The target (teacher) scores windows of the domain's training text; the draft (student) with a
 fresh LoRA adapter learns to match the target's full next-token distribution under forward KL,
-``sum_x p log(p / q)`` (ALGORITHMS.md section 5, OSD's default). The online trainer does the same
-from logged top-m distributions of live traffic; here the full distribution is at hand.
+``sum_x p log(p / q)`` (docs/algorithms.md, "Distillation losses"; OSD's default). The online
+trainer does the same from logged top-m distributions of live traffic; here the full distribution is
+at hand.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ For each row at each step it picks k in {0, ..., k_max} maximising expected toke
 (the shortest k within ``tolerance`` of the best: near the optimum the rate is flat in k and the
 estimates are noisy),
 ``E[tokens | k] / cost(k)`` with ``E[tokens | k] = 1 + sum_{i<=k} prod_{j<=i} a_j``
-(ALGORITHMS.md section 5b). ``a_j`` is the acceptance at position j given the positions before
+(docs/algorithms.md, "Goodput"). ``a_j`` is the acceptance at position j given those before
 it were accepted, counted live per (adapter version, route) with a prior, so a new version is
 tried and a better draft is noticed; ``cost(k)`` is the measured seconds of a step that drafts
 k tokens at the current batch size (a line fitted to recent steps). The choice depends only on

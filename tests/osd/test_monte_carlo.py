@@ -4,8 +4,8 @@ The first token comes from the target at prefill; the next three from speculativ
 first), so every verifier decides over more than one drafted token.
 
 Chi-square of the sampled sequences against the target's exact sequence probabilities
-(ALGORITHMS.md section 6), with a negative control that verifies with a q other than the one
-the draft sampled from and must fail the same test.
+(docs/algorithms.md, "Testing exactness"), with a negative control that verifies with a q other than
+the one the draft sampled from and must fail the same test.
 """
 
 from __future__ import annotations

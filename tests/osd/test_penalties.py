@@ -1,4 +1,5 @@
-"""Penalties, logit bias and min_p keep every method exact (osd.sampling, ALGORITHMS.md).
+"""Penalties, logit bias and min_p keep every method exact (osd.sampling; docs/algorithms.md,
+"Post-processing keeps verification exact").
 
 The processing depends on the prefix, so within a drafted block position i must see the
 drafted tokens before it. Checked three ways: the processing against a hand-written reference;

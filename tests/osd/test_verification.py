@@ -1,4 +1,4 @@
-"""Exact-enumeration tests of the verifiers (ALGORITHMS.md section 6).
+"""Exact-enumeration tests of the verifiers (docs/algorithms.md, "Testing exactness").
 
 Every draft and every verifier outcome is enumerated over a tiny vocabulary with
 context-dependent toy distributions; the distribution of the first k + 1 emitted tokens must

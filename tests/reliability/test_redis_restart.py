@@ -1,7 +1,7 @@
 """Redis SIGKILLed and restarted under traffic: serving goes on, records are dropped and counted,
 logging resumes, a published adapter version survives (AOF) and the watcher reconnects.
 
-docs/DESIGN.md, "Never block serving"; docs/reliability.md, rows "Redis SIGKILL".
+docs/design.md, "Never block serving"; docs/reliability.md, rows "Redis SIGKILL".
 """
 
 from __future__ import annotations
