@@ -61,6 +61,25 @@ def demo_workload(schedule: str, max_tokens: int, seed: int, chat_share: float =
     return list(items)
 
 
+def set_aside_previous_run(run_dir: Path) -> Path | None:
+    """Renames a previous run's directory to ``<run_dir>-<time>`` and returns where it went.
+
+    The demo shows drafts adapting to shifts from the base draft: a run that resumed the last
+    one's redis-server data (its adapter versions, its unread records) would start adapted.
+    Nothing is deleted. None: there was no previous run.
+    """
+    if not run_dir.is_dir() or not any(run_dir.iterdir()):
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = run_dir.with_name(f"{run_dir.name}-{stamp}")
+    suffix = 1
+    while target.exists():
+        target = run_dir.with_name(f"{run_dir.name}-{stamp}-{suffix}")
+        suffix += 1
+    run_dir.rename(target)
+    return target
+
+
 def run(
     config: OSDConfig, items: list[Any], concurrency: int, reference_every: int = 10
 ) -> dict[str, Any]:
@@ -204,6 +223,13 @@ def main(argv: Sequence[str]) -> int:
                 flush=True,
             )
             return 2
+        moved = set_aside_previous_run(Path(config.run_dir))
+        if moved is not None:
+            print(
+                f"[osd demo] the previous run's state is kept in {moved}; this run starts "
+                "from the base draft",
+                flush=True,
+            )
         result = run(config, items, args.concurrency, args.reference_every)
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)

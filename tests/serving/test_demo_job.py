@@ -71,3 +71,23 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
     assert all(0 <= s["mean_k"] <= 8 for s in report["samples"])
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_a_previous_run_is_set_aside_not_resumed(tmp_path):
+    """A second ``osd demo`` starts from the base draft: the last run's directory (its
+    redis-server data holds its adapter versions) is renamed, nothing deleted."""
+    from serving.demo_job import set_aside_previous_run
+
+    run_dir = tmp_path / "demo"
+    assert set_aside_previous_run(run_dir) is None  # no previous run
+    run_dir.mkdir()
+    assert set_aside_previous_run(run_dir) is None  # an empty one is used as it is
+    (run_dir / "redis").mkdir()
+    (run_dir / "report.json").write_text("{}")
+    first = set_aside_previous_run(run_dir)
+    assert first is not None and not run_dir.exists()
+    assert (first / "report.json").read_text() == "{}" and (first / "redis").is_dir()
+    run_dir.mkdir()
+    (run_dir / "x").write_text("")
+    second = set_aside_previous_run(run_dir)
+    assert second is not None and second != first and (second / "x").exists()
