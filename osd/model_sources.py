@@ -24,7 +24,7 @@ __all__ = [
 
 
 def _toy_pair() -> tuple[PreTrainedModel, PreTrainedModel, Any]:
-    from osd.testing import char_tokenizer, noisy_copy, tiny_llama
+    from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
 
     target = tiny_llama(
         vocab_size=64, hidden_size=64, num_layers=2, seed=0, logit_scale=4.0, eos_token_id=1
