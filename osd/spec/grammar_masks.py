@@ -72,7 +72,7 @@ class _Branch:
 
 
 class GrammarMasks:
-    """Masks of one step; build with :meth:`start`.
+    """Masks of one step, from position 0 (build one only when :meth:`needed`).
 
     Args:
         rows: the step's rows.
@@ -107,18 +107,9 @@ class GrammarMasks:
         self._fill([(branch, 0) for branch in self.branches])
 
     @staticmethod
-    def start(
-        rows: Sequence[Row],
-        spec_k: Sequence[int],
-        branches: Sequence[int],
-        width: int,
-        vocab_size: int,
-        device: torch.device,
-    ) -> GrammarMasks | None:
-        """The step's masks at position 0; None (and no work) when no row has a grammar."""
-        if all(row.matcher is None for row in rows):
-            return None
-        return GrammarMasks(rows, spec_k, branches, width, vocab_size, device)
+    def needed(rows: Sequence[Row]) -> bool:
+        """Whether a row of the step has a grammar (without one, a step builds no masks)."""
+        return any(row.matcher is not None for row in rows)
 
     def advance(self, position: int, ids: torch.Tensor) -> None:
         """Brings every branch to ``min(position, its k)`` drafted tokens and fills its mask
@@ -168,7 +159,9 @@ class GrammarMasks:
         done.record()
         self._fetched = (position, host, done)
 
-    def draft_allowed(self, batch_rows: Sequence[int], branch_of: Sequence[int], position: int):
+    def draft_allowed(
+        self, batch_rows: Sequence[int], branch_of: Sequence[int], position: int
+    ) -> torch.Tensor:
         """(A, V) bool on the device: the mask of each (row, branch) at ``position``."""
         index = [self.first[b] + j for b, j in zip(batch_rows, branch_of, strict=True)]
         return self._on_device(self.bits[index, position])

@@ -112,7 +112,9 @@ def _prefill_forward(
 def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:
     """Samples each row's first token from the target (a step with nothing drafted)."""
     device = logits.device
-    masks = GrammarMasks.start(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
+    masks = None
+    if GrammarMasks.needed(rows):
+        masks = GrammarMasks(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
     allowed = None if masks is None else masks.target_allowed(1)[:, 0]
     probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
     keys = as_tensor([row.verify_key for row in rows], device)
@@ -234,7 +236,9 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
     sampling, history = pair.sampling(rows)
-    masks = GrammarMasks.start(rows, spec_k, branches, width, pair.vocab_size, device)
+    masks = None
+    if GrammarMasks.needed(rows):
+        masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
     drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1), masks)
     if masks is not None:  # the drafts to the host while the target's forward runs
         masks.prefetch(width, drafts.ids)
