@@ -31,11 +31,39 @@ def processes_mentioning(*needles: str) -> list[str]:
     ]
 
 
-def children(pid: int, pattern: str) -> list[str]:
-    """The command lines of process `pid`'s children that match `pattern`."""
+def descendants(pid: int, pattern: str) -> list[str]:
+    """The command lines of process `pid`'s descendants (children, theirs, ...) that match
+    `pattern`."""
     out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
     rows = [line.split(None, 2) for line in out.splitlines()[1:]]
-    return [args for _, ppid, args in rows if ppid == str(pid) and re.search(pattern, args)]
+    rows = [row + [""] * (3 - len(row)) for row in rows]
+    family, found = {str(pid)}, []
+    for _ in range(8):  # a few generations; pids are listed in no particular order
+        family |= {child for child, parent, _ in rows if parent in family}
+    for child, parent, args in rows:
+        if child in family and child != str(pid) and re.search(pattern, args):
+            found.append(args)
+    return found
+
+
+def wait_for_start(process, output: list[str], timeout_s: float) -> None:
+    """Waits until `osd up` has a redis-server and Ray's gcs_server or raylet below it (Ray is
+    starting); fails at once, with its output, if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(
+                f"osd up exited ({process.returncode}) during start:\n" + "".join(output[-40:])
+            )
+        if descendants(process.pid, r"redis-server") and descendants(
+            process.pid, r"gcs_server|raylet"
+        ):
+            return
+        time.sleep(0.1)
+    raise AssertionError(
+        f"no redis-server and Ray below osd up within {timeout_s} s; below it: "
+        f"{descendants(process.pid, '.')}\n" + "".join(output[-40:])
+    )
 
 
 def assert_gone(find: Callable[[], list[str]], timeout_s: float = 30.0) -> None:
@@ -123,14 +151,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
         # Keep reading its output: a full pipe would block the shutdown it prints about.
         threading.Thread(target=lambda: output.extend(process.stdout), daemon=True).start()
         if when == "during-start":  # once redis-server is up and Ray is starting
-            wait_for(
-                lambda: (
-                    children(process.pid, r"redis-server")
-                    and children(process.pid, r"gcs_server|raylet")
-                ),
-                timeout_s=240,
-                interval_s=0.1,
-            )
+            wait_for_start(process, output, timeout_s=240)
         process.send_signal(signal.SIGINT)
         try:
             process.wait(timeout=120)
