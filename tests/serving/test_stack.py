@@ -40,7 +40,7 @@ def descendants(pid: int, pattern: str) -> list[str]:
     family, found = {str(pid)}, []
     for _ in range(8):  # a few generations; pids are listed in no particular order
         family |= {child for child, parent, _ in rows if parent in family}
-    for child, parent, args in rows:
+    for child, _parent, args in rows:
         if child in family and child != str(pid) and re.search(pattern, args):
             found.append(args)
     return found
