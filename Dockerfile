@@ -9,6 +9,7 @@ COPY pyproject.toml README.md ./
 COPY osd ./osd
 COPY serving ./serving
 COPY trainer ./trainer
+COPY launcher ./launcher
 COPY configs ./configs
 RUN pip install --no-cache-dir ${TORCH_SPEC} && pip install --no-cache-dir ".[serve]"
 ENV HF_HOME=/data/hf WANDB_DIR=/data/wandb

@@ -21,10 +21,10 @@ from functools import partial
 import numpy as np
 
 from bench.tables import print_table
-from osd.log_reader import LogReader
-from osd.log_writer import LogWriter, WriterMetrics
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.buffer.reader import LogReader
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import LogWriter, WriterMetrics
 
 NUM_GENERATED, TOP_M, PROMPT_LEN, VOCAB_SIZE = 256, 32, 128, 32_000
 

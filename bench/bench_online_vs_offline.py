@@ -39,13 +39,13 @@ import numpy as np
 import torch
 
 from osd import SpeculativeDecoder
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis
+from osd.buffer.writer import LogWriter
 from osd.config import load_config
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.evaluation import measure_acceptance
 from osd.demo.report import load_pair
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import LocalRedis
 from trainer.draft_trainer import DraftTrainer, build_draft_trainer, peft_name
 from trainer.examples import is_held_out
 from trainer.worker import TrainerWorker

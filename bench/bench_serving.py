@@ -20,8 +20,8 @@ from typing import Any
 
 import httpx
 
+from osd.buffer.redis_server import LocalRedis
 from osd.config import load_config
-from osd.redis_server import LocalRedis
 
 
 def free_port() -> int:

@@ -27,7 +27,7 @@ from osd import SpeculativeDecoder
 from osd.demo.corpus import stdlib_files
 from osd.demo.recipe import TokenizerRecipe
 from osd.demo.vocab import train_tokenizer
-from osd.grammar import Grammar
+from osd.spec.grammar import Grammar
 from osd.spec.grammar_masks import GrammarMasks
 from osd.spec.rows import Row
 from osd.testing import noisy_copy, tiny_llama

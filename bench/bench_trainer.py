@@ -37,10 +37,10 @@ import torch
 
 from bench.cpu import add_threads_argument, apply_bench_threads
 from osd import SpeculativeDecoder
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis
+from osd.buffer.writer import LogWriter
 from osd.config import load_config, resolve_device
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import LocalRedis
 from osd.testing import noisy_copy, tiny_llama
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import collate, is_held_out

@@ -3,7 +3,7 @@
 Lossless speculative decoding (token, block and SpecTr verification) over Hugging Face models,
 with drafts distilled online from the target's logged distributions. See README.md.
 
-The names below load on first use: importing ``osd`` (or ``osd.cli``) does not load torch, so
+The names below load on first use: importing ``osd`` (or ``launcher.cli``) does not load torch, so
 the command line can set ``OMP_WAIT_POLICY`` before OpenMP reads it (osd.threads).
 """
 
@@ -13,17 +13,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from osd.engine import SpeculativeDecoder
-    from osd.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
-    from osd.sampling import SamplingParams
+    from osd.spec.engine import SpeculativeDecoder
+    from osd.spec.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
+    from osd.spec.sampling import SamplingParams
 
 _HOMES = {
-    "SpeculativeDecoder": "osd.engine",
-    "GenerationLog": "osd.generation",
-    "GenerationResult": "osd.generation",
-    "GenerationStats": "osd.generation",
-    "StreamChunk": "osd.generation",
-    "SamplingParams": "osd.sampling",
+    "SpeculativeDecoder": "osd.spec.engine",
+    "GenerationLog": "osd.spec.generation",
+    "GenerationResult": "osd.spec.generation",
+    "GenerationStats": "osd.spec.generation",
+    "StreamChunk": "osd.spec.generation",
+    "SamplingParams": "osd.spec.sampling",
 }
 
 __all__ = [

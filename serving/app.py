@@ -32,7 +32,7 @@ class OSDReplica:
         writer = None
         url = redis_url or self.config.log.redis_url
         if self.config.log.enabled and url:
-            from osd.log_writer import LogWriter
+            from osd.buffer.writer import LogWriter
 
             writer = LogWriter.from_config(url, self.config.log)
         self.runtime = ReplicaRuntime(self.config, log_writer=writer)

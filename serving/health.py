@@ -20,10 +20,10 @@ from typing import Any
 
 import redis
 
-from osd.adapter_store import AdapterStore, AdapterStoreError
-from osd.loop_status import read_beat, trainer_beat_key
-from osd.redis_server import connect, redact_url
-from osd.stream_info import read_group_info
+from osd.adapters.store import AdapterStore, AdapterStoreError
+from osd.buffer.loop_status import read_beat, trainer_beat_key
+from osd.buffer.redis_server import connect, redact_url
+from osd.buffer.stream_info import read_group_info
 
 __all__ = ["HealthLimits", "LoopHealth", "PARTS"]
 

@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from osd.generation import GenerationResult, StreamChunk, merge_chunks
+from osd.spec.generation import GenerationResult, StreamChunk, merge_chunks
 from osd.spec.loop import RequestHandle
 from serving.adapter_slots import AdapterLease
 from serving.protocol import ChatRequest, CompletionRequest, new_id

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from osd.generation import TokenLogprob
+from osd.spec.generation import TokenLogprob
 
 __all__ = ["LogprobFormatter", "echo_prefix"]
 

@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from osd.record import MAX_ID_BYTES
-from osd.sampling import GREEDY_BELOW
+from osd.buffer.record import MAX_ID_BYTES
+from osd.spec.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
 
@@ -116,7 +116,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # the record stores it as int32
-    # Applied alike to draft and target (osd.sampling), so every method stays exact.
+    # Applied alike to draft and target (osd.spec.sampling), so every method stays exact.
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -148,7 +148,7 @@ class _Common(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
-        # As the engine does (osd.sampling.SamplingParams): responses and records say 0.
+        # As the engine does (osd.spec.sampling.SamplingParams): responses and records say 0.
         return 0.0 if temperature < GREEDY_BELOW else temperature
 
     @field_validator("logit_bias")

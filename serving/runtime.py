@@ -22,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from osd.config import OSDConfig
-from osd.engine import SpeculativeDecoder
 from osd.errors import ParamError
-from osd.generation import GenerationResult, StreamChunk
-from osd.grammar import Grammar
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.spec.choices import choice_requests
+from osd.spec.engine import SpeculativeDecoder
+from osd.spec.generation import GenerationResult, StreamChunk
+from osd.spec.grammar import Grammar
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
 from osd.spec.scheduler import BatchLimits
 from osd.threads import threads_for

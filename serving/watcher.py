@@ -8,7 +8,7 @@ each version's acceptance with its predecessor's over a window and rolls back a 
 
 Each reconciliation also reports the versions this replica holds (current and previous slot) to
 the store, with a TTL of a few intervals, so the store's garbage collection never deletes a
-version a replica may roll back to (`AdapterStore.report_held`, `osd.adapter_retention`).
+version a replica may roll back to (`AdapterStore.report_held`, `osd.adapters.retention`).
 """
 
 from __future__ import annotations
@@ -20,16 +20,17 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes
-from osd.adapter_manifest import (
+from osd.adapters import adapter_store_location, open_adapter_store
+from osd.adapters.lora import base_model_hash, install_adapter, lora_shapes
+from osd.adapters.manifest import (
     BASE_VERSION,
     AdapterEvent,
     AdapterStoreError,
     AdapterStoreUnavailable,
     PublishConflict,
 )
-from osd.adapter_retention import make_replica_id
-from osd.adapter_store import AdapterStore, adapter_store_location, open_adapter_store
+from osd.adapters.retention import make_replica_id
+from osd.adapters.store import AdapterStore
 from osd.config import OSDConfig
 from osd.spec.loop import single_threaded_torch
 from serving.adapter_slots import peft_adapter_name
@@ -46,7 +47,7 @@ HELD_TTL_MIN_S = 10.0
 
 # What a refused version's error says -> the `reason` label of osd_adapter_refusals_total, so an
 # operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
-# model, LoRA layout). The phrases are those of osd.adapter_lora and osd.adapter_store.
+# model, LoRA layout). The phrases are those of osd.adapters.lora and osd.adapters.store.
 _REFUSAL_REASONS = (
     ("sha256", "sha256_mismatch"),
     ("truncated", "size_mismatch"),
@@ -157,7 +158,7 @@ class AdapterWatcher:
         cls, runtime: ReplicaRuntime, config: OSDConfig, redis_url: str
     ) -> AdapterWatcher:
         """The watcher of the store `config.adapters` names, where the trainer publishes
-        (:func:`osd.adapter_store.adapter_store_location`)."""
+        (:func:`osd.adapters.adapter_store_location`)."""
         a = config.adapters
         return cls(
             runtime,

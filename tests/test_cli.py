@@ -12,7 +12,7 @@ import pytest
 
 def osd(tmp_path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "osd.cli", *args],
+        [sys.executable, "-m", "launcher.cli", *args],
         cwd=tmp_path,
         capture_output=True,
         text=True,

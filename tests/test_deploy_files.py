@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from osd.cli import SUBCOMMANDS
+from launcher.cli import SUBCOMMANDS
 from osd.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ def test_compose_services_run_existing_commands_with_existing_configs():
 
 def test_dockerfile_copies_the_packages():
     dockerfile = (ROOT / "Dockerfile").read_text()
-    for package in ("osd", "serving", "trainer", "configs"):
+    for package in ("osd", "serving", "trainer", "launcher", "configs"):
         assert f"COPY {package} ./{package}" in dockerfile
 
 

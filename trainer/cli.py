@@ -18,8 +18,8 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from osd.buffer.redis_server import redact_url
 from osd.config import load_config
-from osd.redis_server import redact_url
 
 __all__ = ["main"]
 

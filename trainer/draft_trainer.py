@@ -7,8 +7,8 @@ Both use exactly the LoRA layout of the replicas (`osd.model_sources.attach_lora
 `config.model`), so a candidate's `lora_state_dict` loads into a replica's ``<name>@<version>``.
 
 Training runs under `accelerate` (fp32 on CPU, bf16 autocast on CUDA); the losses
-(`osd.losses.distillation_loss`) and estimates (`osd.acceptance.estimate_acceptance`) compute
-their softmax in fp32 either way.
+(`osd.distill.losses.distillation_loss`) and estimates
+(`osd.distill.acceptance.estimate_acceptance`) compute their softmax in fp32 either way.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from osd.acceptance import AcceptanceEstimate, estimate_acceptance
-from osd.adapter_lora import adapter_spec, check_lora_shapes, lora_shapes, lora_state_dict
-from osd.adapter_manifest import AdapterSpec
+from osd.adapters.lora import adapter_spec, check_lora_shapes, lora_shapes, lora_state_dict
+from osd.adapters.manifest import AdapterSpec
+from osd.buffer.record import Record
 from osd.config import ModelConfig, OSDConfig, resolve_device
-from osd.losses import LossName, distillation_loss
+from osd.distill.acceptance import AcceptanceEstimate, estimate_acceptance
+from osd.distill.losses import LossName, distillation_loss
 from osd.model_sources import attach_lora_adapters, load_draft
-from osd.record import Record
 from trainer.examples import Batch, PositionMode, collate
 
 __all__ = ["DraftTrainer", "Slot", "StepStats", "build_draft_trainer", "peft_name"]
@@ -63,7 +63,7 @@ class DraftTrainer:
         model_config: the model section; its LoRA rank, alpha and target modules are used.
         adapters: logical adapter names, general first.
         base_model_id: what published manifests name as the base draft.
-        loss: distillation loss (`osd.losses.LossName`).
+        loss: distillation loss (`osd.distill.losses.LossName`).
         learning_rate: AdamW learning rate of every candidate.
         device: "cpu" or "cuda[:i]"; CUDA trains with bf16 autocast.
         vocab_size: draft logits columns the engine scores (padded rows beyond are cut); None:
@@ -161,7 +161,7 @@ class DraftTrainer:
     @torch.no_grad()
     def estimate(self, adapter: str, slot: Slot, records: Sequence[Record]) -> AcceptanceEstimate:
         """Mean acceptance bounds of `slot` of `adapter` over every generated position of
-        `records` (`osd.acceptance.estimate_acceptance`); trivial [0, 1] with no records."""
+        `records` (`osd.distill.acceptance.estimate_acceptance`); trivial [0, 1] with no records."""
         parts = []
         for start in range(0, len(records), self.eval_batch_records):
             chunk = records[start : start + self.eval_batch_records]

@@ -26,7 +26,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from osd.record import Record
+from osd.buffer.record import Record
 
 __all__ = [
     "Batch",

@@ -1,4 +1,4 @@
-"""The trainer's heartbeat: a thread that writes `osd.loop_status.TrainerBeat` to Redis.
+"""The trainer's heartbeat: a thread that writes `osd.buffer.loop_status.TrainerBeat` to Redis.
 
 A thread of its own, so a long training round does not look like a dead trainer; the beat
 also carries when the training loop last came round, so a stuck loop shows too. Redis being
@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import redis
 
+from osd.buffer.loop_status import TrainerBeat, trainer_beat_key, write_beat
+from osd.buffer.redis_server import connect
 from osd.closing import Closeable
-from osd.loop_status import TrainerBeat, trainer_beat_key, write_beat
-from osd.redis_server import connect
 
 __all__ = ["Heartbeat"]
 

@@ -1,6 +1,6 @@
 """The judge: publish a candidate adapter only if it beats the current version on held-out data.
 
-Both are estimated on the same held-out records (`osd.acceptance.estimate_acceptance`, mean
+Both are estimated on the same held-out records (`osd.distill.acceptance.estimate_acceptance`, mean
 lower bound of the per-position acceptance probability over every generated position), so the
 comparison is paired: the same positions, the same logged target distributions. The lower bound
 is used because it is what the logged top-m can guarantee; the upper bound is reported too.
@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from osd.acceptance import AcceptanceEstimate
+from osd.distill.acceptance import AcceptanceEstimate
 
 __all__ = ["Verdict", "balanced", "judge", "judge_domains"]
 

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import logging
 
-from osd.adapter_lora import base_model_hash
-from osd.adapter_manifest import (
+from osd.adapters.lora import base_model_hash
+from osd.adapters.manifest import (
     BASE_VERSION,
     AdapterManifest,
     AdapterStoreError,
     AdapterStoreUnavailable,
     PublishConflict,
 )
-from osd.adapter_store import AdapterStore
+from osd.adapters.store import AdapterStore
 from trainer.draft_trainer import DraftTrainer
 
 __all__ = ["Publisher"]

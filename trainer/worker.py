@@ -35,15 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from osd.adapter_store import (
-    AdapterStore,
-    AdapterStoreUnavailable,
-    adapter_store_location,
-    open_adapter_store,
-)
+from osd.adapters import adapter_store_location, open_adapter_store
+from osd.adapters.store import AdapterStore, AdapterStoreUnavailable
+from osd.buffer.reader import LogReader
+from osd.buffer.record import Record
 from osd.config import OSDConfig
-from osd.log_reader import LogReader
-from osd.record import Record
 from osd.threads import threads_applied
 from trainer.draft_trainer import build_draft_trainer
 from trainer.examples import Example, adapters_for, is_held_out, window_key

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from osd.engine import SpeculativeDecoder
 from osd.models import CausalLM
+from osd.spec.engine import SpeculativeDecoder
 
 __all__ = [
     "AcceptanceResult",

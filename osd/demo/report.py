@@ -28,7 +28,7 @@ from osd.demo.evaluation import (
     perplexity,
 )
 from osd.demo.recipe import DOMAINS
-from osd.engine import SpeculativeDecoder
+from osd.spec.engine import SpeculativeDecoder
 
 __all__ = ["REPORT_FILE", "format_report", "load_pair", "machine_info", "measure_report"]
 

@@ -1,8 +1,13 @@
-"""The batched speculative decoding core: one decode loop steps every in-flight request.
+"""Speculative decoding: draft, verify exactly, emit; every in-flight request in one batched step.
 
-Owns: counter-based random streams (``rng``), the per-row KV slot cache (``kv_cache``), the
-per-request row state (``rows``), admission decisions (``scheduler``), the batched step that
-drafts, verifies and emits for all rows at once (``step``) and the loop thread that runs it
-(``loop``). May import torch, transformers and the pure core (``osd.sampling``,
-``osd.verification``, ``osd.generation``, ``osd.models``); never Redis, Ray, HTTP or files.
+Owns, pure: sampling a token from logits under every OpenAI option (``sampling``, with the
+penalties' view of a prefix in ``prefix_history``), the lossless verifiers (``verification``),
+what a generation returns (``generation``) and a request's checks (``request_checks``).
+Owns, on the decode path: grammars compiled to token masks (``grammar``, applied by
+``grammar_masks``), counter-based random streams (``rng``), the per-row KV slot cache
+(``kv_cache``), per-request row state (``rows``), admission (``scheduler``), the batched step that
+drafts, verifies and emits for all rows at once (``step``), the loop thread that runs it
+(``loop``) and the engine that takes requests (``engine``). May import torch, transformers and
+``osd.models``; never Redis, Ray, HTTP or files. Finished requests leave as ``GenerationLog``s,
+which serving turns into log records (``osd.buffer``).
 """

@@ -1,5 +1,5 @@
 """The draft's half of a step: k tokens per row (K sequences for SpecTr rows) in batched
-forwards, each position's q from the same processing as the target's p (osd.sampling)."""
+forwards, each position's q from the same processing as the target's p (osd.spec.sampling)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.prefix_history import History, extend_history
-from osd.sampling import RowSampling, rows_to_probs, sample_from_probs
 from osd.spec import rng
 from osd.spec.forward import ModelPair, as_tensor, history_rows, left_padded, run_model
 from osd.spec.grammar_masks import GrammarMasks
+from osd.spec.prefix_history import History, extend_history
 from osd.spec.rows import Row
+from osd.spec.sampling import RowSampling, rows_to_probs, sample_from_probs
 
 __all__ = ["Drafts", "propose"]
 

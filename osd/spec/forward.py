@@ -14,12 +14,12 @@ import torch
 
 from osd.devices import to_device
 from osd.models import CausalLM
-from osd.prefix_history import History
-from osd.sampling import RowSampling
 from osd.spec.goodput import GoodputController
 from osd.spec.history import TokenHistory
 from osd.spec.kv_cache import SlotKVCache, plan_forward
+from osd.spec.prefix_history import History
 from osd.spec.rows import Row
+from osd.spec.sampling import RowSampling
 
 __all__ = [
     "ModelPair",

@@ -1,4 +1,4 @@
-"""The grammar masks of one step, for the rows with structured output (:mod:`osd.grammar`).
+"""The grammar masks of one step, for the rows with structured output (:mod:`osd.spec.grammar`).
 
 Position i of a row's block (and of each of its SpecTr branches) is masked by the row's
 grammar after the tokens drafted before it, for the draft's q and the target's p alike, so the
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from osd.devices import to_device
-from osd.grammar import unpack_bitmask
+from osd.spec.grammar import unpack_bitmask
 from osd.spec.rows import Row
 
 __all__ = ["GrammarMasks"]

@@ -1,4 +1,4 @@
-"""Each row's token counts on the device, for the penalties (osd.prefix_history.History).
+"""Each row's token counts on the device, for the penalties (osd.spec.prefix_history.History).
 
 Kept per KV slot (a row's ``slots[0]``), allocated on the first row that uses a penalty and
 brought up to date incrementally: a step sends only the tokens rows emitted since the last one
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from osd.devices import to_device
-from osd.prefix_history import History
+from osd.spec.prefix_history import History
 from osd.spec.rows import Row
 
 __all__ = ["TokenHistory"]

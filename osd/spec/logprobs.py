@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from osd.devices import to_device
-from osd.generation import TokenLogprob
+from osd.spec.generation import TokenLogprob
 
 if TYPE_CHECKING:
     from osd.spec.rows import Row

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from osd.errors import ParamError
-from osd.generation import GenerationResult, StreamChunk
 from osd.spec.choices import check_group
+from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.goodput import GoodputController
 from osd.spec.rows import DecodeRequest, Row
 from osd.spec.scheduler import BatchLimits, num_to_admit
@@ -39,7 +39,7 @@ from osd.spec.step import prefill, run_step
 from osd.threads import usable_cores
 
 if TYPE_CHECKING:
-    from osd.engine import SpeculativeDecoder
+    from osd.spec.engine import SpeculativeDecoder
 
 __all__ = [
     "BatchedEngine",

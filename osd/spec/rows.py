@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import torch
 
-from osd.generation import (
+from osd.spec import rng
+from osd.spec.generation import (
     FinishReason,
     GenerationLog,
     GenerationResult,
@@ -24,11 +25,10 @@ from osd.generation import (
     TextAssembler,
     TokenLogprob,
 )
-from osd.grammar import Grammar
-from osd.sampling import SamplingParams
-from osd.spec import rng
 from osd.spec.goodput import GoodputController
+from osd.spec.grammar import Grammar
 from osd.spec.logprobs import PromptLogprobs
+from osd.spec.sampling import SamplingParams
 
 __all__ = ["DecodeRequest", "Row"]
 
@@ -55,7 +55,7 @@ class DecodeRequest:
     route: str = ""
     # Alternatives per token of OpenAI's logprobs (0..20); None: no logprobs.
     logprobs: int | None = None
-    # Structured output: every token is masked by this grammar (osd.grammar); None: free text.
+    # Structured output: every token is masked by this grammar (osd.spec.grammar); None: free text.
     grammar: Grammar | None = None
     # The same for each prompt token (OpenAI's echo with logprobs); None: none.
     prompt_logprobs: int | None = None

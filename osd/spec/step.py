@@ -7,7 +7,7 @@ pending and drafted tokens (ragged: rows differ in pending length, k and K), the
 over each verifier's rows at once, then one host sync that brings back what each row emitted.
 Random draws are addressed by (row seed, row step, branch, position) (:mod:`osd.spec.rng`), so a
 row's output does not depend on what shares its batch. Paper references in
-:mod:`osd.verification`.
+:mod:`osd.spec.verification`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from osd.generation import StreamChunk
-from osd.prefix_history import block_history
-from osd.sampling import rows_to_probs, sample_from_probs
 from osd.spec import rng
 from osd.spec.choices import share_prompt
 from osd.spec.drafting import Drafts, propose
@@ -32,10 +29,13 @@ from osd.spec.forward import (
     run_model,
     top_m_distribution,
 )
+from osd.spec.generation import StreamChunk
 from osd.spec.grammar_masks import GrammarMasks
 from osd.spec.logprobs import PendingLogprobs, gather_logprobs, prefill_target
+from osd.spec.prefix_history import block_history
 from osd.spec.rows import Row
-from osd.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+from osd.spec.sampling import rows_to_probs, sample_from_probs
+from osd.spec.verification import VerifyOutput, block_verify, spectr_verify, token_verify
 
 __all__ = ["VERIFIERS", "prefill", "run_step"]
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from osd.redis_server import LocalRedis
+from osd.buffer.redis_server import LocalRedis
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from osd.log_reader import LogReader
-from osd.log_writer import LogWriter
-from osd.record import SCHEMA_VERSION, Record
-from osd.redis_server import LocalRedis, connect
+from osd.buffer.reader import LogReader
+from osd.buffer.record import SCHEMA_VERSION, Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import LogWriter
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from osd.log_writer import DROP_REASONS, LogWriter, WriterMetrics
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import DROP_REASONS, LogWriter, WriterMetrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from osd.adapter_manifest import AdapterSpec, AdapterStoreUnavailable
-from osd.adapter_store_redis import RedisAdapterStore
-from osd.log_reader import LogReader
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.adapters.manifest import AdapterSpec, AdapterStoreUnavailable
+from osd.adapters.store_redis import RedisAdapterStore
+from osd.buffer.reader import LogReader
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import LogWriter
 
 MiB = 2**20
 MAXMEMORY = 48 * MiB

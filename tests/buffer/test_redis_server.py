@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from osd.redis_server import LocalRedis, RedisServerError, connect, redact_url
+from osd.buffer.redis_server import LocalRedis, RedisServerError, connect, redact_url
 
 pytestmark = pytest.mark.timeout(60)
 

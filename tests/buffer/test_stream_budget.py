@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from osd.stream_budget import REDIS_BYTES_PER_ENTRY, REDIS_BYTES_PER_PAYLOAD_BYTE, StreamBudget
+from osd.buffer.stream_budget import (
+    REDIS_BYTES_PER_ENTRY,
+    REDIS_BYTES_PER_PAYLOAD_BYTE,
+    StreamBudget,
+)
 
 ENTRY_10K = REDIS_BYTES_PER_PAYLOAD_BYTE * 10_000 + REDIS_BYTES_PER_ENTRY
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from osd.cli import main as osd_main
+from launcher.cli import main as osd_main
 from osd.demo import load_workload
 from osd.demo.cli import main
 

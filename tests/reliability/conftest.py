@@ -21,11 +21,11 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from osd.adapter_lora import adapter_spec, lora_state_dict
-from osd.adapter_store import AdapterStore
+from osd.adapters.lora import adapter_spec, lora_state_dict
+from osd.adapters.store import AdapterStore
+from osd.buffer.redis_server import LocalRedis
+from osd.buffer.writer import LogWriter
 from osd.config import OSDConfig, load_config
-from osd.log_writer import LogWriter
-from osd.redis_server import LocalRedis
 from serving.api import create_api
 from serving.health import HealthLimits, LoopHealth
 from serving.runtime import ReplicaRuntime

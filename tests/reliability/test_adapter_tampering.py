@@ -21,12 +21,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from osd.adapter_lora import base_model_hash
-from osd.adapter_manifest import AdapterSpec, PublishConflict
-from osd.adapter_store import AdapterStore
-from osd.adapter_store_dir import MANIFEST_FILE, WEIGHTS_FILE, DirectoryAdapterStore
-from osd.adapter_store_redis import RedisAdapterStore
-from osd.redis_server import connect
+from osd.adapters.lora import base_model_hash
+from osd.adapters.manifest import AdapterSpec, PublishConflict
+from osd.adapters.store import AdapterStore
+from osd.adapters.store_dir import MANIFEST_FILE, WEIGHTS_FILE, DirectoryAdapterStore
+from osd.adapters.store_redis import RedisAdapterStore
+from osd.buffer.redis_server import connect
 
 from .conftest import Replica, metric, replica_adapter, running_replica, toy_config, wait_for
 

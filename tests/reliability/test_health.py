@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
 from serving.health import HealthLimits
 from tests.trainer.conftest import headroom_draft, make_config
 from trainer.worker import TrainerWorker

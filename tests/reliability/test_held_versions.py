@@ -3,8 +3,8 @@ the trainer's garbage collection deletes old versions but never those (docs/capa
 
 from __future__ import annotations
 
-from osd.adapter_store import open_adapter_store
-from osd.redis_server import LocalRedis
+from osd.adapters import open_adapter_store
+from osd.buffer.redis_server import LocalRedis
 
 from .conftest import replica_adapter, running_replica, toy_config, wait_for
 

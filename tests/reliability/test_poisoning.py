@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from osd.adapter_store import open_adapter_store
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.adapters import open_adapter_store
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
 from osd.testing import tiny_llama
 from tests.trainer.conftest import make_config, push
 from trainer.examples import is_held_out

@@ -12,11 +12,11 @@ import uuid
 import pytest
 import redis
 
-from osd.adapter_store import open_adapter_store
-from osd.log_reader import LogReader
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.adapters import open_adapter_store
+from osd.buffer.reader import LogReader
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import LogWriter
 
 from .conftest import STREAM, replica_adapter, running_replica, toy_config, wait_for
 

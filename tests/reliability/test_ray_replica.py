@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
 from osd.model_sources import attach_lora_adapters, load_model_pair
 
 from .conftest import (

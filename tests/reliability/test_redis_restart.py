@@ -12,11 +12,11 @@ import threading
 import time
 from collections import Counter
 
-from osd.adapter_manifest import AdapterEvent
-from osd.adapter_store import open_adapter_store
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import connect
+from osd.adapters import open_adapter_store
+from osd.adapters.manifest import AdapterEvent
+from osd.buffer.record import Record
+from osd.buffer.redis_server import connect
+from osd.buffer.writer import LogWriter
 
 from .conftest import STREAM, metric, replica_adapter, running_replica, toy_config, wait_for
 

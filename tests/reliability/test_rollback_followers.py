@@ -4,9 +4,9 @@ version worse and move the pointer forward to the loser again. docs/reliability.
 
 from __future__ import annotations
 
-from osd.adapter_manifest import BASE_VERSION
-from osd.adapter_store import open_adapter_store
-from osd.redis_server import LocalRedis
+from osd.adapters import open_adapter_store
+from osd.adapters.manifest import BASE_VERSION
+from osd.buffer.redis_server import LocalRedis
 
 from .conftest import completion, replica_adapter, running_replica, toy_config, wait_for
 

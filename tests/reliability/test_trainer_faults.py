@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from osd.adapter_lora import base_model_hash
-from osd.adapter_store import AdapterStore, open_adapter_store
+from osd.adapters import open_adapter_store
+from osd.adapters.lora import base_model_hash
+from osd.adapters.store import AdapterStore
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
+from osd.buffer.writer import LogWriter
 from osd.config import ModelConfig
-from osd.log_writer import LogWriter
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
 from tests.trainer.conftest import generate_records, headroom_draft, make_config, push
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import is_held_out

@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
+from osd.buffer.redis_server import LocalRedis
 from osd.config import load_config
-from osd.redis_server import LocalRedis
 
 # A fixed k: the toy draft costs about what the toy target does, so k "auto" (the default)
 # rightly drafts nothing on it, and these tests are about drafting with adapters. The

@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from osd.log_reader import LogReader
+from osd.buffer.reader import LogReader
 from osd.model_sources import load_model_pair
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from osd.log_reader import LogReader
+from osd.buffer.reader import LogReader
 from osd.spec.choices import choice_seed
 from tests.reliability.conftest import Replica, running_replica, toy_config
 

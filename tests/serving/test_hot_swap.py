@@ -8,8 +8,8 @@ import httpx
 import openai
 import torch
 
-from osd.adapter_lora import adapter_spec, lora_state_dict
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
+from osd.adapters.lora import adapter_spec, lora_state_dict
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from tests.reliability.conftest import wait_for
 

@@ -1,7 +1,7 @@
 """Monte Carlo through the batched loop: a row's emitted sequences follow the target exactly
 while other rows (other adapters, temperatures, methods and lengths) share every step.
 
-Same chi-square and negative control as ``tests/osd/test_monte_carlo.py``.
+Same chi-square and negative control as ``tests/spec/test_monte_carlo.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from osd.spec import step as step_module
 from osd.spec.loop import BatchedEngine
 from osd.spec.scheduler import BatchLimits
 from osd.testing import tiny_llama, with_lora_adapters
-from tests.osd.test_monte_carlo import (
+from tests.spec.test_batched_engine import CheapDraftCosts
+from tests.spec.test_monte_carlo import (
     LENGTH,
     NUM_SAMPLES,
     PROMPT,
@@ -24,7 +25,6 @@ from tests.osd.test_monte_carlo import (
     exact_sequence_probs,
     with_flattened_q,
 )
-from tests.spec.test_batched_engine import CheapDraftCosts
 
 NEIGHBOURS = [
     {"temperature": 0.5, "method": "block", "adapter": "a", "max_tokens": 7},

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from osd.models import CausalLM
-from osd.sampling import RowSampling, SamplingParams, logits_to_probs, rows_to_probs
 from osd.spec import rng
 from osd.spec.kv_cache import ForwardPlan, SlotKVCache, plan_forward
+from osd.spec.sampling import RowSampling, SamplingParams, logits_to_probs, rows_to_probs
 from osd.spec.scheduler import BatchLimits, num_to_admit
 from osd.testing import tiny_llama
 

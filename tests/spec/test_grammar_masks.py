@@ -1,11 +1,11 @@
 """Structured output keeps every method exact: the output follows the target's distribution
-restricted to the grammar and renormalised at each token (osd.grammar, osd.spec.grammar_masks).
+restricted to the grammar and renormalised at each token (osd.spec.grammar, osd.spec.grammar_masks).
 
 A regular expression whose next allowed tokens depend on the tokens before it (after ``c`` only
 ``a``; end-of-sequence only where the output is complete), on a 5-token vocabulary, so the
 masks of a drafted block differ position by position. The exact distribution of every output
 is enumerated from the target; the engine's samples must pass the chi-square of
-``tests/osd/test_monte_carlo.py`` for each method, alone and in a batch with other rows, and a
+``tests/spec/test_monte_carlo.py`` for each method, alone and in a batch with other rows, and a
 negative control (the verifier handed a q other than the masked one sampled from: uniform over
 the allowed tokens) must fail.
 """
@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from osd import SpeculativeDecoder
-from osd.sampling import SamplingParams, logits_to_probs
 from osd.spec import step as step_module
 from osd.spec.loop import BatchedEngine
+from osd.spec.sampling import SamplingParams, logits_to_probs
 from osd.spec.scheduler import BatchLimits
 from osd.testing import char_tokenizer, tiny_llama
-from tests.osd.test_monte_carlo import chi_square
+from tests.spec.test_monte_carlo import chi_square
 
 PATTERN = "[ab](ca|b)*"
 VOCAB = 5  # <pad> <eos> a b c
@@ -95,7 +95,7 @@ def sample_outputs(
 
 
 def alone(decoder):
-    from osd.engine import GenerationStream
+    from osd.spec.engine import GenerationStream
 
     return lambda requests: (GenerationStream(decoder, r).result() for r in requests)
 

@@ -17,7 +17,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from osd import SpeculativeDecoder
-from osd.generation import GenerationResult, TextAssembler
+from osd.spec.generation import GenerationResult, TextAssembler
 from serving.adapter_slots import peft_adapter_name
 from tests.reliability.conftest import Replica, running_replica, toy_config
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from osd import SpeculativeDecoder
-from osd.acceptance import AcceptanceEstimate, estimate_acceptance
+from osd.buffer.record import Record
+from osd.buffer.redis_server import LocalRedis, connect
 from osd.config import OSDConfig, load_config
-from osd.record import Record
-from osd.redis_server import LocalRedis, connect
+from osd.distill.acceptance import AcceptanceEstimate, estimate_acceptance
 from osd.testing import noisy_copy, tiny_llama
 from trainer.examples import collate
 

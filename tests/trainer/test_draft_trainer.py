@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from osd.acceptance import AcceptanceEstimate
-from osd.adapter_lora import install_adapter
-from osd.adapter_manifest import AdapterManifest
+from osd.adapters.lora import install_adapter
+from osd.adapters.manifest import AdapterManifest
 from osd.config import ModelConfig
+from osd.distill.acceptance import AcceptanceEstimate
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft
 from trainer.draft_trainer import DraftTrainer, peft_name

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from osd.record import Record
+from osd.buffer.record import Record
 from trainer.examples import (
     adapters_for,
     collate,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from osd.acceptance import AcceptanceEstimate
+from osd.distill.acceptance import AcceptanceEstimate
 from trainer.judge import balanced, judge, judge_domains
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from osd.record import Record
+from osd.buffer.record import Record
 from trainer.examples import Example
 from trainer.replay import AckTracker, AdapterData, DomainWindows
 

@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from osd.adapter_store import open_adapter_store
-from osd.redis_server import connect
+from osd.adapters import open_adapter_store
+from osd.buffer.redis_server import connect
 from tests.trainer.conftest import headroom_draft, push, toy_target, trainer_overrides
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +22,16 @@ REPO = Path(__file__).resolve().parents[2]
 def start_trainer(redis_url: str, overrides: list[str], *extra: str) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.Popen(
-        [sys.executable, "-m", "osd.cli", "train", "--redis-url", redis_url, *extra, *overrides],
+        [
+            sys.executable,
+            "-m",
+            "launcher.cli",
+            "train",
+            "--redis-url",
+            redis_url,
+            *extra,
+            *overrides,
+        ],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

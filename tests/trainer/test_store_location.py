@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
 from osd.config import load_config
 from serving.runtime import ReplicaRuntime
 from serving.watcher import AdapterWatcher

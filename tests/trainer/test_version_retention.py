@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from osd.adapter_lora import lora_state_dict
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
+from osd.adapters.lora import lora_state_dict
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, push
 from trainer.worker import TrainerWorker

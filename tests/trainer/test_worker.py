@@ -9,11 +9,11 @@ import uuid
 import pytest
 import torch
 
-from osd.adapter_lora import base_model_hash, install_adapter, lora_shapes, lora_state_dict
-from osd.adapter_manifest import BASE_VERSION
-from osd.adapter_store import open_adapter_store
+from osd.adapters import open_adapter_store
+from osd.adapters.lora import base_model_hash, install_adapter, lora_shapes, lora_state_dict
+from osd.adapters.manifest import BASE_VERSION
+from osd.buffer.redis_server import connect
 from osd.model_sources import attach_lora_adapters
-from osd.redis_server import connect
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
 from trainer.examples import is_held_out
 from trainer.worker import TrainerWorker

@@ -1,0 +1,256 @@
+"""The manifest of one adapter version, and the names, events and errors of the adapter store.
+
+docs/design.md, "Adapter version": name, version, base draft model id and hash, rank, target
+modules, sha256 of the weights, creation time and the acceptance estimate that justified it; here
+also lora_alpha (the scaling a replica needs to apply the weights), the weights' size (so a
+truncated file is named as such), the parent version and a format version.
+
+Pure: the standard library only. JSON in and out, unknown or missing keys rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = [
+    "BASE_VERSION",
+    "MANIFEST_FORMAT_VERSION",
+    "AdapterEvent",
+    "AdapterIntegrityError",
+    "AdapterManifest",
+    "AdapterNotFound",
+    "AdapterSpec",
+    "AdapterStoreError",
+    "AdapterStoreUnavailable",
+    "AdapterTooLarge",
+    "PublishConflict",
+    "check_adapter_name",
+    "check_version",
+]
+
+MANIFEST_FORMAT_VERSION = 1
+
+# What a pointer names after a rollback past the first published version: the base draft
+# itself (no LoRA weights). Never a stored version; stored versions start at 1.
+BASE_VERSION = 0
+
+# Safe as a directory name, a Redis key part (no ':') and a JSON string.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class AdapterStoreError(RuntimeError):
+    """Base of the adapter store's errors; also raised for backend I/O failures."""
+
+
+class AdapterStoreUnavailable(AdapterStoreError):
+    """The store could not be reached (Redis down, restarting or timing out). Nothing is known
+    about the outcome of a write that raised it: retry later, after re-reading `current`."""
+
+
+class PublishConflict(AdapterStoreError):
+    """The pointer did not name `expected` when it was to be moved: another publisher (or a
+    rollback) got there first. Re-read `current`, then decide whether to publish again."""
+
+    def __init__(self, name: str, expected: int | None, actual: int | None, new: int) -> None:
+        super().__init__(
+            f"adapter {name!r}: pointer names version {actual}, not the expected {expected}; "
+            f"version {new} was not made current"
+        )
+        self.name, self.expected, self.actual, self.new = name, expected, actual, new
+
+
+class AdapterNotFound(AdapterStoreError, LookupError):
+    """No complete version with that name and number exists."""
+
+
+class AdapterIntegrityError(AdapterStoreError, ValueError):
+    """Stored bytes or manifest fail a check: tampered, truncated, not safetensors, made for
+    another base model, or shaped for another LoRA layout."""
+
+
+class AdapterTooLarge(AdapterStoreError, ValueError):
+    """The adapter's weights are over the store's `max_bytes`."""
+
+
+def check_adapter_name(name: Any) -> None:
+    """Raises ValueError unless `name` is 1-64 of [A-Za-z0-9_.-], starting alphanumeric."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"adapter name must be 1-64 characters of [A-Za-z0-9_.-] starting with a letter or "
+            f"digit, got {name!r:.80}"
+        )
+
+
+def check_version(field: str, value: Any, *, base: bool = False) -> None:
+    """Raises ValueError unless `value` is an int >= 1 (or `BASE_VERSION`, with `base`)."""
+    least = BASE_VERSION if base else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{field} must be an int >= {least}, got {value!r:.80}")
+
+
+def _check_sha256(field: str, value: Any) -> None:
+    if not isinstance(value, str) or not _SHA256_RE.fullmatch(value):
+        raise ValueError(f"{field} must be 64 lowercase hex digits, got {value!r:.80}")
+
+
+def _check_number(field: str, value: Any, low: float, high: float = math.inf) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{field} must be a number, got {value!r:.80}")
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ValueError(f"{field} must be finite and in [{low}, {high}], got {value}")
+
+
+def _normalize_targets(value: Any) -> tuple[str, ...] | str:
+    """peft's target_modules: a collection of module names (sorted here) or one regex string."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("target_modules must not be empty")
+        return value
+    if (
+        isinstance(value, list | tuple | set | frozenset)
+        and value
+        and all(isinstance(v, str) and v for v in value)
+    ):
+        return tuple(sorted(set(value)))
+    raise ValueError(f"target_modules must be module names or a regex, got {value!r:.80}")
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """What a version's weights belong to; the same for every version of an adapter.
+
+    Attributes:
+        base_model_id: hub id or path of the base draft model (informative).
+        base_model_hash: `osd.adapters.lora.base_model_hash` of the base draft (checked on load).
+        rank: LoRA rank r.
+        lora_alpha: LoRA alpha (the update is scaled by lora_alpha / r).
+        target_modules: peft target modules, module names (sorted tuple) or one regex.
+    """
+
+    base_model_id: str
+    base_model_hash: str
+    rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.base_model_id, str) or not self.base_model_id.strip():
+            raise ValueError(f"base_model_id must be a non-empty str, got {self.base_model_id!r}")
+        if len(self.base_model_id) > 512 or not self.base_model_id.isprintable():
+            raise ValueError(
+                f"base_model_id must be printable and <= 512 chars, got {self.base_model_id!r:.80}"
+            )
+        _check_sha256("base_model_hash", self.base_model_hash)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"rank must be an int >= 1, got {self.rank!r}")
+        _check_number("lora_alpha", self.lora_alpha, low=1e-12)
+        object.__setattr__(self, "target_modules", _normalize_targets(self.target_modules))
+
+
+@dataclass(frozen=True)
+class AdapterManifest:
+    """The manifest of one immutable adapter version (fields as in the module docstring).
+
+    Attributes:
+        name: adapter name, e.g. "general" or a domain.
+        version: version number, >= 1, increasing in publish order.
+        base_model_id, base_model_hash, rank, lora_alpha, target_modules: see `AdapterSpec`.
+        weights_sha256: sha256 of the safetensors bytes, lowercase hex.
+        num_weight_bytes: length of the safetensors bytes.
+        created_at: publish time, Unix seconds.
+        acceptance_estimate: held-out acceptance estimate that justified it, or None.
+        parent_version: the version it was trained from / published over, or None.
+        format_version: manifest schema version.
+    """
+
+    name: str
+    version: int
+    base_model_id: str
+    base_model_hash: str
+    rank: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str
+    weights_sha256: str
+    num_weight_bytes: int
+    created_at: float
+    acceptance_estimate: float | None
+    parent_version: int | None
+    format_version: int = MANIFEST_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        check_adapter_name(self.name)
+        check_version("version", self.version)
+        spec = self.spec  # validates the fields shared with AdapterSpec
+        object.__setattr__(self, "target_modules", spec.target_modules)
+        _check_sha256("weights_sha256", self.weights_sha256)
+        check_version("num_weight_bytes", self.num_weight_bytes)
+        _check_number("created_at", self.created_at, low=0.0)
+        if self.acceptance_estimate is not None:
+            _check_number("acceptance_estimate", self.acceptance_estimate, low=0.0, high=1.0)
+        if self.parent_version is not None:
+            check_version("parent_version", self.parent_version)
+        if self.format_version != MANIFEST_FORMAT_VERSION:
+            raise ValueError(
+                f"manifest format_version {self.format_version!r} is not supported "
+                f"(this osd reads {MANIFEST_FORMAT_VERSION})"
+            )
+
+    @classmethod
+    def create(cls, *, name: str, version: int, spec: AdapterSpec, **rest: Any) -> AdapterManifest:
+        """A manifest from an `AdapterSpec` plus the per-version fields."""
+        return cls(name=name, version=version, **asdict(spec), **rest)
+
+    @property
+    def spec(self) -> AdapterSpec:
+        """The base-model and LoRA fields, as an `AdapterSpec`."""
+        return AdapterSpec(
+            base_model_id=self.base_model_id,
+            base_model_hash=self.base_model_hash,
+            rank=self.rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=self.target_modules,
+        )
+
+    @property
+    def ref(self) -> str:
+        """``name vN``, for messages."""
+        return f"{self.name} v{self.version}"
+
+    def to_json(self) -> bytes:
+        """UTF-8 JSON, keys sorted."""
+        data = asdict(self)
+        if isinstance(self.target_modules, tuple):
+            data["target_modules"] = list(self.target_modules)
+        return json.dumps(data, sort_keys=True, indent=1).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> AdapterManifest:
+        """Parses and validates a manifest.
+
+        Raises:
+            ValueError: not JSON, not an object, unknown or missing keys, or a bad value.
+        """
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"manifest is not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"manifest must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(data) - names), sorted(names - set(data))
+        if unknown or missing:
+            raise ValueError(f"manifest has unknown keys {unknown} and lacks keys {missing}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class AdapterEvent:
+    """A pointer move: adapter `name` now names `version` (None: no version)."""
+
+    name: str
+    version: int | None

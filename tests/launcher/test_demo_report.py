@@ -1,0 +1,124 @@
+"""The demo report's arithmetic on hand-made samples (no stack)."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.demo_job import describe_reference
+from launcher.demo_live import describe_chat, recent_by_domain
+from launcher.demo_report import chat_summary, domain_summary, reference_summary
+from launcher.demo_traffic import Sample, is_reference
+
+
+def sample(phase, tokens, seconds, *, reference=False, drafted=10, acceptance=0.5, mean_k=2.0):
+    """A finished request: ``tokens + 1`` tokens, the last ``tokens`` in ``seconds``."""
+    return Sample(
+        time=0.0,
+        domain=phase,
+        phase=phase,
+        acceptance=acceptance,
+        tokens=tokens + 1,
+        latency=seconds + 0.5,
+        decode_seconds=seconds,
+        adapter="general",
+        version=0,
+        status=200,
+        drafted=0 if reference else drafted,
+        mean_k=0.0 if reference else mean_k,
+        reference=reference,
+    )
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "every", "expected"),
+    [(2, 10, [18, 19, 38, 39]), (1, 4, [3, 7, 11, 15, 19, 23, 27, 31, 35, 39]), (4, 0, [])],
+)
+def test_reference_requests_come_in_windows_of_the_concurrency(concurrency, every, expected):
+    assert [i for i in range(40) if is_reference(i, concurrency, every)] == expected
+
+
+def test_reference_summary_compares_each_phase_with_its_own_reference_requests():
+    samples = [sample("sql", 10, 1.0) for _ in range(4)]  # 10 tok/s right after the shift
+    samples += [sample("sql", 30, 1.0, mean_k=4.0) for _ in range(4)]  # 30 tok/s at the end
+    samples += [sample("sql", 40, 2.0, reference=True), sample("sql", 20, 1.0, reference=True)]
+    samples += [sample("prose", 5, 1.0)]  # a phase without reference requests
+    summary = reference_summary(samples)
+    sql = summary["sql"]
+    assert sql["reference"] == pytest.approx(20.0) and sql["reference_requests"] == 2
+    assert sql["first_vs_reference"] == pytest.approx(0.5)
+    assert sql["last_vs_reference"] == pytest.approx(1.5)
+    assert sql["vs_reference"] == pytest.approx(1.0)
+    assert (sql["mean_k_first"], sql["mean_k_last"]) == (2.0, 4.0)
+    assert summary["prose"]["reference"] is None and summary["prose"]["vs_reference"] is None
+    assert "n/a" in describe_reference(summary["prose"])
+    assert "1.50x (k 4.00)" in describe_reference(sql)
+
+
+def test_acceptance_comes_from_requests_that_drafted():
+    samples = [sample("sql", 10, 1.0, acceptance=0.8) for _ in range(10)]
+    samples += [sample("sql", 10, 1.0, drafted=0, acceptance=0.0, mean_k=0.0) for _ in range(5)]
+    samples += [sample("sql", 10, 1.0, reference=True, acceptance=0.0)]
+    assert domain_summary(samples)["sql"]["final"] == pytest.approx(0.8)
+    recent = recent_by_domain(samples)["sql"]
+    assert recent["acceptance"] == pytest.approx(0.8) and recent["requests"] == 16
+    assert recent["mean_k"] == pytest.approx(2.0 * 10 / 15)
+
+
+def test_the_live_line_on_the_loop_names_problems_and_restarts():
+    from launcher.demo_live import describe_loop
+
+    health = {"status": "degraded", "problems": ["trainer: no heartbeat for 40 s"]}
+    supervision = {
+        "redis-server": {"state": "running", "restarts": 0, "last_exit": ""},
+        "trainer": {"state": "failed", "restarts": 5, "last_exit": "exit code 1"},
+    }
+    assert describe_loop(health, supervision) == (
+        "loop: degraded; trainer: no heartbeat for 40 s; trainer failed, restarted 5x "
+        "(last: exit code 1)"
+    )
+    assert describe_loop({"status": "ok", "problems": []}, {}) == "loop: ok"
+
+
+def chat(topic, acceptance, *, text_chars=5):
+    """A finished chat on ``topic`` (reported as the chat domain)."""
+    return Sample(
+        time=0.0,
+        domain="chat",
+        phase=topic,
+        acceptance=acceptance,
+        tokens=8,
+        latency=1.0,
+        adapter=topic,
+        version=0,
+        status=200,
+        drafted=10,
+        mean_k=2.0,
+        endpoint="chat",
+        topic=topic,
+        text_chars=text_chars,
+    )
+
+
+def test_chats_are_a_domain_of_their_own_with_acceptance_per_topic():
+    samples = [sample("sql", 10, 1.0, acceptance=0.9) for _ in range(10)]
+    samples += [chat("sql", 0.2) for _ in range(10)] + [chat("sql", 0.6) for _ in range(10)]
+    samples += [chat("math", 0.5, text_chars=0) for _ in range(3)]
+    domains = domain_summary(samples)
+    assert set(domains) == {"sql", "chat"} and domains["sql"]["final"] == pytest.approx(0.9)
+    assert domains["chat"]["requests"] == 23
+    summary = chat_summary(samples)
+    assert summary["requests"] == 23 and summary["empty_responses"] == 3
+    assert summary["topics"] == {"math": 3, "sql": 20}
+    assert set(summary["by_topic"]) == {"sql"}  # math: fewer than a window of chats
+    assert summary["by_topic"]["sql"]["low"] == pytest.approx(0.2)
+    assert summary["by_topic"]["sql"]["final"] == pytest.approx(0.6)
+    assert set(recent_by_domain(samples)) == {"sql", "chat"}
+    line = describe_chat(samples)
+    assert "23 (math 3, sql 20), 3 empty" in line and line.endswith("\n")
+    assert describe_chat(samples[:10]) == ""
+    assert chat_summary(samples[:10]) == {
+        "requests": 0,
+        "empty_responses": 0,
+        "topics": {},
+        "by_topic": {},
+    }
