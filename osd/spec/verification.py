@@ -54,11 +54,6 @@ class VerifyOutput:
     draft_index: torch.Tensor
 
 
-def _gather_token_probs(probs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """(..., V) probs and (...) ids -> (...) probability of each id."""
-    return probs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-
-
 def _rows(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """(B, N, V) and (B,) -> (B, V): row ``index[b]`` of each batch entry."""
     return probs[torch.arange(probs.shape[0], device=probs.device), index]
@@ -97,13 +92,57 @@ def _mask_ragged(
 
 
 def _check_shapes(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor):
-    batch, k = draft_ids.shape[:2]
-    if draft_probs.shape[:2] != (batch, k) or target_probs.shape[:2] != (batch, k + 1):
+    """Drafts (..., k), their q (..., k, V) and the target's p (..., k + 1, V) must line up."""
+    *lead, k = draft_ids.shape
+    if draft_probs.shape[:-1] != draft_ids.shape or target_probs.shape[:-1] != (*lead, k + 1):
         raise ValueError(
             f"shape mismatch: draft_ids {tuple(draft_ids.shape)}, draft_probs "
             f"{tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}; expected "
-            "(B, k), (B, k, V), (B, k + 1, V)"
+            "(..., k), (..., k, V), (..., k + 1, V)"
         )
+
+
+def _drafted_token_probs(
+    draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_i(x_i), q_i(x_i))``, each (B, k): what every single-draft verifier decides on."""
+    _check_shapes(draft_ids, draft_probs, target_probs)
+    index = draft_ids.unsqueeze(-1)  # (B, k, 1)
+    p_x = target_probs[:, : draft_ids.shape[1]].gather(-1, index).squeeze(-1)
+    return p_x, draft_probs.gather(-1, index).squeeze(-1)
+
+
+def _emit(
+    num_accepted: torch.Tensor,
+    next_probs: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+    draft_index: torch.Tensor,
+) -> VerifyOutput:
+    """Samples the recovered or bonus token from ``next_probs``: every verifier's last act."""
+    next_ids = sample_from_probs(next_probs, sample_uniforms)
+    return VerifyOutput(num_accepted, next_ids, next_probs, draft_index)
+
+
+def _recover_or_bonus(
+    num_accepted: torch.Tensor,
+    weight: torch.Tensor | float,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    sample_uniforms: torch.Tensor,
+) -> VerifyOutput:
+    """The tail token and block verification share, once ``tau`` tokens are kept.
+
+    ``tau < k``: ``y ~ normalize(max(w_tau p_{tau+1} - q_{tau+1}, 0))``; ``tau = k``:
+    ``y ~ p_{k+1}``. Token verification is the case ``w_tau = 1`` (docs/algorithms.md, "Block
+    verification"), and ``1.0 * p`` is ``p`` to the bit. ``num_accepted`` (B,) is tau,
+    ``weight`` (B, 1) ``w_tau`` or 1.0; the rest as in :func:`token_verify`.
+    """
+    k = draft_probs.shape[1]
+    p_next = _rows(target_probs, num_accepted)  # (B, V)
+    q_next = _rows(draft_probs, num_accepted.clamp(max=k - 1))  # (B, V)
+    residual = _normalize_or((weight * p_next - q_next).clamp_min(0), p_next)
+    next_probs = torch.where((num_accepted < k).unsqueeze(-1), residual, p_next)
+    return _emit(num_accepted, next_probs, sample_uniforms, torch.zeros_like(num_accepted))
 
 
 def token_acceptance_probs(
@@ -119,10 +158,7 @@ def token_acceptance_probs(
     Returns:
         (B, k) acceptance probability of each drafted token, given the ones before it.
     """
-    _check_shapes(draft_ids, draft_probs, target_probs)
-    k = draft_ids.shape[1]
-    p_x = _gather_token_probs(target_probs[:, :k], draft_ids)  # (B, k)
-    q_x = _gather_token_probs(draft_probs, draft_ids)  # (B, k)
+    p_x, q_x = _drafted_token_probs(draft_ids, draft_probs, target_probs)  # (B, k) each
     return torch.where(q_x > 0, (p_x / q_x.clamp_min(1e-30)).clamp(max=1.0), 1.0)
 
 
@@ -153,16 +189,7 @@ def token_verify(
     rejected = accept_uniforms >= accept_probs  # (B, k)
     k = draft_ids.shape[1]
     num_accepted = torch.where(rejected.any(dim=-1), rejected.int().argmax(dim=-1), k)  # (B,)
-    p_next = _rows(target_probs, num_accepted)  # (B, V)
-    q_next = _rows(draft_probs, num_accepted.clamp(max=k - 1))  # (B, V)
-    residual = _normalize_or((p_next - q_next).clamp_min(0), p_next)
-    next_probs = torch.where((num_accepted < k).unsqueeze(-1), residual, p_next)
-    return VerifyOutput(
-        num_accepted=num_accepted,
-        next_token_ids=sample_from_probs(next_probs, sample_uniforms),
-        next_token_probs=next_probs,
-        draft_index=torch.zeros_like(num_accepted),
-    )
+    return _recover_or_bonus(num_accepted, 1.0, draft_probs, target_probs, sample_uniforms)
 
 
 def block_acceptance_probs(
@@ -184,10 +211,8 @@ def block_acceptance_probs(
         probability of keeping exactly ``i`` tokens given that no longer prefix is kept
         (``tau`` = largest ``i`` with ``eta_i < h_i``).
     """
-    _check_shapes(draft_ids, draft_probs, target_probs)
+    p_x, q_x = _drafted_token_probs(draft_ids, draft_probs, target_probs)  # (B, k) each
     k = draft_ids.shape[1]
-    p_x = _gather_token_probs(target_probs[:, :k], draft_ids)  # (B, k)
-    q_x = _gather_token_probs(draft_probs, draft_ids)  # (B, k)
     log_ratio = torch.log(p_x) - torch.log(q_x)  # (B, k); -inf where p_x = 0
     if padded is not None:
         log_ratio = log_ratio.masked_fill(padded, 0.0)
@@ -225,21 +250,11 @@ def block_verify(
         draft_probs, accept_uniforms, num_draft_tokens
     )
     w, h = block_acceptance_probs(draft_ids, draft_probs, target_probs, padded)  # (B, k) each
-    batch, k = draft_ids.shape
-    lengths = torch.arange(1, k + 1, device=draft_ids.device)
+    lengths = torch.arange(1, draft_ids.shape[1] + 1, device=draft_ids.device)
     num_accepted = ((accept_uniforms < h) * lengths).amax(dim=-1)  # (B,) tau
     w_kept = torch.cat([torch.ones_like(w[:, :1]), w], dim=1)  # (B, k + 1), w_0 = 1
     weight = w_kept.gather(1, num_accepted.unsqueeze(1))  # (B, 1)
-    p_next = _rows(target_probs, num_accepted)  # (B, V)
-    q_next = _rows(draft_probs, num_accepted.clamp(max=k - 1))  # (B, V)
-    residual = _normalize_or((weight * p_next - q_next).clamp_min(0), p_next)
-    next_probs = torch.where((num_accepted < k).unsqueeze(-1), residual, p_next)
-    return VerifyOutput(
-        num_accepted=num_accepted,
-        next_token_ids=sample_from_probs(next_probs, sample_uniforms),
-        next_token_probs=next_probs,
-        draft_index=torch.zeros(batch, dtype=torch.int64, device=draft_ids.device),
-    )
+    return _recover_or_bonus(num_accepted, weight, draft_probs, target_probs, sample_uniforms)
 
 
 def _kseq_beta(target: torch.Tensor, draft: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
@@ -349,16 +364,8 @@ def spectr_verify(
         A :class:`VerifyOutput`; ``draft_index`` names a draft whose first ``num_accepted``
         tokens were kept (its target rows are the ones to log).
     """
+    _check_shapes(draft_ids, draft_probs, target_probs)
     batch, width, k = draft_ids.shape
-    if draft_probs.shape[:3] != (batch, width, k) or target_probs.shape[:3] != (
-        batch,
-        width,
-        k + 1,
-    ):
-        raise ValueError(
-            f"shape mismatch: draft_ids {tuple(draft_ids.shape)}, draft_probs "
-            f"{tuple(draft_probs.shape)}, target_probs {tuple(target_probs.shape)}"
-        )
     device = draft_ids.device
     alive = torch.ones(batch, width, dtype=torch.bool, device=device)
     if num_drafts is not None:
@@ -388,9 +395,4 @@ def spectr_verify(
     representative = alive.int().argmax(dim=-1)
     bonus = _rows(target_probs[:, :, k], representative)
     next_probs = torch.where(running.unsqueeze(-1), bonus, next_probs)
-    return VerifyOutput(
-        num_accepted=num_accepted,
-        next_token_ids=sample_from_probs(next_probs, sample_uniforms),
-        next_token_probs=next_probs,
-        draft_index=representative,
-    )
+    return _emit(num_accepted, next_probs, sample_uniforms, representative)

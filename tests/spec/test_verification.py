@@ -256,6 +256,25 @@ def test_block_accepts_at_least_as_many_as_token_on_same_inputs():
     assert block >= token - 0.02
 
 
+def test_block_with_one_token_and_spectr_with_one_draft_are_token_verification():
+    """k = 1: block's h_1 = w_1 = min(1, p/q) and its residual weight w_0 = 1; K = 1: rho* = 1.
+
+    Both then decide as token verification, the case the shared tail takes with weight one.
+    """
+    ids, q, p, gen = random_batch(4000, 1, 1, 5, seed=3)
+    q, p = q.double(), p.double()
+    uniforms = torch.rand(4000, 1, 1, generator=gen, dtype=torch.float64)
+    sample_u = torch.rand(4000, generator=gen, dtype=torch.float64)
+    token = token_verify(ids[:, 0], q[:, 0], p[:, 0], uniforms[:, 0], sample_u)
+    block = block_verify(ids[:, 0], q[:, 0], p[:, 0], uniforms[:, 0], sample_u)
+    tree = spectr_verify(ids, q, p, uniforms, sample_u)
+    assert token.num_accepted.sum() not in (0, 4000)  # both branches of the tail are taken
+    for other in (block, tree):
+        assert torch.equal(other.num_accepted, token.num_accepted)
+        torch.testing.assert_close(other.next_token_probs, token.next_token_probs)
+        assert torch.equal(other.next_token_ids, token.next_token_ids)
+
+
 def test_spectr_matches_stepwise_kseq_reference():
     torch.manual_seed(1)
     ids, q, p, gen = random_batch(64, 3, 3, 4, seed=1)
