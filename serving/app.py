@@ -13,10 +13,10 @@ from typing import Any
 
 from ray import serve
 
+from osd.adapters import adapter_store_location, open_adapter_store
 from osd.config import OSDConfig, config_from_dict, load_config
 from serving.api import create_api
-from serving.health import LoopHealth
-from serving.runtime import ReplicaRuntime
+from serving.replica import wire_replica
 
 __all__ = ["OSDReplica", "app_builder", "build_app"]
 
@@ -29,27 +29,16 @@ class OSDReplica:
 
     def __init__(self, config: dict[str, Any], redis_url: str = "") -> None:
         self.config: OSDConfig = config_from_dict(OSDConfig, config)
-        writer = None
+        writer, store = None, None
         url = redis_url or self.config.log.redis_url
         if self.config.log.enabled and url:
             from osd.buffer.writer import LogWriter
 
             writer = LogWriter.from_config(url, self.config.log)
-        self.runtime = ReplicaRuntime(self.config, log_writer=writer)
-        self.watcher = None
-        if url:
-            from serving.watcher import AdapterWatcher
-
-            self.watcher = AdapterWatcher.from_config(self.runtime, self.config, url)
-            self.watcher.start()
-        self.health = self.runtime.health = LoopHealth(
-            self.runtime,
-            redis_url=url,
-            store=self.watcher.store if self.watcher is not None else None,
-            stream=self.config.log.stream,
-            group=self.config.trainer.group,
-            refused=self.watcher.refused if self.watcher is not None else set,
-        ).start()
+        if url:  # where the trainer publishes (osd.adapters.adapter_store_location)
+            store = open_adapter_store(adapter_store_location(self.config, url))
+        self.replica = wire_replica(self.config, log_writer=writer, store=store, redis_url=url)
+        self.runtime, self.watcher = self.replica.runtime, self.replica.watcher
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_api(self.runtime)
@@ -60,14 +49,9 @@ class OSDReplica:
             raise RuntimeError("adapter watcher thread died")
 
     def __del__(self) -> None:
-        watcher, runtime = getattr(self, "watcher", None), getattr(self, "runtime", None)
-        health = getattr(self, "health", None)
-        if health is not None:
-            health.stop()
-        if watcher is not None:
-            watcher.stop()
-        if runtime is not None:
-            runtime.close()
+        replica = getattr(self, "replica", None)
+        if replica is not None:
+            replica.close()
 
 
 def build_app(config: OSDConfig, redis_url: str = "") -> Any:

@@ -24,6 +24,8 @@ from osd.adapters.store import AdapterStore, AdapterStoreError
 from osd.buffer.loop_status import read_beat, trainer_beat_key
 from osd.buffer.redis_server import connect, redact_url
 from osd.buffer.stream_info import read_group_info
+from serving.adapter_slots import AdapterSlots
+from serving.metrics import ReplicaMetrics
 
 __all__ = ["HealthLimits", "LoopHealth", "PARTS"]
 
@@ -57,7 +59,9 @@ class LoopHealth:
     """Probes the loop every ``interval_s`` and keeps the last report.
 
     Args:
-        runtime: the replica (its log writer, adapter slots, metrics).
+        slots: the replica's adapter slots (which versions it serves).
+        metrics: the replica's metrics (the probe sets its gauges).
+        log_writer: the replica's log writer (None: it does not log).
         redis_url: the Redis of the log stream ("" when there is none).
         store: the adapter store the replica follows (None: no store).
         stream, group: the log stream and the trainer's consumer group.
@@ -69,8 +73,10 @@ class LoopHealth:
 
     def __init__(
         self,
-        runtime: Any,
+        slots: AdapterSlots,
+        metrics: ReplicaMetrics,
         *,
+        log_writer: Any = None,
         redis_url: str = "",
         store: AdapterStore | None = None,
         stream: str = "osd:records",
@@ -80,7 +86,8 @@ class LoopHealth:
         interval_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.runtime, self.store, self.limits = runtime, store, limits or HealthLimits()
+        self.slots, self.metrics, self.log_writer = slots, metrics, log_writer
+        self.store, self.limits = store, limits or HealthLimits()
         self.redis_url, self.stream, self.group = redis_url, stream, group
         self.interval_s, self.clock, self._refused = interval_s, clock, refused
         self._client = connect(redis_url, socket_timeout_s=2.0) if redis_url else None
@@ -152,7 +159,7 @@ class LoopHealth:
         return ""
 
     def _log_buffer(self, now: float, unreachable: str) -> dict[str, Any]:
-        writer = self.runtime.log_writer
+        writer = self.log_writer
         if writer is None:
             return {"status": "off"}
         m = writer.metrics()
@@ -182,7 +189,7 @@ class LoopHealth:
         if unreachable and getattr(self.store, "url", None) == self.redis_url:
             return _broken(f"unreachable ({unreachable})")
         try:
-            pointers = {name: self.store.current(name) for name in self.runtime.slots.adapters}
+            pointers = {name: self.store.current(name) for name in self.slots.adapters}
         except AdapterStoreError as exc:
             return _broken(f"unreachable ({exc})")
         return {"status": "ok", "published": pointers}
@@ -233,7 +240,7 @@ class LoopHealth:
         published = store.get("published")
         if published is None:
             return {"status": "off" if store["status"] == "off" else "ok"}
-        slots, refused, behind = self.runtime.slots, self._refused(), {}
+        slots, refused, behind = self.slots, self._refused(), {}
         for name, version in published.items():
             serving = slots.current(name)
             if version is None or version == serving:
@@ -260,7 +267,7 @@ class LoopHealth:
         return _graded(check)
 
     def _export(self, checks: dict[str, dict[str, Any]]) -> None:
-        m = self.runtime.metrics
+        m = self.metrics
         for part, check in checks.items():
             m.loop_part_ok.labels(part).set(0 if check["status"] == "degraded" else 1)
         trainer = checks["trainer"]
@@ -273,7 +280,7 @@ class LoopHealth:
             value = trainer.get(key)
             gauge.set(float("nan") if value is None else value)
         behind = checks["adapters"].get("behind", {})
-        for name in self.runtime.slots.adapters:
+        for name in self.slots.adapters:
             m.adapter_behind.labels(name).set(1 if name in behind else 0)
 
 

@@ -150,6 +150,16 @@ class ReplicaMetrics:
             for position in range(1, accepted + 1):
                 self.accepted_at.labels(adapter, str(position)).inc()
 
+    def adapter_swapped(self, adapter: str) -> None:
+        self.swaps.labels(adapter).inc()
+
+    def adapter_rolled_back(self, adapter: str) -> None:
+        self.rollbacks.labels(adapter).inc()
+
+    def adapter_refused(self, adapter: str, reason: str) -> None:
+        """A version the loader refused; `reason` says why (serving.watcher.refusal_reason)."""
+        self.refused.labels(adapter, reason).inc()
+
     def observe_writer(self, counts: Any) -> None:
         """The log writer's counters (a ``WriterMetrics``), read at scrape time."""
         self.log_written.set(counts.written)

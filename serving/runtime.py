@@ -23,16 +23,14 @@ from typing import Any
 
 from osd.config import OSDConfig
 from osd.errors import ParamError
-from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.spec.choices import choice_requests
 from osd.spec.engine import SpeculativeDecoder
 from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.grammar import Grammar
 from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
-from osd.spec.scheduler import BatchLimits
-from osd.threads import threads_for
-from serving.adapter_slots import AdapterLease, AdapterSlots, peft_adapter_name
+from serving.adapter_slots import AdapterLease, AdapterSlots
 from serving.jobs import Job, stream_choices
+from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
 from serving.router import AdapterRouter
@@ -46,45 +44,29 @@ logger = logging.getLogger(__name__)
 class ReplicaRuntime:
     """Everything a replica needs to serve; independent of Ray and HTTP (tested without)."""
 
-    def __init__(self, config: OSDConfig, *, log_writer: Any = None) -> None:
-        self.config = config
-        target, draft, tokenizer = load_model_pair(config.model)
-        adapters = list(config.model.adapters)
-        draft = attach_lora_adapters(
-            draft, config.model, [peft_adapter_name(a, 0) for a in adapters]
-        )
-        spec = config.spec
-        self.engine = SpeculativeDecoder(
-            target,
-            draft,
-            tokenizer,
-            log_top_m=spec.log_top_m,
-            adaptive_threshold=spec.adaptive_threshold,
-            max_spec_tokens=spec.max_spec_tokens,
-        )
-        self.slots = AdapterSlots(draft, adapters)
-        self.engine.draft.guard = self.slots.model_lock.reading
-        serve = config.serve
-        # The decode loop's threads: this replica's share of the cores it may use (osd.threads).
-        self.threads = threads_for("replica", serve.torch_threads)
-        logger.info(self.threads.describe())
-        self.batch = BatchedEngine(
-            self.engine,
-            BatchLimits(
-                max_num_seqs=serve.max_num_seqs,
-                max_num_batched_tokens=serve.max_num_batched_tokens,
-                kv_slots=serve.kv_slots,
-                max_model_len=serve.max_model_len,
-                max_waiting=serve.max_ongoing_requests,
-            ),
-            num_threads=self.threads.num_threads,
-        )
-        self.router = AdapterRouter(adapters, general=adapters[0])
-        self.metrics = ReplicaMetrics()
-        self.log_writer = log_writer
-        self.monitor: Any = None  # set by the adapter watcher: observe(adapter, version, acc)
-        self.adapter_events: deque[dict[str, Any]] = deque(maxlen=100)  # swaps, rollbacks...
-        self.health: Any = None  # set by the replica's wiring: serving.health.LoopHealth
+    def __init__(
+        self,
+        config: OSDConfig,
+        engine: SpeculativeDecoder,
+        batch: BatchedEngine,
+        slots: AdapterSlots,
+        router: AdapterRouter,
+        metrics: ReplicaMetrics,
+        *,
+        log_writer: Any = None,
+        monitor: LiveMonitor | None = None,
+        events: deque[dict[str, Any]] | None = None,
+        health: Any = None,
+    ) -> None:
+        """The replica's parts, built and wired by :mod:`serving.replica`: the engine and the
+        batched loop that decodes with it, the draft's adapter slots, the router, metrics, the
+        log writer (None: no logging), the live monitor the watcher rolls back by (None: no
+        watcher), the recent adapter events the watcher appends to, and the loop health probe
+        (``serving.health.LoopHealth``; None: report ok)."""
+        self.config, self.engine, self.batch = config, engine, batch
+        self.slots, self.router, self.metrics = slots, router, metrics
+        self.log_writer, self.monitor, self.health = log_writer, monitor, health
+        self.adapter_events = events if events is not None else deque(maxlen=100)
         limit = config.serve.max_ongoing_requests
         # Threads that wait on rows' outputs (the decoding happens in the batch loop): a
         # streamed request takes one per choice (the pool starts them only when needed).

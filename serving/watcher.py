@@ -17,10 +17,9 @@ import functools
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from typing import Any
 
-from osd.adapters import adapter_store_location, open_adapter_store
 from osd.adapters.lora import base_model_hash, install_adapter, lora_shapes
 from osd.adapters.manifest import (
     BASE_VERSION,
@@ -31,12 +30,12 @@ from osd.adapters.manifest import (
 )
 from osd.adapters.retention import make_replica_id
 from osd.adapters.store import AdapterStore
-from osd.config import OSDConfig
 from osd.spec.loop import single_threaded_torch
-from serving.adapter_slots import peft_adapter_name
-from serving.runtime import ReplicaRuntime
+from serving.adapter_slots import AdapterSlots, peft_adapter_name
+from serving.live_monitor import LiveMonitor
+from serving.metrics import ReplicaMetrics
 
-__all__ = ["AdapterWatcher", "LiveMonitor", "refusal_reason"]
+__all__ = ["AdapterWatcher", "refusal_reason"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,84 +44,15 @@ logger = logging.getLogger(__name__)
 HELD_TTL_INTERVALS = 10
 HELD_TTL_MIN_S = 10.0
 
-# What a refused version's error says -> the `reason` label of osd_adapter_refusals_total, so an
-# operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
-# model, LoRA layout). The phrases are those of osd.adapters.lora and osd.adapters.store.
-_REFUSAL_REASONS = (
-    ("sha256", "sha256_mismatch"),
-    ("truncated", "size_mismatch"),
-    ("too long", "size_mismatch"),
-    ("safetensors", "not_safetensors"),
-    ("base model", "base_model_mismatch"),
-    ("LoRA layout", "shape_mismatch"),
-    ("has shape", "shape_mismatch"),
-    ("NaN or infinite", "non_finite"),
-    ("bad manifest", "bad_manifest"),
-)
-
 
 def refusal_reason(exc: Exception) -> str:
-    """A short label for why a version was refused; the exception's type name if unknown."""
-    message = str(exc)
-    for phrase, reason in _REFUSAL_REASONS:
-        if phrase in message:
-            return reason
-    return type(exc).__name__
+    """The `reason` label of osd_adapter_refusals_total: what the store's check found
+    (`osd.adapters.manifest.RefusalReason`), or the exception's type name for anything else."""
+    return str(getattr(exc, "reason", None) or type(exc).__name__)
 
 
 def _base_draft_stays_loaded(model: Any, peft_name: str) -> None:
     raise RuntimeError(f"{peft_name} (the base draft) should never have been unloaded")
-
-
-class LiveMonitor:
-    """Acceptance per (adapter, version) over the last ``window`` drafted tokens.
-
-    A version is worse than its predecessor when its rate is lower by more than ``margin`` *and*
-    by more than ``z`` standard errors of the difference. Acceptance varies a lot from one
-    prompt to the next, so without the second test a window of a few requests rolls back good
-    versions on noise (seen in the demo: versions the judge found better were rolled back after
-    5 requests). The standard error is the ratio estimator's: with per-request rates ``r_i``
-    over ``d_i`` drafted tokens, ``var = n / (n - 1) * sum d_i^2 (r_i - r)^2 / (sum d_i)^2``. Keep
-    the window at a few dozen requests (``adapters.rollback_window``, drafted tokens): with only
-    a few the estimate of the error is itself noisy.
-    """
-
-    def __init__(self, window: int, margin: float, z: float = 2.0) -> None:
-        self.window, self.margin, self.z = window, margin, z
-        self._requests: dict[tuple[str, int], deque[tuple[int, int]]] = defaultdict(deque)
-        self._lock = threading.Lock()
-
-    def observe(self, adapter: str, version: int, accepted: int, drafted: int) -> None:
-        with self._lock:
-            history = self._requests[(adapter, version)]
-            history.append((accepted, drafted))
-            while sum(d for _, d in history) - history[0][1] >= self.window:
-                history.popleft()
-
-    def _stats(self, adapter: str, version: int) -> tuple[float, float] | None:
-        """(rate, variance of the rate) over the window, or None until a full window was seen."""
-        with self._lock:
-            history = [(a, d) for a, d in self._requests.get((adapter, version), ()) if d]
-        drafted = sum(d for _, d in history)
-        if drafted < self.window:
-            return None
-        rate = sum(a for a, _ in history) / drafted
-        variance = sum((a - rate * d) ** 2 for a, d in history) / drafted**2
-        if len(history) > 1:  # Bessel's correction; one request alone leaves the margin rule
-            variance *= len(history) / (len(history) - 1)
-        return rate, variance
-
-    def rate(self, adapter: str, version: int) -> float | None:
-        """Acceptance over the window, or None until a full window was seen."""
-        stats = self._stats(adapter, version)
-        return None if stats is None else stats[0]
-
-    def is_worse(self, adapter: str, version: int, predecessor: int) -> bool:
-        new, old = self._stats(adapter, version), self._stats(adapter, predecessor)
-        if new is None or old is None:
-            return False
-        gap = old[0] - new[0]
-        return gap > self.margin and gap > self.z * (new[1] + old[1]) ** 0.5
 
 
 class AdapterWatcher:
@@ -130,43 +60,30 @@ class AdapterWatcher:
 
     def __init__(
         self,
-        runtime: ReplicaRuntime,
+        slots: AdapterSlots,
         store: AdapterStore,
         *,
+        monitor: LiveMonitor,
+        metrics: ReplicaMetrics,
+        events: deque[dict[str, Any]],
         reconcile_interval_s: float = 1.0,
-        window: int = 64,
-        margin: float = 0.05,
         replica_id: str | None = None,
     ) -> None:
-        self.runtime, self.store = runtime, store
+        """Keeps `slots` at `store`'s versions; rolls back what `monitor` finds worse, counts
+        swaps, rollbacks and refusals in `metrics` and appends each to `events` (the replica's
+        recent adapter events, shown by /health)."""
+        self.slots, self.store, self.monitor = slots, store, monitor
+        self.metrics, self.events = metrics, events
         self.interval = reconcile_interval_s
         self.replica_id = replica_id or make_replica_id()
-        self.monitor = LiveMonitor(window, margin)
-        runtime.monitor = self.monitor
-        self.base_hash = base_model_hash(runtime.slots.model)
+        self.base_hash = base_model_hash(slots.model)
         # The layout every version must have, read before version 0 may be unloaded.
         self.shapes = {
-            name: lora_shapes(runtime.slots.model, peft_adapter_name(name, 0))
-            for name in runtime.slots.adapters
+            name: lora_shapes(slots.model, peft_adapter_name(name, 0)) for name in slots.adapters
         }
         self._refused: set[tuple[str, int]] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adapter-watcher", daemon=True)
-
-    @classmethod
-    def from_config(
-        cls, runtime: ReplicaRuntime, config: OSDConfig, redis_url: str
-    ) -> AdapterWatcher:
-        """The watcher of the store `config.adapters` names, where the trainer publishes
-        (:func:`osd.adapters.adapter_store_location`)."""
-        a = config.adapters
-        return cls(
-            runtime,
-            open_adapter_store(adapter_store_location(config, redis_url)),
-            reconcile_interval_s=a.reconcile_interval_s,
-            window=a.rollback_window,
-            margin=a.rollback_margin,
-        )
 
     @property
     def alive(self) -> bool:
@@ -185,7 +102,7 @@ class AdapterWatcher:
 
     def reconcile(self) -> None:
         """Brings every adapter to the version its pointer names."""
-        for adapter in self.runtime.slots.adapters:
+        for adapter in self.slots.adapters:
             try:
                 version = self.store.current(adapter)
             except AdapterStoreError as exc:
@@ -197,7 +114,7 @@ class AdapterWatcher:
 
     def report_held(self) -> None:
         """Tells the store which versions this replica holds, so they are not deleted."""
-        slots = self.runtime.slots
+        slots = self.slots
         held = {
             name: [v for v in (slots.current(name), slots.previous(name)) if v]
             for name in slots.adapters
@@ -209,7 +126,7 @@ class AdapterWatcher:
             logger.warning("cannot report held versions: %s", exc)
 
     def handle(self, event: AdapterEvent) -> None:
-        slots, name, version = self.runtime.slots, event.name, event.version
+        slots, name, version = self.slots, event.name, event.version
         if name not in slots.adapters or version is None or version == slots.current(name):
             return
         if (name, version) in self._refused:
@@ -231,17 +148,17 @@ class AdapterWatcher:
             return
         except (AdapterStoreError, ValueError, OSError) as exc:
             self._refused.add((name, version))
-            self.runtime.metrics.refused.labels(name, refusal_reason(exc)).inc()
+            self.metrics.adapter_refused(name, refusal_reason(exc))
             self._report("refused", name, version, reason=str(exc))
             return
-        self.runtime.metrics.swaps.labels(name).inc()
+        self.metrics.adapter_swapped(name)
         self._report("swap", name, version)
 
     def _unproven(self, name: str) -> bool:
         """Whether the current version never served a full window while its predecessor did:
         it is replaced before it could be judged, so the predecessor stays the baseline (else a
         quick succession of versions would never be compared with anything)."""
-        slots = self.runtime.slots
+        slots = self.slots
         previous = slots.previous(name)
         return (
             previous is not None
@@ -251,7 +168,7 @@ class AdapterWatcher:
 
     def check_rollbacks(self) -> None:
         """Rolls back a current version whose live acceptance is worse than its predecessor's."""
-        slots = self.runtime.slots
+        slots = self.slots
         for name in slots.adapters:
             current, previous = slots.current(name), slots.previous(name)
             if previous is None or not self.monitor.is_worse(name, current, previous):
@@ -265,7 +182,7 @@ class AdapterWatcher:
             if current != BASE_VERSION:  # the base draft is never refused
                 self._refused.add((name, current))
             slots.roll_back(name, previous)
-            self.runtime.metrics.rollbacks.labels(name).inc()
+            self.metrics.adapter_rolled_back(name)
             self._report(
                 "rollback",
                 name,
@@ -277,7 +194,7 @@ class AdapterWatcher:
 
     def _report(self, kind: str, name: str, version: int, **details: Any) -> None:
         event = {"event": kind, "adapter": name, "version": version, "time": time.time(), **details}
-        self.runtime.adapter_events.append(event)
+        self.events.append(event)
         logger.info("adapter %s", event)
 
     def _run(self) -> None:

@@ -74,24 +74,27 @@ def _is_base_copy(key: str) -> bool:
 
 def _check_tensors(weights: Mapping[str, Tensor], rank: int) -> None:
     if not weights:
-        raise AdapterIntegrityError("adapter has no tensors")
+        raise AdapterIntegrityError("adapter has no tensors", "not_lora")
     num_lora = 0
     for key, tensor in weights.items():
         if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
             kind = getattr(tensor, "dtype", type(tensor).__name__)
-            raise AdapterIntegrityError(f"tensor {key!r} must be a floating tensor, got {kind}")
+            raise AdapterIntegrityError(
+                f"tensor {key!r} must be a floating tensor, got {kind}", "not_lora"
+            )
         if not bool(torch.isfinite(tensor).all()):
-            raise AdapterIntegrityError(f"tensor {key!r} has NaN or infinite values")
+            raise AdapterIntegrityError(f"tensor {key!r} has NaN or infinite values", "non_finite")
         dim = _lora_rank_dim(key)
         if dim is None:
             continue
         num_lora += 1
         if tensor.dim() != 2 or tensor.shape[dim] != rank:
             raise AdapterIntegrityError(
-                f"tensor {key!r} has shape {tuple(tensor.shape)}, not that of a rank-{rank} LoRA"
+                f"tensor {key!r} has shape {tuple(tensor.shape)}, not that of a rank-{rank} LoRA",
+                "shape_mismatch",
             )
     if num_lora == 0:
-        raise AdapterIntegrityError(f"no LoRA A/B tensors among {sorted(weights)[:4]}")
+        raise AdapterIntegrityError(f"no LoRA A/B tensors among {sorted(weights)[:4]}", "not_lora")
 
 
 def check_lora_shapes(
@@ -107,12 +110,14 @@ def check_lora_shapes(
     if missing or unexpected:
         raise AdapterIntegrityError(
             f"adapter does not fit the expected LoRA layout: missing {missing[:3]} "
-            f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})"
+            f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})",
+            "shape_mismatch",
         )
     for key, shape in expected_shapes.items():
         if tuple(weights[key].shape) != tuple(shape):
             raise AdapterIntegrityError(
-                f"tensor {key!r} has shape {tuple(weights[key].shape)}, expected {tuple(shape)}"
+                f"tensor {key!r} has shape {tuple(weights[key].shape)}, expected {tuple(shape)}",
+                "shape_mismatch",
             )
 
 
@@ -128,12 +133,15 @@ def _check_safetensors_frame(payload: bytes) -> None:
     """Refuses bytes that cannot be safetensors before the parser sees them (a pickle starts
     with 0x80, a safetensors file with an 8-byte header length and then '{')."""
     if len(payload) < 9:
-        raise AdapterIntegrityError(f"weights are not a safetensors file ({len(payload)} bytes)")
+        raise AdapterIntegrityError(
+            f"weights are not a safetensors file ({len(payload)} bytes)", "not_safetensors"
+        )
     (header_len,) = struct.unpack("<Q", payload[:8])
     if header_len > min(len(payload) - 8, _MAX_HEADER_BYTES) or payload[8:9] != b"{":
         raise AdapterIntegrityError(
             f"weights are not a safetensors file (starts with {payload[:12]!r}); refusing to "
-            "load them (pickled weights are never accepted)"
+            "load them (pickled weights are never accepted)",
+            "not_safetensors",
         )
 
 
@@ -152,19 +160,21 @@ def decode_weights(
         what = "truncated" if len(payload) < manifest.num_weight_bytes else "too long"
         raise AdapterIntegrityError(
             f"{manifest.ref}: weights {what}: {len(payload)} bytes, manifest says "
-            f"{manifest.num_weight_bytes}"
+            f"{manifest.num_weight_bytes}",
+            "size_mismatch",
         )
     digest = hashlib.sha256(payload).hexdigest()
     if digest != manifest.weights_sha256:
         raise AdapterIntegrityError(
-            f"{manifest.ref}: weights sha256 {digest} != manifest's {manifest.weights_sha256}"
+            f"{manifest.ref}: weights sha256 {digest} != manifest's {manifest.weights_sha256}",
+            "sha256_mismatch",
         )
     _check_safetensors_frame(payload)
     try:
         weights = safetensors.torch.load(payload)
     except Exception as exc:  # the parser's own error type is not part of its API
         raise AdapterIntegrityError(
-            f"{manifest.ref}: weights are not valid safetensors: {exc}"
+            f"{manifest.ref}: weights are not valid safetensors: {exc}", "not_safetensors"
         ) from exc
     _check_tensors(weights, manifest.rank)
     weights = {k: v for k, v in weights.items() if not _is_base_copy(k)}
@@ -303,7 +313,9 @@ def install_adapter(
     if not adapter_name or "." in adapter_name:
         raise ValueError(f"peft adapter names must be non-empty without '.', got {adapter_name!r}")
     if base_model_hash(peft_model) != manifest.base_model_hash:
-        raise AdapterIntegrityError(f"{manifest.ref} was trained on another base model")
+        raise AdapterIntegrityError(
+            f"{manifest.ref} was trained on another base model", "base_model_mismatch"
+        )
     targets = manifest.target_modules
     # peft annotates lora_alpha as int but computes lora_alpha / r; keep integral values ints.
     alpha: Any = (
@@ -322,7 +334,7 @@ def install_adapter(
         result = set_peft_model_state_dict(peft_model, dict(weights), adapter_name=adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []))
         if unexpected:
-            raise AdapterIntegrityError(f"peft did not use keys {unexpected[:3]}")
+            raise AdapterIntegrityError(f"peft did not use keys {unexpected[:3]}", "shape_mismatch")
     except BaseException:
         peft_model.delete_adapter(adapter_name)
         raise

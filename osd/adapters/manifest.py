@@ -14,7 +14,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "BASE_VERSION",
@@ -28,6 +28,7 @@ __all__ = [
     "AdapterStoreUnavailable",
     "AdapterTooLarge",
     "PublishConflict",
+    "RefusalReason",
     "check_adapter_name",
     "check_version",
 ]
@@ -68,13 +69,36 @@ class AdapterNotFound(AdapterStoreError, LookupError):
     """No complete version with that name and number exists."""
 
 
+# Why a version fails a check, as data (the `reason` of osd_adapter_refusals_total), so an
+# operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
+# model, LoRA layout) without anyone parsing messages.
+RefusalReason = Literal[
+    "sha256_mismatch",
+    "size_mismatch",
+    "not_safetensors",
+    "non_finite",
+    "not_lora",
+    "base_model_mismatch",
+    "shape_mismatch",
+    "bad_manifest",
+    "weights_missing",
+    "too_large",
+]
+
+
 class AdapterIntegrityError(AdapterStoreError, ValueError):
     """Stored bytes or manifest fail a check: tampered, truncated, not safetensors, made for
-    another base model, or shaped for another LoRA layout."""
+    another base model, or shaped for another LoRA layout; ``reason`` says which."""
+
+    def __init__(self, message: str, reason: RefusalReason) -> None:
+        super().__init__(message)
+        self.reason: RefusalReason = reason
 
 
 class AdapterTooLarge(AdapterStoreError, ValueError):
     """The adapter's weights are over the store's `max_bytes`."""
+
+    reason: RefusalReason = "too_large"
 
 
 def check_adapter_name(name: Any) -> None:

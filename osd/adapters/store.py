@@ -225,10 +225,13 @@ class AdapterStore(abc.ABC):
         try:
             manifest = AdapterManifest.from_json(raw)
         except ValueError as exc:
-            raise AdapterIntegrityError(f"{name} v{version}: bad manifest: {exc}") from exc
+            raise AdapterIntegrityError(
+                f"{name} v{version}: bad manifest: {exc}", "bad_manifest"
+            ) from exc
         if (manifest.name, manifest.version) != (name, version):
             raise AdapterIntegrityError(
-                f"{name} v{version}: the manifest stored there describes {manifest.ref}"
+                f"{name} v{version}: the manifest stored there describes {manifest.ref}",
+                "bad_manifest",
             )
         return manifest
 
@@ -261,7 +264,8 @@ class AdapterStore(abc.ABC):
         ):
             raise AdapterIntegrityError(
                 f"{manifest.ref} was trained on base model {manifest.base_model_id!r} with hash "
-                f"{manifest.base_model_hash}, not this base model ({expected_base_model_hash})"
+                f"{manifest.base_model_hash}, not this base model ({expected_base_model_hash})",
+                "base_model_mismatch",
             )
         if manifest.num_weight_bytes > self.max_bytes:
             raise AdapterTooLarge(
@@ -272,7 +276,9 @@ class AdapterStore(abc.ABC):
         if payload is None:
             if self._read_manifest(name, version) is None:  # deleted meanwhile
                 raise AdapterNotFound(f"adapter {name!r} has no version {version} any more")
-            raise AdapterIntegrityError(f"{manifest.ref}: manifest present but weights missing")
+            raise AdapterIntegrityError(
+                f"{manifest.ref}: manifest present but weights missing", "weights_missing"
+            )
         return manifest, decode_weights(manifest, payload, expected_shapes)
 
     def rollback(self, name: str, to_version: int, *, expected_current: int | None) -> None:

@@ -11,9 +11,11 @@ separate and seeded per request. Papers: Leviathan et al. 2023 (arXiv 2211.17192
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal, TypedDict, Unpack
 
 import torch
@@ -90,14 +92,17 @@ class SpeculativeDecoder:
         log_top_m: int = 32,
         adaptive_threshold: float = 0.0,
         max_spec_tokens: int = 8,
+        draft_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
+        """``draft_guard`` is entered around every draft forward: a server that adds and removes
+        LoRA adapters while decoding passes its adapters' read lock (serving.adapter_slots)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
         draft_model = load_causal_lm(draft, device=device, dtype=dtype)
         vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
         self.target = CausalLM(target_model, vocab_size)
-        self.draft = CausalLM(draft_model, vocab_size)
+        self.draft = CausalLM(draft_model, vocab_size, guard=draft_guard)
         if self.draft.device != self.target.device:
             raise ValueError(
                 f"target is on {self.target.device} but draft on {self.draft.device}; "

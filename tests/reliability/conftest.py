@@ -1,10 +1,11 @@
 """Fixtures for the reliability tests: toy replicas, real redis-servers, and helpers to read them.
 
 Most tests drive a Ray-free replica: a `ReplicaRuntime` with its FastAPI app behind Starlette's
-`TestClient`, plus the same `LogWriter` and `AdapterWatcher` the Ray Serve replica builds
-(`serving.app.OSDReplica`). Only the tests about Ray Serve itself start the Serve app, once per
-module. Faults are real: redis-server processes are SIGKILLed and restarted, stored bytes are
-edited in Redis or on disk, replica processes are SIGKILLed.
+`TestClient`, wired with its `LogWriter`, `AdapterWatcher` and loop health probe by the same
+`serving.replica.wire_replica` the Ray Serve replica uses (`serving.app.OSDReplica`). Only the tests
+about Ray Serve itself start the Serve app, once per module. Faults are real: redis-server processes
+are SIGKILLed and restarted, stored bytes are edited in Redis or on disk, replica processes are
+SIGKILLed.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from osd.buffer.redis_server import LocalRedis
 from osd.buffer.writer import LogWriter
 from osd.config import OSDConfig, load_config
 from serving.api import create_api
-from serving.health import HealthLimits, LoopHealth
+from serving.health import HealthLimits
+from serving.replica import wire_replica
 from serving.runtime import ReplicaRuntime
 from serving.watcher import AdapterWatcher
 
@@ -147,38 +149,28 @@ def running_replica(
     health_limits: HealthLimits | None = None,
     health_interval_s: float = 0.5,
 ) -> Iterator[Replica]:
-    """A replica wired as `serving.app.OSDReplica` wires one: a log writer on `redis_url` (if
-    given), an adapter watcher on `store` (if given, its live monitor judging versions over
-    `rollback_window` drafted tokens), started before the first request, and its loop health
-    probe."""
+    """A replica wired as `serving.app.OSDReplica` wires one (`wire_replica`): a log writer on
+    `redis_url` (if given), an adapter watcher on `store` (if given, its live monitor judging
+    versions over `rollback_window` drafted tokens), started before the first request, and its
+    loop health probe."""
     writer = None
     if redis_url is not None:
         writer = LogWriter.from_config(redis_url, config.log)
-    runtime = ReplicaRuntime(config, log_writer=writer)
-    watcher = None
-    if store is not None:
-        watcher = AdapterWatcher(
-            runtime, store, reconcile_interval_s=reconcile_interval_s, window=rollback_window
-        )
-        watcher.start()
-    health = runtime.health = LoopHealth(
-        runtime,
-        redis_url=redis_url or "",
+    replica = wire_replica(
+        config,
+        log_writer=writer,
         store=store,
-        stream=config.log.stream,
-        group=config.trainer.group,
-        refused=watcher.refused if watcher is not None else set,
-        limits=health_limits,
-        interval_s=health_interval_s,
-    ).start()
+        redis_url=redis_url or "",
+        reconcile_interval_s=reconcile_interval_s,
+        rollback_window=rollback_window,
+        health_limits=health_limits,
+        health_interval_s=health_interval_s,
+    )
     try:
-        with TestClient(create_api(runtime), raise_server_exceptions=False) as client:
-            yield Replica(runtime, client, writer, watcher)
+        with TestClient(create_api(replica.runtime), raise_server_exceptions=False) as client:
+            yield Replica(replica.runtime, client, writer, replica.watcher)
     finally:
-        health.stop()
-        if watcher is not None:
-            watcher.stop()
-        runtime.close()
+        replica.close()
 
 
 def replica_adapter(model: Any, adapter: str = "general") -> tuple[Any, dict[str, Any]]:

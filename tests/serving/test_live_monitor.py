@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from serving.watcher import LiveMonitor
+from serving.live_monitor import LiveMonitor
 
 
 def feed(monitor: LiveMonitor, version: int, rates: list[float], drafted: int = 48) -> None:

@@ -8,10 +8,9 @@ import uuid
 
 import pytest
 
-from osd.adapters import open_adapter_store
+from osd.adapters import adapter_store_location, open_adapter_store
 from osd.config import load_config
-from serving.runtime import ReplicaRuntime
-from serving.watcher import AdapterWatcher
+from serving.replica import wire_replica
 from trainer.worker import TrainerWorker
 
 
@@ -44,11 +43,12 @@ def test_a_version_the_trainer_publishes_is_loaded_by_a_replica_of_the_same_conf
     where = tmp_path / (root or "run/adapters")
     assert open_adapter_store(where).current("general") == manifest.version
 
-    runtime = ReplicaRuntime(config)
+    # The replica opens the store as serving.app.OSDReplica does.
+    replica = wire_replica(
+        config, store=open_adapter_store(adapter_store_location(config, redis_url))
+    )
     try:
-        watcher = AdapterWatcher.from_config(runtime, config, redis_url)
-        watcher.reconcile()
-        assert runtime.slots.current("general") == manifest.version
-        assert watcher.refused() == set()
+        assert replica.runtime.slots.current("general") == manifest.version
+        assert replica.watcher is not None and replica.watcher.refused() == set()
     finally:
-        runtime.close()
+        replica.close()

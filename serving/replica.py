@@ -1,0 +1,185 @@
+"""One replica, wired explicitly: every part built here and handed to the parts that use it.
+
+The runtime (serving.runtime) receives its engine, batched loop, adapter slots, router, metrics,
+log writer, live monitor, adapter-event sink and loop health probe; the adapter watcher
+(serving.watcher) receives the slots, the store, the monitor, the metrics and the event sink.
+No part builds another or writes into another's fields, so a reader sees here what talks to
+what. The Ray deployment (serving.app) and the Ray-free replicas of the tests both wire through
+:func:`wire_replica`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from osd.adapters.store import AdapterStore
+from osd.config import OSDConfig
+from osd.model_sources import attach_lora_adapters, load_model_pair
+from osd.spec.engine import SpeculativeDecoder
+from osd.spec.loop import BatchedEngine
+from osd.spec.scheduler import BatchLimits
+from osd.threads import threads_for
+from serving.adapter_slots import AdapterSlots, peft_adapter_name
+from serving.health import HealthLimits, LoopHealth
+from serving.live_monitor import LiveMonitor
+from serving.metrics import ReplicaMetrics
+from serving.router import AdapterRouter
+from serving.runtime import ReplicaRuntime
+from serving.watcher import AdapterWatcher
+
+__all__ = ["WiredReplica", "build_runtime", "wire_replica"]
+
+logger = logging.getLogger(__name__)
+
+# Adapter events (swaps, rollbacks, refusals) a replica keeps for /health.
+RECENT_ADAPTER_EVENTS = 100
+
+
+@dataclass
+class ReplicaModels:
+    """A replica's models: the target, the tokenizer, and the draft inside its adapter slots
+    (every configured adapter at version 0, the base draft)."""
+
+    target: Any
+    tokenizer: Any
+    slots: AdapterSlots
+
+
+def load_replica_models(config: OSDConfig) -> ReplicaModels:
+    target, draft, tokenizer = load_model_pair(config.model)
+    adapters = list(config.model.adapters)
+    draft = attach_lora_adapters(draft, config.model, [peft_adapter_name(a, 0) for a in adapters])
+    return ReplicaModels(target, tokenizer, AdapterSlots(draft, adapters))
+
+
+def build_runtime(
+    config: OSDConfig,
+    models: ReplicaModels | None = None,
+    *,
+    metrics: ReplicaMetrics | None = None,
+    log_writer: Any = None,
+    monitor: LiveMonitor | None = None,
+    events: deque[dict[str, Any]] | None = None,
+    health: LoopHealth | None = None,
+) -> ReplicaRuntime:
+    """A runtime for `config` on `models` (loaded here unless given), its decode loop started;
+    the other parts as :class:`serving.runtime.ReplicaRuntime` takes them."""
+    models = models or load_replica_models(config)
+    spec, serve = config.spec, config.serve
+    engine = SpeculativeDecoder(
+        models.target,
+        models.slots.model,
+        models.tokenizer,
+        log_top_m=spec.log_top_m,
+        adaptive_threshold=spec.adaptive_threshold,
+        max_spec_tokens=spec.max_spec_tokens,
+        # Adapters are added and removed between forwards, never during one.
+        draft_guard=models.slots.model_lock.reading,
+    )
+    # The decode loop's threads: this replica's share of the cores it may use (osd.threads).
+    threads = threads_for("replica", serve.torch_threads)
+    logger.info(threads.describe())
+    batch = BatchedEngine(
+        engine,
+        BatchLimits(
+            max_num_seqs=serve.max_num_seqs,
+            max_num_batched_tokens=serve.max_num_batched_tokens,
+            kv_slots=serve.kv_slots,
+            max_model_len=serve.max_model_len,
+            max_waiting=serve.max_ongoing_requests,
+        ),
+        num_threads=threads.num_threads,
+    )
+    adapters = list(config.model.adapters)
+    return ReplicaRuntime(
+        config,
+        engine,
+        batch,
+        models.slots,
+        AdapterRouter(adapters, general=adapters[0]),
+        metrics or ReplicaMetrics(),
+        log_writer=log_writer,
+        monitor=monitor,
+        events=events,
+        health=health,
+    )
+
+
+@dataclass
+class WiredReplica:
+    """A replica's running parts; ``close`` stops them, the probe and watcher first."""
+
+    runtime: ReplicaRuntime
+    watcher: AdapterWatcher | None
+    health: LoopHealth
+
+    def close(self) -> None:
+        self.health.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+        self.runtime.close()
+
+
+def wire_replica(
+    config: OSDConfig,
+    *,
+    log_writer: Any = None,
+    store: AdapterStore | None = None,
+    redis_url: str = "",
+    reconcile_interval_s: float | None = None,
+    rollback_window: int | None = None,
+    health_limits: HealthLimits | None = None,
+    health_interval_s: float = 2.0,
+) -> WiredReplica:
+    """Builds and starts one replica: models, metrics, the watcher of `store` (None: adapters
+    stay at the base draft) with its live monitor, the loop health probe (of `redis_url`'s log
+    stream and the trainer behind it), and the runtime. The watcher reconciles once before this
+    returns, so the first request already uses the published versions. Intervals and the
+    rollback window default to `config.adapters`'."""
+    a = config.adapters
+    models = load_replica_models(config)
+    metrics = ReplicaMetrics()
+    events: deque[dict[str, Any]] = deque(maxlen=RECENT_ADAPTER_EVENTS)
+    monitor, watcher = None, None
+    if store is not None:
+        monitor = LiveMonitor(
+            a.rollback_window if rollback_window is None else rollback_window, a.rollback_margin
+        )
+        watcher = AdapterWatcher(
+            models.slots,
+            store,
+            monitor=monitor,
+            metrics=metrics,
+            events=events,
+            reconcile_interval_s=(
+                a.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
+            ),
+        )
+    health = LoopHealth(
+        models.slots,
+        metrics,
+        log_writer=log_writer,
+        redis_url=redis_url,
+        store=store,
+        stream=config.log.stream,
+        group=config.trainer.group,
+        refused=watcher.refused if watcher is not None else set,
+        limits=health_limits,
+        interval_s=health_interval_s,
+    )
+    runtime = build_runtime(
+        config,
+        models,
+        metrics=metrics,
+        log_writer=log_writer,
+        monitor=monitor,
+        events=events,
+        health=health,
+    )
+    if watcher is not None:
+        watcher.start()
+    health.start()
+    return WiredReplica(runtime, watcher, health)
