@@ -320,8 +320,10 @@ def parse_request(
         return model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        # messages[1].content, as check_messages names paths (pydantic: messages.1.content)
-        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"])[1:]
+        # messages[1].content, as check_messages names paths (pydantic: messages.1.content);
+        # a union's arm tags its errors ("constrained-int", "literal['auto']"): no field names
+        path = [p for p in first["loc"] if isinstance(p, int) or str(p).isidentifier()]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)[1:]
         raise APIError(400, f"{param}: {first['msg']}", param=param) from None
 
 
