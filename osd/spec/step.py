@@ -117,9 +117,7 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
         masks = GrammarMasks(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
     allowed = None if masks is None else masks.target_allowed(1)[:, 0]
     probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
-    keys = as_tensor([row.verify_key for row in rows], device)
-    steps = as_tensor([row.step for row in rows], device)
-    tokens = sample_from_probs(probs, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION)))
+    tokens = sample_from_probs(probs, _verify_draws(rows, device)[2])
     if any(row.request.log_top_m for row in rows):
         top_ids, top_probs = top_m_distribution(logits.unsqueeze(1), pair.log_top_m)  # (P, 1, m)
     zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
@@ -168,6 +166,16 @@ def _start_logprobs(
     return gather_logprobs(logits, logits_row, emitted, members, num_top)
 
 
+def _verify_draws(
+    rows: list[Row], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's verify-stream key and step (B,), and its (B,) draw for the token it samples
+    from the target: the recovered or bonus token, or the first token after its prompt."""
+    keys = as_tensor([row.verify_key for row in rows], device)
+    steps = as_tensor([row.step for row in rows], device)
+    return keys, steps, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION))
+
+
 @dataclass
 class _Verified:
     num_accepted: torch.Tensor  # (B,)
@@ -185,9 +193,7 @@ def _verify(
 ) -> _Verified:
     """Runs each verifier once over its rows; draws come from each row's verify stream."""
     device, num_rows = target_probs.device, len(rows)
-    keys = as_tensor([row.verify_key for row in rows], device)
-    steps = as_tensor([row.step for row in rows], device)
-    sample_draws = rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION))  # (B,)
+    keys, steps, sample_draws = _verify_draws(rows, device)
     zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
     if width == 0:  # speculation off for every row: sample from the target
         next_ids = sample_from_probs(target_probs[first_row, 0], sample_draws)
@@ -195,32 +201,26 @@ def _verify(
     num_drafts = drafts.ids.shape[1]
     accept_draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
     result = _Verified(zeros.clone(), zeros.clone(), zeros.clone())
+    num_branches = as_tensor(branches, device)  # (B,) K per row, 1 for one draft
+    # (B, K) each draft's target row; drafts beyond a row's own K repeat its last (unread).
+    draft = torch.arange(num_drafts, device=device)
+    target_rows = first_row.unsqueeze(1) + torch.minimum(draft, num_branches.unsqueeze(1) - 1)
     for name, verify in VERIFIERS.items():
         members = [b for b, row in enumerate(rows) if row.request.verifier == name]
         if not members:
             continue
         group = as_tensor(members, device)
-        if name == "spectr":
-            counts = as_tensor([branches[b] for b in members], device)
-            branch = torch.minimum(torch.arange(num_drafts, device=device), counts.unsqueeze(1) - 1)
-            out = verify(
-                drafts.ids[group],
-                drafts.probs[group],
-                target_probs[first_row[group].unsqueeze(1) + branch],  # (G, K, k + 1, V)
-                accept_draws[group],
-                sample_draws[group],
-                num_draft_tokens=drafts.num_drafted[group],
-                num_drafts=counts,
-            )
-        else:
-            out = verify(
-                drafts.ids[group, 0],
-                drafts.probs[group, 0],
-                target_probs[first_row[group]],
-                accept_draws[group, 0],
-                sample_draws[group],
-                num_draft_tokens=drafts.num_drafted[group],
-            )
+        # SpecTr verifies each row's K drafts, (G, K, ...); token and block its one, (G, ...).
+        lane = slice(None) if name == "spectr" else 0
+        out = verify(
+            drafts.ids[group, lane],
+            drafts.probs[group, lane],
+            target_probs[target_rows[group, lane]],
+            accept_draws[group, lane],
+            sample_draws[group],
+            num_draft_tokens=drafts.num_drafted[group],
+            **({"num_drafts": num_branches[group]} if name == "spectr" else {}),
+        )
         result.num_accepted[group] = out.num_accepted
         result.next_token_ids[group] = out.next_token_ids
         result.draft_index[group] = out.draft_index
