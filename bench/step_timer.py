@@ -12,7 +12,7 @@ import torch
 import osd.spec.loop
 from osd import SpeculativeDecoder
 from osd.spec.loop import BatchedEngine
-from osd.spec.rows import DecodeRequest
+from osd.spec.request import DecodeRequest
 from osd.spec.scheduler import BatchLimits
 
 __all__ = ["step_times"]

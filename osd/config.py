@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from osd.buffer.record import Method
 from osd.config_convert import config_from_dict
 
 __all__ = [
@@ -67,7 +68,7 @@ class ModelConfig:
 class SpecConfig:
     """Speculative decoding defaults; requests may override method, k and K."""
 
-    method: Literal["token", "block", "spectr", "none"] = "block"
+    method: Method = "block"
     # k for requests that name none: "auto" (the goodput controller chooses it per request and
     # step, in 0..max_spec_tokens, from measured acceptance and step costs) or a fixed k >= 1.
     num_spec_tokens: int | Literal["auto"] = "auto"

@@ -194,7 +194,7 @@ def _usage(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
 
 def _osd_stats(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
     """The first choice's decoding statistics (with n > 1, every choice's under choices)."""
-    stats = {
+    stats: dict[str, Any] = {
         **results[0].stats.as_dict(),
         "adapter": job.lease.adapter,
         "adapter_version": job.lease.version,

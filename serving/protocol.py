@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from osd.buffer.record import MAX_ID_BYTES
+from osd.buffer.record import MAX_ID_BYTES, Method
 from osd.spec.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
@@ -94,7 +94,7 @@ class SpecOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    method: Literal["token", "block", "spectr", "none"] | None = None
+    method: Method | None = None
     k: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] | None = None
     K: int | None = Field(default=None, ge=1, le=8)
 

@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from osd.buffer.wire import METHODS, SCHEMA_VERSION, RecordVersionError, pack_record, unpack_fields
+from osd.buffer.wire import (
+    METHODS,
+    SCHEMA_VERSION,
+    Method,
+    RecordVersionError,
+    pack_record,
+    unpack_fields,
+)
 
 __all__ = ["MAX_ID_BYTES", "METHODS", "SCHEMA_VERSION", "Method", "Record", "RecordVersionError"]
 
 MAX_ID_BYTES = 128
 
-Method = Literal["token", "block", "spectr", "none"]
 
 _INT64 = np.iinfo(np.int64)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = [
     "MAGIC",
     "METHODS",
+    "Method",
     "SCHEMA_VERSION",
     "RecordVersionError",
     "pack_record",
@@ -45,7 +46,10 @@ __all__ = [
 MAGIC = b"OSDR"
 SCHEMA_VERSION = 1
 # "none": plain target decoding (speculation off). Append only: the index is on the wire.
-METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
+# The verification methods, named here once: a record stores the index in METHODS, so the
+# order is part of the wire format (append only). The engine, config and HTTP API import them.
+Method = Literal["token", "block", "spectr", "none"]
+METHODS: tuple[Method, ...] = get_args(Method)
 
 _PREFIX = struct.Struct("<4sH")
 _HEADER = struct.Struct("<4sHHdqddqiiiiiIII4B")

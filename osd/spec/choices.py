@@ -27,7 +27,8 @@ import torch
 from osd.errors import ParamError
 from osd.spec import rng
 from osd.spec.forward import ModelPair, as_tensor
-from osd.spec.rows import DecodeRequest, Row
+from osd.spec.request import DecodeRequest
+from osd.spec.rows import Row
 
 __all__ = ["check_group", "choice_requests", "choice_seed", "share_prompt"]
 

@@ -21,6 +21,7 @@ from typing import Any, Literal, TypedDict, Unpack
 import torch
 from transformers import PreTrainedModel
 
+from osd.buffer.record import Method
 from osd.errors import ParamError
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.spec.choices import choice_requests
@@ -29,14 +30,13 @@ from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.goodput import GoodputController
 from osd.spec.grammar import Grammar, GrammarCompiler
 from osd.spec.kv_cache import SlotKVCache
+from osd.spec.request import DecodeRequest
 from osd.spec.request_checks import MAX_SPEC_TOKENS, check_bias, check_options, prompt_ids
-from osd.spec.rows import DecodeRequest, Row
+from osd.spec.rows import Row
 from osd.spec.sampling import SamplingParams
 from osd.spec.step import VERIFIERS, prefill, run_step
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "RequestOptions", "SpeculativeDecoder"]
-
-Method = Literal["token", "block", "spectr", "none"]
 
 
 class RequestOptions(TypedDict, total=False):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import torch
 
 from osd.buffer.record import Record
+from osd.spec.request import DecodeRequest
 
 __all__ = [
     "BASE_DRAFT_NAME",
@@ -21,7 +22,6 @@ __all__ = [
     "GenerationLog",
     "GenerationResult",
     "GenerationStats",
-    "RequestSettings",
     "StreamChunk",
     "TextAssembler",
     "TokenLogprob",
@@ -87,27 +87,12 @@ class GenerationStats:
         }
 
 
-@dataclass(frozen=True)
-class RequestSettings:
-    """How a request was decoded, as recorded with its log data."""
-
-    method: str
-    temperature: float
-    top_p: float
-    top_k: int
-    max_tokens: int
-    seed: int
-    num_spec_tokens: int
-    num_drafts: int
-    adapter: str | None
-
-
 @dataclass
 class GenerationLog:
     """What the target thought, per request: the trainer's input (docs/design.md, "Record").
 
     Attributes:
-        settings: how the request was decoded.
+        request: the request's settings as validated at the edge (:mod:`osd.spec.request`).
         prompt_len: number of prompt tokens at the start of ``token_ids``.
         token_ids: (prompt_len + N,) int32 prompt then generated tokens.
         num_drafted: (S,) int32 tokens drafted per verification step.
@@ -117,7 +102,7 @@ class GenerationLog:
         target_top_probs: (N, m) float16 their probabilities at temperature 1.
     """
 
-    settings: RequestSettings
+    request: DecodeRequest
     prompt_len: int
     token_ids: torch.Tensor
     num_drafted: torch.Tensor
@@ -139,21 +124,21 @@ class GenerationLog:
 
         ``adapter_name`` defaults to the adapter the request used (``base`` for none).
         """
-        s = self.settings
+        request, params = self.request, self.request.params
         return Record(
             request_id=request_id,
             created_at=time.time() if created_at is None else created_at,
             domain=domain,
-            adapter_name=adapter_name or s.adapter or BASE_DRAFT_NAME,
+            adapter_name=adapter_name or request.adapter or BASE_DRAFT_NAME,
             adapter_version=adapter_version,
-            method=s.method,  # type: ignore[arg-type]
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_tokens=s.max_tokens,
-            seed=s.seed,
-            num_spec_tokens=s.num_spec_tokens,
-            num_drafts=s.num_drafts,
+            method=request.method,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            num_spec_tokens=request.num_spec_tokens,
+            num_drafts=request.num_drafts,
             prompt_len=self.prompt_len,
             token_ids=self.token_ids.numpy(),
             num_drafted=self.num_drafted.numpy(),

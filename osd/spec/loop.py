@@ -33,7 +33,8 @@ from osd.errors import ParamError
 from osd.spec.choices import check_group
 from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.goodput import GoodputController
-from osd.spec.rows import DecodeRequest, Row
+from osd.spec.request import DecodeRequest
+from osd.spec.rows import Row
 from osd.spec.scheduler import BatchLimits, num_to_admit
 from osd.spec.step import prefill, run_step
 from osd.threads import usable_cores

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from osd.buffer.record import METHODS
 from osd.errors import ParamError
 from osd.spec.sampling import SamplingParams
 
@@ -25,7 +26,6 @@ __all__ = [
 # Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
 MAX_SPEC_TOKENS = 64
 MAX_DRAFTS = 64
-METHODS: tuple[str, ...] = ("token", "block", "spectr", "none")
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat top_logprobs
 
 

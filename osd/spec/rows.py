@@ -1,4 +1,4 @@
-"""One request in the batch: its validated settings, its slots, its sequence and its log data.
+"""One request in the batch: its settings (osd.spec.request), slots, sequence and log data.
 
 Per-row state lives here as plain Python (the sequence, the text assembler, the counters); the
 step turns the rows of one step into flat tensors once, and writes back what it emitted once.
@@ -20,59 +20,15 @@ from osd.spec.generation import (
     GenerationLog,
     GenerationResult,
     GenerationStats,
-    RequestSettings,
     StreamChunk,
     TextAssembler,
     TokenLogprob,
 )
 from osd.spec.goodput import GoodputController
-from osd.spec.grammar import Grammar
 from osd.spec.logprobs import PromptLogprobs
-from osd.spec.sampling import SamplingParams
+from osd.spec.request import DecodeRequest
 
-__all__ = ["DecodeRequest", "Row"]
-
-
-@dataclass(frozen=True)
-class DecodeRequest:
-    """Validated arguments of one generation (built by ``SpeculativeDecoder``)."""
-
-    prompt_ids: tuple[int, ...]
-    seed: int
-    max_new_tokens: int
-    params: SamplingParams
-    method: str
-    num_spec_tokens: int
-    num_drafts: int
-    adapter: str | None
-    stop_token_ids: frozenset[int]
-    log_top_m: int | None
-    adaptive_threshold: float
-    stop: tuple[str, ...]
-    # k chosen per step by the goodput controller (at most num_spec_tokens); route: the
-    # statistics key beside the adapter (e.g. the request's domain).
-    auto_spec: bool = False
-    route: str = ""
-    # Alternatives per token of OpenAI's logprobs (0..20); None: no logprobs.
-    logprobs: int | None = None
-    # Structured output: every token is masked by this grammar (osd.spec.grammar); None: free text.
-    grammar: Grammar | None = None
-    # The same for each prompt token (OpenAI's echo with logprobs); None: none.
-    prompt_logprobs: int | None = None
-
-    @property
-    def num_slots(self) -> int:
-        """KV slots the request holds: one per draft sequence."""
-        return self.num_drafts if self.method == "spectr" else 1
-
-    @property
-    def verifier(self) -> str:
-        """The verifier of its steps: ``none`` rows verify zero drafted tokens with ``token``."""
-        if self.method == "block":
-            return "block"
-        if self.method == "spectr" and self.num_drafts > 1:
-            return "spectr"
-        return "token"
+__all__ = ["Row"]
 
 
 @dataclass(eq=False)
@@ -228,20 +184,8 @@ class Row:
         ids = [i for i, _ in self.log_rows] or [torch.zeros(0, 1, dtype=torch.int64)]
         probs = [p for _, p in self.log_rows] or [torch.zeros(0, 1)]
         draft_probs = self.draft_token_probs or [torch.zeros(0)]
-        params = request.params
-        settings = RequestSettings(
-            method=request.method,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            max_tokens=request.max_new_tokens,
-            seed=request.seed,
-            num_spec_tokens=request.num_spec_tokens,
-            num_drafts=request.num_drafts,
-            adapter=request.adapter,
-        )
         return GenerationLog(
-            settings=settings,
+            request=request,
             prompt_len=len(request.prompt_ids),
             token_ids=torch.tensor(self.seq, dtype=torch.int32),
             num_drafted=torch.tensor(self.stats.draft_lengths, dtype=torch.int32),

@@ -195,7 +195,7 @@ def test_log_packs_into_a_record_without_text(engine):
     again = Record.unpack(record.pack())
     assert again.generated_ids.tolist() == result.token_ids
     assert (again.adapter_name, again.adapter_version, again.method) == ("sql", 3, "spectr")
-    assert again.num_drafts == 2 and again.seed == result.log.settings.seed
+    assert again.num_drafts == 2 and again.seed == result.log.request.seed
     assert result.text.encode() not in record.pack() or not result.text
 
 
