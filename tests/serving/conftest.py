@@ -1,13 +1,21 @@
-"""Fixtures for serving tests: a real redis-server, a local Ray, the Serve app with toy models."""
+"""Fixtures for serving tests: a real redis-server, a local Ray, Serve apps with toy models.
+
+One Ray and one Serve HTTP proxy serve the whole session (:func:`serve_port`); each app is
+deployed on it under its own route prefix (:func:`serve_app`). Most tests share the session's
+app (:func:`ray_serve_app`); a test that breaks its app (kills the replica, floods it) deploys
+its own, so it neither needs to run last nor leaves a damaged app to the tests after it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 
 import pytest
 
 from osd.buffer.redis_server import LocalRedis
-from osd.config import load_config
+from osd.config import OSDConfig, load_config
 
 # A fixed k: the toy draft costs about what the toy target does, so k "auto" (the default)
 # rightly drafts nothing on it, and these tests are about drafting with adapters. The
@@ -33,14 +41,36 @@ def serving_redis():
 
 
 @pytest.fixture(scope="session")
-def ray_serve_app(serving_redis):
-    """The Serve app on a free port: (base_url, config)."""
+def serve_port() -> Iterator[int]:
+    """A local Ray with Serve's HTTP proxy on a free port (the port); apps come and go on it."""
     import ray
+    from ray import serve
+
+    port = free_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@contextlib.contextmanager
+def serve_app(
+    port: int, redis_url: str, name: str, route_prefix: str = "/"
+) -> Iterator[tuple[str, OSDConfig]]:
+    """Deploys the osd app with one toy replica as ``name`` under ``route_prefix`` until the
+    block ends: (its base URL, its config)."""
     from ray import serve
 
     from serving.app import build_app
 
-    port = free_port()
     config = load_config(
         None,
         [
@@ -51,14 +81,15 @@ def ray_serve_app(serving_redis):
             "serve.max_ongoing_requests=4",
         ],
     )
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(config, serving_redis.url), name="osd", route_prefix="/")
-    yield f"http://127.0.0.1:{port}", config
-    serve.shutdown()
-    ray.shutdown()
+    serve.run(build_app(config, redis_url), name=name, route_prefix=route_prefix)
+    try:
+        yield f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", config
+    finally:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="session")
+def ray_serve_app(serve_port, serving_redis):
+    """The session's shared Serve app at the root: (base_url, config)."""
+    with serve_app(serve_port, serving_redis.url, "osd") as app:
+        yield app

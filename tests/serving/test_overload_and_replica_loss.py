@@ -1,4 +1,10 @@
-"""Overload and a killed replica (runs last: it kills the app's only replica)."""
+"""Overload and a killed replica, on a Serve app of this module's own.
+
+Killing the replica and flooding its queue damages the app for a while, so these tests deploy
+their own (``serve_app`` under ``/faults``, deleted at the end of the module) rather than use
+the session's shared one: they may run in any order, and the tests after them get an app that
+was never harmed.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.reliability.conftest import wait_for
+from tests.serving.conftest import serve_app
+
+
+@pytest.fixture(scope="module")
+def faults_app(serve_port, serving_redis):
+    """This module's own Serve app: (base_url, config)."""
+    with serve_app(serve_port, serving_redis.url, "osd-faults", route_prefix="/faults") as app:
+        yield app
 
 
 def post(base_url, max_tokens, timeout=120):
@@ -42,26 +57,23 @@ def in_flight_requests(base_url):
     )
 
 
-def test_overload_is_refused_quickly_and_admitted_requests_finish(ray_serve_app):
-    base_url, config = ray_serve_app
+def test_overload_is_refused_and_admitted_requests_finish(faults_app):
+    base_url, config = faults_app
     capacity = config.serve.max_ongoing_requests + config.serve.max_queued_requests
     with ThreadPoolExecutor(max_workers=3 * capacity) as pool:
         outcomes = list(pool.map(lambda _: post(base_url, 120), range(3 * capacity)))
     refused = [t for status, t in outcomes if status in (429, 503)]
     served = [t for status, t in outcomes if status == 200]
     others = [status for status, _ in outcomes if status not in (200, 429, 503)]
-    print(
-        f"served {len(served)}, refused {len(refused)}, max refusal {max(refused):.2f}s, "
-        f"p99-ish served latency {sorted(served)[int(0.99 * (len(served) - 1))]:.2f}s"
-    )
-    assert others == []
-    assert len(refused) >= capacity // 2
+    # Latencies for a reader only: how fast a refusal is belongs in bench/, not in a test.
+    print(f"served {len(served)} (max {max(served, default=0):.2f}s), refused {len(refused)}")
+    assert others == []  # every request served or refused with a retryable status, none failed
+    assert len(refused) >= capacity // 2  # three times the capacity at once: many are turned away
     assert len(served) >= config.serve.max_ongoing_requests
-    assert max(refused) < 10.0  # refused without waiting for a slot (2 busy cores here)
 
 
-def test_killed_replica_is_replaced_and_serving_resumes(ray_serve_app):
-    base_url, _ = ray_serve_app
+def test_killed_replica_is_replaced_and_serving_resumes(faults_app):
+    base_url, _ = faults_app
     pid = httpx.get(f"{base_url}/health", timeout=10).json()["pid"]
     with ThreadPoolExecutor(max_workers=4) as pool:
         in_flight = [pool.submit(post, base_url, 150) for _ in range(3)]
@@ -73,5 +85,6 @@ def test_killed_replica_is_replaced_and_serving_resumes(ray_serve_app):
     assert not [s for s in statuses if isinstance(s, str) and "Timeout" in s], statuses
     assert not [s for s in statuses if isinstance(s, int) and 400 <= s < 500], statuses
     wait_for(lambda: post(base_url, 5, timeout=30)[0] == 200, timeout_s=120, interval_s=1.0)
-    new_pid = httpx.get(f"{base_url}/health", timeout=10).json()["pid"]
-    assert new_pid != pid
+    replaced = httpx.get(f"{base_url}/health", timeout=10).json()
+    assert replaced["pid"] != pid
+    assert replaced["adapters"].keys() == {"general", "code"}  # a whole replica again
