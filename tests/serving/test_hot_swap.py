@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -28,9 +29,17 @@ def replica_shaped_weights(config):
     return spec, identity, harmful
 
 
+class Served(NamedTuple):
+    """One streamed request: the adapter version that served it, how it ended, its text."""
+
+    version: int | None
+    finish: str | None
+    text: str
+
+
 def stream_forever(base_url, stop, served, failures):
-    """Streams requests one after another until `stop`; appends each one's (adapter version it
-    was served by, finish reason) to `served`, and each failure to `failures`."""
+    """Streams requests one after another until `stop`; appends each one's Served to `served`,
+    and each failure to `failures`."""
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     while not stop.is_set():
         try:
@@ -44,11 +53,13 @@ def stream_forever(base_url, stop, served, failures):
                 extra_body={"draft": "general"},
             )
             version = finish = None
+            text = ""
             for chunk in stream:
+                text += "".join(c.text for c in chunk.choices)
                 finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
                 if chunk.usage is not None:
                     version = chunk.model_extra["osd"]["adapter_version"]
-            served.append((version, finish))
+            served.append(Served(version, finish, text))
         except Exception as exc:  # noqa: BLE001 - every failure is counted and asserted on
             failures.append(repr(exc))
 
@@ -72,7 +83,7 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
         return sum(len(mine) for mine in served)
 
     def was_served_by(version):
-        return any(v == version for mine in served for v, _ in list(mine))
+        return any(s.version == version for mine in served for s in list(mine))
 
     published = [served_version(base_url)]  # what serves the clients' first requests
     for thread in clients:
@@ -110,13 +121,16 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
         stop.set()
         for thread in clients:
             thread.join(timeout=120)
-    print(f"published {published}, bad {bad}, served {served}")
+    print(f"published {published}, bad {bad}, served {[[s.version for s in m] for m in served]}")
     assert store.current("general") == good
     # Nothing dropped: every request finished normally, none failed.
     assert failures == []
-    assert all(finish in ("length", "stop") for mine in served for _, finish in mine), served
+    assert all(s.finish in ("length", "stop") for mine in served for s in mine), served
+    # Verification keeps every answer the target's greedy one, whatever draft proposed it (the
+    # harmful version included): a swap never changes what a client reads.
+    assert len({s.text for mine in served for s in mine}) == 1, served
     for mine in served:
-        versions = [version for version, _ in mine]
+        versions = [s.version for s in mine]
         assert set(versions) <= {*published, bad}, versions
         # In order: a client never went back to an older version, but for the rollback.
         kept = [v for v in versions if v != bad]
