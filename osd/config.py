@@ -18,6 +18,7 @@ import yaml
 
 from osd.buffer.record import Method
 from osd.config_convert import config_from_dict
+from osd.spec.limits import MAX_DRAFTS, MAX_SPEC_TOKENS
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -80,12 +81,20 @@ class SpecConfig:
     def __post_init__(self) -> None:
         _require(
             self.num_spec_tokens == "auto"
-            or (isinstance(self.num_spec_tokens, int) and self.num_spec_tokens >= 1),
+            or (
+                isinstance(self.num_spec_tokens, int)
+                and 1 <= self.num_spec_tokens <= MAX_SPEC_TOKENS
+            ),
             "spec.num_spec_tokens",
             self.num_spec_tokens,
-            '"auto" or >= 1',
+            f'"auto" or in 1..{MAX_SPEC_TOKENS}',
         )
-        _require(self.num_drafts >= 1, "spec.num_drafts", self.num_drafts, ">= 1")
+        _require(
+            1 <= self.num_drafts <= MAX_DRAFTS,
+            "spec.num_drafts",
+            self.num_drafts,
+            f"in 1..{MAX_DRAFTS}",
+        )
         _require(
             0 <= self.adaptive_threshold < 1,
             "spec.adaptive_threshold",
@@ -94,10 +103,10 @@ class SpecConfig:
         )
         _require(self.log_top_m >= 1, "spec.log_top_m", self.log_top_m, ">= 1")
         _require(
-            1 <= self.max_spec_tokens <= 64,
+            1 <= self.max_spec_tokens <= MAX_SPEC_TOKENS,
             "spec.max_spec_tokens",
             self.max_spec_tokens,
-            "in 1..64",
+            f"in 1..{MAX_SPEC_TOKENS}",
         )
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from osd.buffer.record import MAX_ID_BYTES, Method
+from osd.spec.limits import HTTP_MAX_DRAFTS, HTTP_MAX_SPEC_TOKENS, MAX_LOGPROBS
 from osd.spec.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
@@ -95,8 +96,8 @@ class SpecOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     method: Method | None = None
-    k: Annotated[int, Field(ge=1, le=16)] | Literal["auto"] | None = None
-    K: int | None = Field(default=None, ge=1, le=8)
+    k: Annotated[int, Field(ge=1, le=HTTP_MAX_SPEC_TOKENS)] | Literal["auto"] | None = None
+    K: int | None = Field(default=None, ge=1, le=HTTP_MAX_DRAFTS)
 
 
 class StreamOptions(BaseModel):
@@ -279,7 +280,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: None = None  # completions' field (vLLM's chat echo is not served); refused here
 
     @field_validator("echo", mode="before")

@@ -30,8 +30,9 @@ from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.goodput import GoodputController
 from osd.spec.grammar import Grammar, GrammarCompiler
 from osd.spec.kv_cache import SlotKVCache
+from osd.spec.limits import MAX_SPEC_TOKENS
 from osd.spec.request import DecodeRequest
-from osd.spec.request_checks import MAX_SPEC_TOKENS, check_bias, check_options, prompt_ids
+from osd.spec.request_checks import check_bias, check_options, prompt_ids
 from osd.spec.rows import Row
 from osd.spec.sampling import SamplingParams
 from osd.spec.step import VERIFIERS, prefill, run_step

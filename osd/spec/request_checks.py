@@ -11,22 +11,14 @@ from typing import Any
 
 from osd.buffer.record import METHODS
 from osd.errors import ParamError
+from osd.spec.limits import MAX_DRAFTS, MAX_LOGPROBS, MAX_SPEC_TOKENS
 from osd.spec.sampling import SamplingParams
 
 __all__ = [
-    "MAX_DRAFTS",
-    "MAX_LOGPROBS",
-    "MAX_SPEC_TOKENS",
-    "METHODS",
     "check_bias",
     "check_options",
     "prompt_ids",
 ]
-
-# Bounds of k and K: a step's random draws are addressed by (branch, position) in 10 bits each.
-MAX_SPEC_TOKENS = 64
-MAX_DRAFTS = 64
-MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat top_logprobs
 
 
 def check_options(
