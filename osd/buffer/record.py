@@ -13,7 +13,7 @@ Pure (numpy and the standard library only). The binary format lives in `osd.buff
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from osd.buffer.wire import (
     SCHEMA_VERSION,
     Method,
     RecordVersionError,
-    pack_record,
+    pack_fields,
     unpack_fields,
 )
 
@@ -258,7 +258,7 @@ class Record:
 
     def pack(self) -> bytes:
         """Packs the record into versioned binary (see `osd.buffer.wire` for the layout)."""
-        return pack_record(self)
+        return pack_fields({f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Record:

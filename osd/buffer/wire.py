@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple, get_args
 
 import numpy as np
 import numpy.typing as npt
-
-if TYPE_CHECKING:
-    from osd.buffer.record import Record
 
 __all__ = [
     "MAGIC",
@@ -39,7 +37,7 @@ __all__ = [
     "Method",
     "SCHEMA_VERSION",
     "RecordVersionError",
-    "pack_record",
+    "pack_fields",
     "unpack_fields",
 ]
 
@@ -131,46 +129,49 @@ def _pad4(data: bytes) -> bytes:
     return data + b"\0" * (-len(data) % 4)
 
 
-def pack_record(record: Record) -> bytes:
-    """Packs a (validated) record into schema version 1 bytes."""
-    strings = [s.encode("utf-8") for s in (record.request_id, record.domain, record.adapter_name)]
+def pack_fields(record: Mapping[str, Any]) -> bytes:
+    """Packs a validated record's fields (name -> value, as `unpack_fields` returns them) into
+    schema version 1 bytes. Fields, not the `Record` itself: the record imports this module."""
+    strings = [
+        s.encode("utf-8") for s in (record["request_id"], record["domain"], record["adapter_name"])
+    ]
     header = _HEADER.pack(
         MAGIC,
         SCHEMA_VERSION,
-        _FLAG_HAS_SEED if record.seed is not None else 0,
-        float(record.created_at),
-        int(record.adapter_version),
-        float(record.temperature),
-        float(record.top_p),
-        0 if record.seed is None else int(record.seed),
-        int(record.top_k),
-        int(record.max_tokens),
-        int(record.num_spec_tokens),
-        int(record.num_drafts),
-        int(record.prompt_len),
-        len(record.token_ids),
-        len(record.num_drafted),
-        record.target_top_ids.shape[1],
-        METHODS.index(record.method),
+        _FLAG_HAS_SEED if record["seed"] is not None else 0,
+        float(record["created_at"]),
+        int(record["adapter_version"]),
+        float(record["temperature"]),
+        float(record["top_p"]),
+        0 if record["seed"] is None else int(record["seed"]),
+        int(record["top_k"]),
+        int(record["max_tokens"]),
+        int(record["num_spec_tokens"]),
+        int(record["num_drafts"]),
+        int(record["prompt_len"]),
+        len(record["token_ids"]),
+        len(record["num_drafted"]),
+        record["target_top_ids"].shape[1],
+        METHODS.index(record["method"]),
         *(len(s) for s in strings),
     )
     body = b"".join(
         [
             header,
             _pad4(b"".join(strings)),
-            record.token_ids.tobytes(),
-            record.target_top_ids.tobytes(),
-            record.num_drafted.tobytes(),
-            record.num_accepted.tobytes(),
-            record.draft_token_probs.tobytes(),
-            record.target_top_probs.tobytes(),
+            record["token_ids"].tobytes(),
+            record["target_top_ids"].tobytes(),
+            record["num_drafted"].tobytes(),
+            record["num_accepted"].tobytes(),
+            record["draft_token_probs"].tobytes(),
+            record["target_top_probs"].tobytes(),
         ]
     )
     return body + _TRAILER.pack(zlib.crc32(body))
 
 
 def unpack_fields(data: bytes | bytearray | memoryview) -> dict[str, Any]:
-    """Decodes bytes made by `pack_record` into `Record` constructor arguments.
+    """Decodes bytes made by `pack_fields` into `Record` constructor arguments.
 
     Arrays are read-only views into `data` (the Record constructor copies them).
 
