@@ -1,6 +1,12 @@
-"""Shared fixtures: tiny randomly initialised Hugging Face models built in code (no downloads)."""
+"""Shared fixtures: tiny randomly initialised Hugging Face models built in code (no downloads),
+and the session's one local Ray with Serve's HTTP proxy (every test that deploys a Serve app
+deploys it there, under its own route prefix: tests/serving/conftest.py's ``serve_app``)."""
 
 from __future__ import annotations
+
+import contextlib
+import socket
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,3 +38,29 @@ def lora_draft(target_model):
 def unrelated_draft():
     """A draft unrelated to the target: almost everything is rejected."""
     return tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=4, logit_scale=4.0)
+
+
+@pytest.fixture(scope="session")
+def serve_port() -> Iterator[int]:
+    """A local Ray with Serve's HTTP proxy on a free port (the port); apps come and go on it."""
+    import ray
+    from ray import serve
+
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield port
+    finally:
+        # Serve's own shutdown sometimes finds its proxy already gone on a loaded machine; that
+        # is Ray's business, not a test's: Ray goes down whatever it says.
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()

@@ -93,11 +93,14 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 def send_and_hang_up(base_url: str, body: dict, read_bytes: int = 0) -> None:
-    """POSTs a completion over a raw socket and closes it after reading `read_bytes`."""
-    host, port = base_url.removeprefix("http://").split(":")
+    """POSTs a completion over a raw socket and closes it after reading `read_bytes`.
+    `base_url` may end in an app's route prefix (``http://host:port/prefix``)."""
+    address, _, prefix = base_url.removeprefix("http://").partition("/")
+    host, port = address.split(":")
     payload = json.dumps(body).encode()
+    path = f"/{prefix}/v1/completions" if prefix else "/v1/completions"
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\n\r\n"
     ).encode()
     with socket.create_connection((host, int(port)), timeout=30) as sock:

@@ -19,16 +19,15 @@ import pytest
 
 from osd.adapters import open_adapter_store
 from osd.model_sources import attach_lora_adapters, load_model_pair
+from tests.serving.conftest import serve_app as deploy_app
 
 from .conftest import (
     completion,
-    free_port,
     metric,
     percentile,
     replica_adapter,
     rss_bytes,
     send_and_hang_up,
-    toy_config,
     wait_for,
 )
 
@@ -36,34 +35,20 @@ ONGOING, QUEUED = 2, 2
 
 
 @pytest.fixture(scope="module")
-def serve_app(module_redis) -> Iterator[tuple[str, object]]:
-    """The Serve app with one toy replica on a free port: (base_url, config)."""
-    import ray
-    from ray import serve
-
-    from serving.app import build_app
-
-    port = free_port()
-    config = toy_config(
-        f"serve.port={port}",
+def serve_app(serve_port, module_redis) -> Iterator[tuple[str, object]]:
+    """The module's own Serve app with one toy replica, on the session's Ray: (base_url,
+    config). Its own, since its tests flood it and kill its replica."""
+    with deploy_app(
+        serve_port,
+        module_redis.url,
+        "ray-replica",
+        "/ray-replica",
         f"serve.max_ongoing_requests={ONGOING}",
         f"serve.max_queued_requests={QUEUED}",
-        "adapters.reconcile_interval_s=0.5",
         "serve.max_tokens_limit=200",  # long enough to hang up on mid-request
-    )
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config, module_redis.url), name="osd", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", config
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        "adapters.rollback_window=1024",
+    ) as app:
+        yield app
 
 
 def post(base_url: str) -> tuple[int | str, float]:

@@ -40,33 +40,14 @@ def serving_redis():
         yield server
 
 
-@pytest.fixture(scope="session")
-def serve_port() -> Iterator[int]:
-    """A local Ray with Serve's HTTP proxy on a free port (the port); apps come and go on it."""
-    import ray
-    from ray import serve
-
-    port = free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield port
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 @contextlib.contextmanager
 def serve_app(
-    port: int, redis_url: str, name: str, route_prefix: str = "/"
+    port: int, redis_url: str, name: str, route_prefix: str = "/", *overrides: str
 ) -> Iterator[tuple[str, OSDConfig]]:
     """Deploys the osd app with one toy replica as ``name`` under ``route_prefix`` until the
-    block ends: (its base URL, its config)."""
+    block ends: (its base URL, its config). ``overrides`` go after the defaults here. Each
+    replica asks Ray for half a core, so the session's app and a module's own fit together on
+    the two cores (:func:`tests.conftest.serve_port`)."""
     from ray import serve
 
     from serving.app import build_app
@@ -79,6 +60,8 @@ def serve_app(
             "adapters.reconcile_interval_s=0.5",
             "adapters.rollback_window=40",
             "serve.max_ongoing_requests=4",
+            "serve.num_cpus=0.5",
+            *overrides,
         ],
     )
     serve.run(build_app(config, redis_url), name=name, route_prefix=route_prefix)
