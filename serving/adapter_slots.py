@@ -97,6 +97,12 @@ class AdapterSlots:
     def previous(self, adapter: str) -> int | None:
         return self._previous[adapter]
 
+    def leased(self) -> dict[str, int]:
+        """Loaded versions (peft names, e.g. ``code@3``) with requests using them now, and how
+        many: empty when no request holds a lease (a leak shows here)."""
+        with self._lock:
+            return {name: count for name, count in self._leases.items() if count}
+
     def acquire(self, adapter: str) -> AdapterLease:
         with self._lock:
             lease = AdapterLease(adapter, self._current[adapter])
