@@ -22,21 +22,27 @@ from tests.serving.conftest import TOY, free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def process_table() -> list[list[str]]:
+    """Every process as [pid, ppid, command line]. -ww: without it ps cuts command lines at the
+    terminal's width (80 columns where there is no terminal, as in CI), which hid gcs_server's
+    name at the end of a long path."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,ppid,args"], capture_output=True, text=True)
+    rows = [line.split(None, 2) for line in out.stdout.splitlines()[1:]]
+    return [row + [""] * (3 - len(row)) for row in rows]
+
+
 def processes_mentioning(*needles: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [
-        line
-        for line in out.splitlines()[1:]
-        if any(n and n in line for n in needles) and "ps -eo" not in line
+        f"{pid} {args}"
+        for pid, _parent, args in process_table()
+        if any(n and n in args for n in needles) and "ps -ww" not in args
     ]
 
 
 def descendants(pid: int, pattern: str) -> list[str]:
     """The command lines of process `pid`'s descendants (children, theirs, ...) that match
     `pattern`."""
-    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
-    rows = [line.split(None, 2) for line in out.splitlines()[1:]]
-    rows = [row + [""] * (3 - len(row)) for row in rows]
+    rows = process_table()
     family, found = {str(pid)}, []
     for _ in range(8):  # a few generations; pids are listed in no particular order
         family |= {child for child, parent, _ in rows if parent in family}
