@@ -95,9 +95,20 @@ def sample_outputs(
 
 
 def alone(decoder):
-    from osd.spec.engine import GenerationStream
+    """Each request on its own, but many at once: a batched loop as wide as the requests that
+    fit, with nothing else in it (one request at a time took about 20 times longer)."""
 
-    return lambda requests: (GenerationStream(decoder, r).result() for r in requests)
+    def submit(requests):
+        engine = BatchedEngine(
+            decoder, BatchLimits(max_num_seqs=256, kv_slots=512, max_waiting=len(requests))
+        )
+        try:
+            handles = [engine.submit(r) for r in requests]
+            return [h.result() for h in handles]
+        finally:
+            engine.close()
+
+    return submit
 
 
 METHODS = [

@@ -26,6 +26,7 @@ VOCAB = 4
 PROMPT = [1, 2]
 LENGTH = 4
 NUM_SAMPLES = 3000
+CHOICES = 250  # sequences per batch
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +81,18 @@ def chi_square(samples: Counter, expected_probs: dict, num_samples: int) -> tupl
 
 
 def sample_sequences(engine: SpeculativeDecoder, **kwargs) -> tuple[Counter, float]:
+    """NUM_SAMPLES sequences, decoded CHOICES at a time as one request's choices (each with
+    streams of its own, sampling its own first token from the shared prompt's logits): the same
+    steps and verifiers as one request at a time, about 20 times faster."""
     counts: Counter = Counter()
     drafted = accepted = 0
-    for seed in range(NUM_SAMPLES):
-        result = engine.generate(PROMPT, max_tokens=LENGTH, seed=seed, log=False, **kwargs)
-        counts[tuple(result.token_ids)] += 1
-        drafted += result.stats.drafted
-        accepted += result.stats.accepted
+    for seed in range(0, NUM_SAMPLES, CHOICES):
+        for result in engine.generate_choices(
+            PROMPT, CHOICES, max_tokens=LENGTH, seed=seed, log=False, **kwargs
+        ):
+            counts[tuple(result.token_ids)] += 1
+            drafted += result.stats.drafted
+            accepted += result.stats.accepted
     return counts, accepted / drafted
 
 
