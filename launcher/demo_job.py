@@ -243,6 +243,16 @@ def main(argv: Sequence[str]) -> int:
             f"  {domain:6s} low after shift {numbers['low']:.3f} -> last "
             f"{numbers['final']:.3f} (rise {numbers['rise']:+.3f})"
         )
+    firsts = report["first_versions"]
+    if firsts:
+        print(
+            "  first version of a domain's adapter, in that domain's requests since its shift: "
+            + ", ".join(
+                f"{d} published after {n['published_after']}, in service from request "
+                f"{n['served_after']}"
+                for d, n in firsts.items()
+            )
+        )
     chat = report["chat"]
     if chat["requests"]:
         print(

@@ -14,6 +14,7 @@ __all__ = [
     "chat_summary",
     "decode_rate",
     "domain_summary",
+    "first_versions",
     "reference_summary",
     "rolling",
     "throughput_series",
@@ -54,6 +55,31 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
             "low": low,
             "final": final,
             "rise": final - low,
+        }
+    return out
+
+
+def first_versions(samples: list[Any], published: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per domain with an adapter of its own: how many of its requests had finished when that
+    adapter's first version was published (``published_after``; None: never), and how many were
+    served before the first one drafted by a published version of it (``served_after``), counted
+    from the domain's first request, its shift. A chat counts for the domain it is about."""
+    out: dict[str, Any] = {}
+    first_at: dict[str, float] = {}
+    for event in published:  # in time order
+        first_at.setdefault(event["adapter"], event["t"])
+    by_domain: dict[str, list[Any]] = {}
+    for sample in sorted(samples, key=lambda s: s.time):
+        by_domain.setdefault(getattr(sample, "topic", "") or sample.domain, []).append(sample)
+    for domain, series in sorted(by_domain.items()):
+        if domain not in first_at and not any(s.adapter == domain for s in series):
+            continue  # no adapter of its own
+        at = first_at.get(domain)
+        served = [i for i, s in enumerate(series) if s.adapter == domain and s.version > 0]
+        out[domain] = {
+            "requests": len(series),
+            "published_after": None if at is None else sum(s.time <= at for s in series),
+            "served_after": served[0] if served else None,
         }
     return out
 
@@ -142,6 +168,7 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "failure_reasons": result.get("failure_reasons", []),
         "loop": result.get("loop", {}),
         "domains": domain_summary(samples),
+        "first_versions": first_versions(samples, published),
         "chat": chat_summary(samples),
         "reference": reference_summary(samples),
         "tokens_per_second": throughput_series(samples),

@@ -225,15 +225,16 @@ class TrainerConfig:
     batch_records: int = 16
     steps_per_round: int = 20
     replay_size: int = 500  # records replayed per domain (at most max_domains domains)
-    holdout_fraction: float = 0.2
+    holdout_fraction: float = 0.2  # share of a domain's records its judge window keeps (newest)
     publish_margin: float = 0.01
     min_records: int = 32
     group: str = "trainer"
     device: str = "auto"
-    holdout_size: int = 256  # held-out records per adapter and domain the judge estimates on
+    holdout_size: int = 256  # most records a judge window keeps, per adapter and domain
     max_domains: int = 8  # domains with their own replay and hold-out windows (least recent out)
     max_domain_regression: float = 0.01  # refuse a candidate worse than this on any one domain
-    min_holdout_records: int = 8  # no judging (and no publishing) with fewer held-out records
+    min_holdout_records: int = 8  # fewest a judge window keeps; no judging with fewer; a first
+    # version is trained once an adapter without one has this many fresh records too
     max_record_wait_s: float = 30.0  # start a round with < min_records once one waited this long
     consumer: str = ""  # consumer name in the group; empty: <hostname>-<pid>
     claim_idle_ms: int = 60_000  # take over entries other consumers left pending this long

@@ -11,11 +11,15 @@ clobbered.
 After each publish the store deletes the versions no one needs any more
 (`AdapterStore.collect_garbage`: `keep_versions` predecessors, held and young versions stay), so
 the store's memory stays bounded; a failure there is logged and tried again next time.
+
+An adapter with no version yet (a new domain's) can start from another adapter's current version
+(`start_from_best`): the one that does best on its records, if any beats the base draft.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from osd.adapters.lora import base_model_hash
 from osd.adapters.manifest import (
@@ -26,6 +30,7 @@ from osd.adapters.manifest import (
     PublishConflict,
 )
 from osd.adapters.store import AdapterStore
+from osd.buffer.record import Record
 from trainer.draft_trainer import DraftTrainer
 
 __all__ = ["Publisher"]
@@ -93,13 +98,45 @@ class Publisher:
         except (AdapterStoreError, ValueError) as exc:
             _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
             return
-        self.trainer.set_weights(adapter, weights, ["candidate", "current"])
+        self.trainer.set_weights(adapter, weights, ["candidate"])
         _log.info(
             "%s: resuming from v%d (acceptance estimate %s)",
             adapter,
             version,
             manifest.acceptance_estimate,
         )
+
+    def start_from_best(self, adapter: str, records: Sequence[Record]) -> str | None:
+        """Starts the candidate of `adapter`, which has no version yet, from the current version
+        of the adapter that does best on `records` (its hold-out records), if one beats the base
+        draft there. Its current slot stays the base draft: that is what replicas serve for it
+        until its first version, so what the judge compares candidates with.
+
+        Returns:
+            The adapter it starts from, or None (it has a version, or none beats the base).
+        """
+        if self.versions[adapter] is not None or not records:
+            return None
+        sources = [a for a in self.trainer.adapters if a != adapter and self.versions[a]]
+        if not sources:
+            return None
+        base = self.trainer.estimate(adapter, "current", records).lower
+        scores = {a: self.trainer.estimate(a, "current", records).lower for a in sources}
+        best = max(scores, key=lambda a: scores[a])
+        if scores[best] <= base:
+            return None
+        weights = self.trainer.weights(best, "current")
+        self.trainer.set_weights(adapter, weights, ["candidate"])
+        _log.info(
+            "%s: starts from %s v%s (acceptance %.4f vs base draft %.4f on %d records)",
+            adapter,
+            best,
+            self.versions[best],
+            scores[best],
+            base,
+            len(records),
+        )
+        return best
 
     def publish(self, adapter: str, acceptance_estimate: float) -> AdapterManifest | None:
         """Publishes the candidate of `adapter` over the version it descends from.

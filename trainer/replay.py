@@ -1,15 +1,22 @@
-"""Per-adapter data: fresh records, the bounded replay window, the hold-out window, and which
+"""Per-adapter data: the judge's windows, fresh records, the bounded replay window, and which
 stream entries may be acknowledged.
 
 Pure (the standard library and numpy): the worker feeds records in and takes batches out.
 
-Each training step of an adapter takes about half its batch from **fresh** records (read, never
-trained on, oldest first) and the rest from its **replay window** (the last `replay_size` records
-it trained on *per domain*), so an adapter follows the traffic without lag yet keeps seeing what
-it learnt before. A fresh record joins the window once a step has used it. When the window is
-short, more fresh records fill the batch; when no fresh record is left, steps replay only. The
-**hold-out window** keeps the last `holdout_size` held-out records per domain; the judge
-estimates acceptance on them and they are never trained on.
+**Test, then train** (prequential): every record an adapter receives first joins its domain's
+**hold-out window**, the records the judge estimates candidates on; the window keeps the newest
+ones, and a record it pushes out becomes **fresh**, to be trained on. So the judge only ever sees
+records the candidate never trained on, and no record is withheld from training for good (only the
+newest few of each domain wait, until newer ones push them out). A window holds
+`holdout_fraction` of the records its domain has sent, at least `min_holdout` and at most
+`holdout_size`: a new domain's first `2 * min_holdout` records are enough to train a first
+candidate on half and judge it on the other half, and a busy domain's judge sees more.
+
+Each training step of an adapter takes about half its batch from fresh records (oldest first) and
+the rest from its **replay window** (the last `replay_size` records it trained on *per domain*), so
+an adapter follows the traffic without lag yet keeps seeing what it learnt before. A fresh record
+joins the replay window once a step has used it. When the window is short, more fresh records fill
+the batch; when no fresh record is left, steps replay only.
 
 Windows are kept per domain (`DomainWindows`) and replay draws the domains in equal shares: the
 general adapter learns from every domain, and a flood of one domain (code after prose) must
@@ -17,12 +24,12 @@ neither push the others out of its memory nor out of its judge's sight, or it wo
 Domain labels come from requests, so the worker keys windows by the configured domain adapters
 plus one bucket for every other label (`trainer.examples.window_key`): a client inventing labels
 cannot push the real domains out. At most `max_domains` windows are kept; the one fed least
-recently is dropped first.
+recently is dropped first (a dropped hold-out window's records become fresh).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -41,7 +48,8 @@ class DomainWindows:
     """The newest `size` examples of each domain, for at most `max_domains` domains.
 
     Iterating yields every kept example, domain by domain, oldest first within a domain.
-    `key` names an example's window (default: its record's domain label).
+    `key` names an example's window (default: its record's domain label). `append` may keep a
+    window at another size than `size` (the hold-out windows grow with their domain's traffic).
     """
 
     def __init__(
@@ -52,16 +60,27 @@ class DomainWindows:
         self.size, self.max_domains, self.key = size, max_domains, key
         self._windows: OrderedDict[str, deque[Example]] = OrderedDict()  # least recently fed first
 
-    def append(self, example: Example) -> None:
-        domain = self.key(example)
+    def append(self, example: Example, size: int | None = None) -> list[Example]:
+        """Adds `example` to its domain's window, which then keeps its newest `size` (default:
+        the windows' size) examples.
+
+        Returns:
+            The examples that left: the window's oldest beyond `size`, and all of the least
+            recently fed domain's when a new domain needs its place.
+        """
+        size = self.size if size is None else size
+        domain, left = self.key(example), list[Example]()
         window = self._windows.get(domain)
         if window is None:
             if len(self._windows) >= self.max_domains:
-                self._windows.popitem(last=False)
-            window = self._windows[domain] = deque(maxlen=self.size)
+                left.extend(self._windows.popitem(last=False)[1])
+            window = self._windows[domain] = deque()
         else:
             self._windows.move_to_end(domain)
         window.append(example)
+        while len(window) > size:
+            left.append(window.popleft())
+        return left
 
     def extend(self, examples: Iterable[Example]) -> None:
         for example in examples:
@@ -96,9 +115,11 @@ class AdapterData:
 
     Args:
         replay_size: records kept in the replay window, per domain (>= 1).
-        holdout_size: records kept in the hold-out window, per domain (>= 1).
+        holdout_size: the most records a hold-out window keeps, per domain (>= 1).
         max_domains: domains kept in each window (>= 1).
         key: which domain window an example goes to (default: its record's domain label).
+        holdout_fraction: the share of its domain's records a hold-out window keeps, in [0, 1).
+        min_holdout: the fewest records a hold-out window keeps (capped by `holdout_size`).
     """
 
     def __init__(
@@ -107,20 +128,46 @@ class AdapterData:
         holdout_size: int,
         max_domains: int = 8,
         key: Callable[[Example], str] = record_domain,
+        *,
+        holdout_fraction: float = 0.2,
+        min_holdout: int = 8,
     ) -> None:
         if replay_size < 1 or holdout_size < 1:
             raise ValueError(
                 f"replay_size and holdout_size must be >= 1, got {replay_size}, {holdout_size}"
             )
+        if not 0.0 <= holdout_fraction < 1.0 or min_holdout < 0:
+            raise ValueError(
+                f"need holdout_fraction in [0, 1) and min_holdout >= 0, got {holdout_fraction}, "
+                f"{min_holdout}"
+            )
         self.fresh: deque[Example] = deque()
         self.replay = DomainWindows(replay_size, max_domains, key)
         self.holdout = DomainWindows(holdout_size, max_domains, key)
+        self.holdout_fraction, self.min_holdout = holdout_fraction, min(min_holdout, holdout_size)
+        self._seen: Counter[str] = Counter()  # records received per hold-out window
+
+    def holdout_target(self, domain: str) -> int:
+        """How many records `domain`'s hold-out window keeps now."""
+        share = int(self._seen[domain] * self.holdout_fraction)
+        return min(self.holdout.size, max(self.min_holdout, share))
+
+    def add(self, example: Example) -> list[Example]:
+        """Test, then train: `example` joins its domain's hold-out window, and the records that
+        window no longer keeps become fresh.
+
+        Returns:
+            The records that became fresh.
+        """
+        domain = self.holdout.key(example)
+        self._seen[domain] += 1
+        released = self.holdout.append(example, self.holdout_target(domain))
+        self.fresh.extend(released)
+        return released
 
     def add_fresh(self, example: Example) -> None:
+        """Queues `example` for training without judging on it first."""
         self.fresh.append(example)
-
-    def add_holdout(self, example: Example) -> None:
-        self.holdout.append(example)
 
     def oldest_fresh_at(self) -> float | None:
         """Arrival time of the oldest fresh record, or None when there is none."""
@@ -168,7 +215,7 @@ class AckTracker:
     def __init__(self) -> None:
         self._remaining: dict[str, int] = {}
 
-    def __contains__(self, entry_id: str) -> bool:
+    def __contains__(self, entry_id: object) -> bool:
         return entry_id in self._remaining
 
     def __len__(self) -> int:

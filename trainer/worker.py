@@ -1,25 +1,34 @@
 """The online distillation worker: log stream in, judged adapter versions out.
 
 Loop (`TrainerWorker.run`): read records from the log stream as one consumer of
-`config.trainer.group`; hold out a deterministic fraction for the judge; route the rest to the
-adapters that learn from them (`trainer.examples.adapters_for`); when an adapter has
-`min_records` fresh records (or its oldest fresh one waited `max_record_wait_s`), run a round of
-`steps_per_round` steps (half fresh, half replay: `trainer.replay`), then judge the candidate
-against the current version on held-out records and publish it with compare-and-set if it is
-better by `publish_margin` (`trainer.judge`, `trainer.publisher`).
+`config.trainer.group`; route each to the adapters that learn from it
+(`trainer.examples.adapters_for`), where it first joins the judge's hold-out window and later,
+pushed out by newer records, becomes fresh training data (test, then train: `trainer.replay`).
+Rounds go to the ready adapter that stands to gain most (fresh records times the share of drafted
+tokens the replicas' draft got wrong on them); a round runs `steps_per_round` steps (half fresh,
+half replay), then judges the candidate against the current version on the hold-out window, which
+it never trained on, and publishes it with compare-and-set if it is better by `publish_margin`
+(`trainer.judge`, `trainer.publisher`).
+
+An adapter with no version yet (a domain's, before its first) starts from the published version
+that does best on its hold-out records (the general adapter's, usually: it learnt from every
+domain) rather than from the base draft, and its first round starts as soon as it has
+`min_holdout_records` fresh records besides as many held out, not after `min_records`: a shifted
+domain's first version needs about `2 * min_holdout_records` of its records.
 
 Delivery (at least once, never twice after an acknowledgement):
 
-- a held-out (or unusable) record is acknowledged as soon as it is read: it is in the judge's
-  window, never trained on;
-- a training record is acknowledged once every adapter it was routed to has used it in a
-  training step; it then lives on only in their in-memory replay windows;
-- a record read but not yet trained on stays pending in the group. A restarted worker (any
-  consumer name) first claims every pending entry of the group, so a crash loses no record; one
-  used in a step whose acknowledgement the crash prevented is trained on once more;
+- an unusable record is acknowledged as soon as it is read;
+- every other record is acknowledged once every adapter it was routed to has used it in a
+  training step (after its time in their hold-out windows); it then lives on only in their
+  in-memory replay windows;
+- a record read but not yet trained on (held out or fresh) stays pending in the group. A
+  restarted worker (any consumer name) first claims every pending entry of the group, so a crash
+  loses no record; one used in a step whose acknowledgement the crash prevented is trained on
+  once more;
 - acknowledged records are never delivered again, so never retrained after a restart. What a
-  crash loses is the replay and hold-out windows (memory only) and candidate progress since the
-  last published version, from which the restarted worker resumes (`Publisher.restore`).
+  crash loses is the replay windows (memory only) and candidate progress since the last
+  published version, from which the restarted worker resumes (`Publisher.restore`).
 
 One trainer per consumer group: at start-up it claims all of the group's pending entries.
 """
@@ -42,11 +51,12 @@ from osd.buffer.record import Record
 from osd.config import OSDConfig
 from osd.threads import threads_applied
 from trainer.draft_trainer import build_draft_trainer
-from trainer.examples import Example, adapters_for, is_held_out, window_key
+from trainer.examples import Example, adapters_for, window_key
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData
+from trainer.schedule import expected_gain, first_version_due
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
 
@@ -114,9 +124,17 @@ class TrainerWorker:
         )
         key = functools.partial(_window_of, adapters=tuple(self.adapters))
         self.data = {
-            a: AdapterData(cfg.replay_size, cfg.holdout_size, cfg.max_domains, key)
+            a: AdapterData(
+                cfg.replay_size,
+                cfg.holdout_size,
+                cfg.max_domains,
+                key,
+                holdout_fraction=cfg.holdout_fraction,
+                min_holdout=cfg.min_holdout_records,
+            )
             for a in self.adapters
         }
+        self._started: set[str] = set()  # adapters that trained (or resumed from a version)
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -156,7 +174,7 @@ class TrainerWorker:
         """Claims entries pending for ``min_idle_ms`` (0: all, as at start-up); returns how
         many. If Redis did not answer the start-up claim, `ingest` asks again each time until it
         does, rather than leaving those entries to the periodic claim ``claim_idle_ms`` later."""
-        accepted = self._accept(self.reader.claim_stale(min_idle_ms, count=count))
+        accepted = self._accept(self.reader.claim_stale(min_idle_ms, count, held=self.acks))
         if min_idle_ms == 0:
             self._claim_all_due = not self.reader.connected
         return accepted
@@ -170,7 +188,8 @@ class TrainerWorker:
         return max(int(record.token_ids.max()), top) < self.vocab_size
 
     def _accept(self, entries: list[tuple[str, Record]]) -> int:
-        """Routes read entries to the adapters' fresh and hold-out windows; returns how many."""
+        """Routes read entries to their adapters' hold-out windows (whose oldest records become
+        fresh); returns how many."""
         done: list[str] = []
         accepted = 0
         for entry_id, record in entries:
@@ -183,15 +202,10 @@ class TrainerWorker:
                 continue
             example = Example(entry_id, record, _entry_time(entry_id))
             adapters = adapters_for(record, self.adapters)
-            if is_held_out(record.request_id, self.cfg.holdout_fraction):
-                for adapter in adapters:
-                    self.data[adapter].add_holdout(example)
-                self.stats.held_out += 1
-                done.append(entry_id)
-                continue
             self.acks.expect(entry_id, len(adapters))
             for adapter in adapters:
-                self.data[adapter].add_fresh(example)
+                self.data[adapter].add(example)
+            self.stats.held_out += 1
             self.stats.by_domain[record.domain or "-"] += 1
         self.reader.ack(done)
         return accepted
@@ -220,13 +234,18 @@ class TrainerWorker:
     # Training.
 
     def ready(self, now: float | None = None) -> list[str]:
-        """Adapters with enough fresh records, or whose oldest fresh record waited too long."""
+        """Adapters with enough fresh records, whose oldest fresh record waited too long, or
+        due a first version."""
         now = time.time() if now is None else now
         ready = []
         for adapter, data in self.data.items():
             oldest = data.oldest_fresh_at()
-            if len(data.fresh) >= self.cfg.min_records or (
-                oldest is not None and now - oldest >= self.cfg.max_record_wait_s
+            if (
+                len(data.fresh) >= self.cfg.min_records
+                or (oldest is not None and now - oldest >= self.cfg.max_record_wait_s)
+                or first_version_due(
+                    self.publisher.versions[adapter], data, self.cfg.min_holdout_records
+                )
             ):
                 ready.append(adapter)
         return ready
@@ -235,6 +254,9 @@ class TrainerWorker:
         """`steps_per_round` steps of `adapter`, acknowledging what they used, then the judge."""
         data, cfg = self.data[adapter], self.cfg
         report = RoundReport(adapter=adapter)
+        if adapter not in self._started:  # an adapter with no version starts from the best
+            self._started.add(adapter)
+            self.publisher.start_from_best(adapter, [e.record for e in data.holdout])
         started = time.perf_counter()
         for _ in range(cfg.steps_per_round):
             if self._stop.is_set():
@@ -321,12 +343,12 @@ class TrainerWorker:
 
     def run_once(self, block_ms: int = 1000) -> RoundReport | None:
         """Reads what is there (waiting up to `block_ms` when no adapter is ready), then runs
-        one round of the ready adapter with the most fresh records, if any."""
+        one round of the ready adapter with the largest `expected_gain`, if any."""
         self.ingest(block_ms=0 if self.ready() else block_ms)
         ready = self.ready()
         if not ready:
             return None
-        return self.train_round(max(ready, key=lambda a: len(self.data[a].fresh)))
+        return self.train_round(max(ready, key=lambda a: expected_gain(self.data[a].fresh)))
 
     def run(
         self,

@@ -34,7 +34,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -156,8 +156,17 @@ class LogReader:
         entries: list[_Entry] = response[0][1] if response else []
         return self._decode(self._drop_known(entries), fresh=True)
 
-    def claim_stale(self, min_idle_ms: int, count: int = 256) -> list[tuple[str, Record]]:
+    def claim_stale(
+        self, min_idle_ms: int, count: int = 256, held: Container[str] = ()
+    ) -> list[tuple[str, Record]]:
         """Takes over entries other consumers left pending for at least `min_idle_ms`.
+
+        Args:
+            min_idle_ms: how long an entry has been pending without delivery.
+            count: about how many entries to take.
+            held: ids this consumer holds already (read, not yet acknowledged): they are pending
+                on it too, and left out without decoding; the scan goes on past them, so a
+                consumer holding many cannot starve a dead one's entries.
 
         Returns:
             Up to about `count` (entry_id, record) pairs, now pending on this consumer.
@@ -174,7 +183,9 @@ class LogReader:
             if response is None:
                 break
             cursor = text(response[0])
-            entries.extend(e for e in response[1] if e[0] is not None)  # None: deleted (Redis 6)
+            entries.extend(  # None: deleted (Redis 6)
+                e for e in response[1] if e[0] is not None and text(e[0]) not in held
+            )
             if cursor == "0-0":
                 break
         entries = self._drop_known(entries)

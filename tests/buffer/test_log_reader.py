@@ -88,6 +88,25 @@ def test_entries_of_a_dead_consumer_are_claimed_and_none_is_lost(
     assert (m.pending, m.claimed, m.acked) == (0, 50, 200)
 
 
+def test_entries_a_consumer_holds_neither_come_back_nor_hide_a_dead_ones(
+    redis_url: str, stream: str
+) -> None:
+    write_records(redis_url, stream, 60)
+    holder = LogReader(redis_url, stream, consumer="holder")
+    held = [entry_id for entry_id, _ in holder.read(count=50, block_ms=0)]  # a judge's window
+    doomed = LogReader(redis_url, stream, consumer="doomed")
+    abandoned = [entry_id for entry_id, _ in doomed.read(count=10, block_ms=0)]
+    del doomed
+    time.sleep(0.06)
+    # The holder's 50 come first in the group's pending list; a claim of 5 scans past them.
+    claimed = holder.claim_stale(min_idle_ms=50, count=5, held=set(held))
+    assert [e for e, _ in claimed] == abandoned[:5]
+    rest = holder.claim_stale(min_idle_ms=0, count=100, held=set(held) | set(abandoned[:5]))
+    assert [e for e, _ in rest] == abandoned[5:]
+    assert holder.metrics().claimed == 10
+    holder.close()
+
+
 def test_corrupt_entries_are_dead_lettered_and_consumption_continues(
     redis_url: str, stream: str
 ) -> None:

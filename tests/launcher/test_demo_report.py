@@ -6,7 +6,7 @@ import pytest
 
 from launcher.demo_job import describe_reference
 from launcher.demo_live import describe_chat, recent_by_domain
-from launcher.demo_report import chat_summary, domain_summary, reference_summary
+from launcher.demo_report import chat_summary, domain_summary, first_versions, reference_summary
 from launcher.demo_traffic import Sample, is_reference
 
 
@@ -122,3 +122,23 @@ def test_chats_are_a_domain_of_their_own_with_acceptance_per_topic():
         "topics": {},
         "by_topic": {},
     }
+
+
+def test_first_versions_count_a_domains_requests_from_its_shift():
+    def served(domain, time, adapter, version, topic=""):
+        return Sample(time, domain, domain, 0.5, 10, 1.0, adapter, version, 200, topic=topic)
+
+    samples = [served("prose", t, "general", 0) for t in range(5)]
+    samples += [served("sql", 10 + t, "sql", 0) for t in range(6)]  # base draft until v1
+    samples += [served("chat", 16.5, "sql", 0, topic="sql")]  # a chat about sql counts for sql
+    samples += [served("sql", 17 + t, "sql", 1) for t in range(3)]
+    samples += [served("math", 30 + t, "math", 0) for t in range(4)]  # never got a version
+    published = [
+        {"adapter": "general", "version": 1, "t": 3.0},
+        {"adapter": "sql", "version": 1, "t": 14.5},
+        {"adapter": "sql", "version": 2, "t": 18.0},
+    ]
+    firsts = first_versions(samples, published)
+    assert sorted(firsts) == ["math", "sql"]  # prose has no adapter of its own
+    assert firsts["sql"] == {"requests": 10, "published_after": 5, "served_after": 7}
+    assert firsts["math"] == {"requests": 4, "published_after": None, "served_after": None}

@@ -29,7 +29,6 @@ from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.testing import tiny_llama
 from tests.trainer.conftest import make_config, push
-from trainer.examples import is_held_out
 from trainer.worker import TrainerWorker
 
 from .conftest import STREAM, Replica, running_replica, toy_config, wait_for
@@ -165,7 +164,11 @@ def test_judge_refuses_candidates_trained_on_a_minority_of_forged_records(
 
         worker = trainer_for(tmp_path, url)
         reports = train_until_idle(worker)
-        held_out_honest = [r for r in honest if is_held_out(r.request_id, HOLDOUT_FRACTION)]
+        held_out_honest = [  # the judge's window: never trained on
+            e.record
+            for e in worker.data["general"].holdout
+            if not e.record.request_id.startswith("forged")
+        ]
         candidate_honest, current_honest = honest_estimates(worker, held_out_honest)
         worker.close()
         after = serve(replica, probe_requests(PROBES, seed=1))

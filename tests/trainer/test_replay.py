@@ -104,3 +104,44 @@ def test_domain_windows_drop_the_least_recently_fed_domain_beyond_the_cap():
     assert len(windows.sample(10, np.random.default_rng(0))) == 4  # no more than there is
     with pytest.raises(ValueError, match="max_domains"):
         DomainWindows(size=3, max_domains=0)
+
+
+def ids(examples_: list[Example]) -> list[str]:
+    return [e.entry_id for e in examples_]
+
+
+def test_records_judge_first_and_train_once_newer_ones_push_them_out_of_the_judges_window():
+    data = AdapterData(replay_size=100, holdout_size=50, holdout_fraction=0.25, min_holdout=8)
+    released = [data.add(e) for e in domain_examples("code", 16)]
+    # The first 8 only judge; each later one pushes the oldest held-out record into training.
+    assert released[:8] == [[]] * 8
+    assert [ids(r) for r in released[8:]] == [[f"code-{i}"] for i in range(8)]
+    assert ids(list(data.holdout)) == [f"code-{i}" for i in range(8, 16)]
+    assert ids(list(data.fresh)) == [f"code-{i}" for i in range(8)]
+    # The window then grows with the domain's traffic (a quarter of it), up to holdout_size.
+    for e in domain_examples("code", 400)[16:]:
+        data.add(e)
+    assert len(data.holdout) == 50
+    assert ids(list(data.holdout)) == [f"code-{i}" for i in range(350, 400)]
+    assert len(data.fresh) + len(data.holdout) == 400  # nothing dropped
+    assert not set(ids(list(data.fresh))) & set(ids(list(data.holdout)))
+
+
+def test_each_domain_has_its_own_judging_window_and_a_dropped_window_trains_its_records():
+    data = AdapterData(replay_size=100, holdout_size=50, max_domains=2, min_holdout=4)
+    for domain in ("a", "b"):
+        for e in domain_examples(domain, 6):
+            data.add(e)
+    assert {d: len(w) for d, w in data.holdout.by_domain().items()} == {"a": 4, "b": 4}
+    assert ids(list(data.fresh)) == ["a-0", "a-1", "b-0", "b-1"]
+    released = data.add(domain_examples("c", 1)[0])  # a third domain: a's window makes room
+    assert ids(released) == ["a-2", "a-3", "a-4", "a-5"]
+    assert sorted(data.holdout.by_domain()) == ["b", "c"]
+    assert len(data.fresh) + len(data.holdout) == 13
+
+
+def test_judging_window_bounds_are_checked_and_capped():
+    data = AdapterData(replay_size=10, holdout_size=3, min_holdout=8)
+    assert data.holdout_target("x") == 3  # min_holdout never beyond holdout_size
+    with pytest.raises(ValueError, match="holdout_fraction"):
+        AdapterData(replay_size=10, holdout_size=3, holdout_fraction=1.0)

@@ -15,7 +15,6 @@ from osd.adapters.manifest import BASE_VERSION
 from osd.buffer.redis_server import connect
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
-from trainer.examples import is_held_out
 from trainer.worker import TrainerWorker
 
 
@@ -61,8 +60,11 @@ def test_training_raises_held_out_acceptance_and_publishes_the_judges_number(
     assert manifest.parent_version == (published[-2].version if len(published) > 1 else None)
 
     # Independently of the trainer: the published adapter, installed in a replica-shaped draft,
-    # accepts more on the held-out records than the base draft does.
-    holdout = [r for r in records if is_held_out(r.request_id, config.trainer.holdout_fraction)]
+    # accepts more on the held-out records (the judge's window, never trained on) than the base
+    # draft does.
+    held = worker.data["general"].holdout
+    holdout = [e.record for e in held]
+    assert not {e.entry_id for e in held} & {e.entry_id for e in worker.data["general"].replay}
     replica = attach_lora_adapters(headroom_draft(), config.model, ["general@0"])
     manifest, weights = store.load(
         "general",
@@ -77,7 +79,12 @@ def test_training_raises_held_out_acceptance_and_publishes_the_judges_number(
     print(f"held-out acceptance: base {base.lower:.4f} -> trained {trained.lower:.4f}")
     assert trained.lower > base.lower + 0.03, (base, trained)
     assert worker.stats.published == len(published)
-    assert pending_count(redis_url, stream, config.trainer.group) == 0
+    # Every record judged first, then trained once newer ones pushed it out of the judge's
+    # window; only those still in it wait (pending: a restarted trainer would claim them).
+    assert worker.stats.held_out == len(records)
+    assert worker.stats.trained_records == len(records) - len(held)
+    assert len(held) == int(len(records) * config.trainer.holdout_fraction)
+    assert pending_count(redis_url, stream, config.trainer.group) == len(held)
 
 
 def test_degraded_candidate_is_refused_and_not_published(tmp_path, redis_url, stream, records):
@@ -205,16 +212,53 @@ def test_restarted_worker_claims_what_a_crashed_one_left_pending_and_never_acked
     crashed.ingest()
     crashed.train_round("general")
     acked = {e.entry_id for e in crashed.data["general"].replay}
-    acked |= {e.entry_id for e in crashed.data["general"].holdout}
     pending = pending_count(redis_url, stream, config.trainer.group)
-    assert pending == 64 - len(acked) > 0
+    assert pending == 64 - len(acked) > 0  # held-out records too: they are to be trained on
     # The crash: no close, nothing more acknowledged; a new process takes over.
 
     worker = new_worker(config, redis_url, consumer="b")
     assert worker.stats.claimed == pending
-    claimed = {e.entry_id for e in worker.data["general"].fresh}
-    assert claimed == set(ids) - acked
+    data = worker.data["general"]
+    assert {e.entry_id for e in [*data.fresh, *data.holdout]} == set(ids) - acked
     run_until_idle(worker)
     worker.close()
-    assert worker.stats.trained_records == pending
-    assert pending_count(redis_url, stream, config.trainer.group) == 0
+    assert worker.stats.trained_records == pending - len(data.holdout)
+    assert pending_count(redis_url, stream, config.trainer.group) == len(data.holdout)
+
+
+def test_a_new_domain_gets_a_first_version_from_16_records_starting_from_the_general_one(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(
+        tmp_path, stream, "model.adapters=[general,code]", min_records=64, steps_per_round=30
+    )
+    push(redis_url, stream, records[:64])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    assert worker.train_round("general").outcome == "published"
+
+    # The shift: 16 records of a domain whose adapter has no version yet. A full round would
+    # wait for min_records (64) fresh ones; the first version is due with 8 to train on and 8
+    # to judge on, and the round goes to it, not to general, whose records the draft knows.
+    code = [dataclasses.replace(r, domain="code") for r in records[64:80]]
+    push(redis_url, stream, code)
+    worker.ingest()
+    code_data = worker.data["code"]
+    assert (len(code_data.fresh), len(code_data.holdout)) == (8, 8)
+    assert worker.ready() == ["code"]
+    general = worker.trainer.weights("general", "current")
+    assert worker.publisher.start_from_best("code", [e.record for e in code_data.holdout]) == (
+        "general"
+    )
+    for key, value in worker.trainer.weights("code", "candidate").items():
+        torch.testing.assert_close(value, general[key], rtol=0, atol=0)
+    assert all(
+        not v.any() for k, v in worker.trainer.weights("code", "current").items() if "lora_B" in k
+    )  # the judge compares with what serves code now: the base draft
+
+    report = worker.run_once(block_ms=0)
+    worker.close()
+    assert report is not None and report.adapter == "code"
+    assert report.outcome == "published", report.describe()
+    judged = {e.entry_id for e in code_data.holdout}
+    assert judged and not judged & {e.entry_id for e in code_data.replay}
