@@ -61,13 +61,14 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
 
 def first_versions(samples: list[Any], published: list[dict[str, Any]]) -> dict[str, Any]:
     """Per domain with an adapter of its own: how many of its requests had finished when that
-    adapter's first version was published (``published_after``; None: never), and how many were
+    adapter's first version was published (``published_after``; None: never, or no longer in
+    the store's history), and how many were
     served before the first one drafted by a published version of it (``served_after``), counted
     from the domain's first request, its shift. A chat counts for the domain it is about."""
     out: dict[str, Any] = {}
-    first_at: dict[str, float] = {}
-    for event in published:  # in time order
-        first_at.setdefault(event["adapter"], event["t"])
+    # Version 1 is every adapter's first (numbers go on after a rollback); the store may have
+    # deleted it by the end of a long run (bounded history): then it is unknown (None).
+    first_at = {e["adapter"]: e["t"] for e in published if e["version"] == 1}
     by_domain: dict[str, list[Any]] = {}
     for sample in sorted(samples, key=lambda s: s.time):
         by_domain.setdefault(getattr(sample, "topic", "") or sample.domain, []).append(sample)

@@ -142,3 +142,6 @@ def test_first_versions_count_a_domains_requests_from_its_shift():
     assert sorted(firsts) == ["math", "sql"]  # prose has no adapter of its own
     assert firsts["sql"] == {"requests": 10, "published_after": 5, "served_after": 7}
     assert firsts["math"] == {"requests": 4, "published_after": None, "served_after": None}
+    # v1 deleted by the end of a long run (bounded history): when it came is not known.
+    firsts = first_versions(samples, published[2:])
+    assert firsts["sql"] == {"requests": 10, "published_after": None, "served_after": 7}
