@@ -34,6 +34,7 @@ __all__ = [
     "PositionMode",
     "adapters_for",
     "collate",
+    "entry_time",
     "is_held_out",
     "rejected_positions",
     "train_positions",
@@ -114,6 +115,12 @@ def train_positions(record: Record, mode: PositionMode) -> npt.NDArray[np.bool_]
         mask[rejected_positions(record)] = True
         return mask
     raise ValueError(f"positions must be 'all' or 'rejected', got {mode!r}")
+
+
+def entry_time(entry_id: str) -> float:
+    """Unix seconds from a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
+    head = entry_id.partition("-")[0]
+    return int(head) / 1e3 if head.isdigit() else 0.0
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ A round goes to the ready adapter that stands to gain most (`expected_gain`): th
 has not trained on yet, weighted by how often the replicas' draft was wrong on them, as logged.
 So a new domain served by a draft that knows nothing of it (acceptance near 0) goes before a
 general adapter whose records the draft already gets mostly right, however many each has.
-An adapter with no version yet is ready sooner (`first_version_due`): its first version is worth
-more than a full round's worth of records.
+An adapter with no version yet is ready sooner (`first_version_due`), and the worker puts it
+first: its first version is worth more than a full round's worth of records.
 """
 
 from __future__ import annotations

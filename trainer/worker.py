@@ -2,34 +2,20 @@
 
 Loop (`TrainerWorker.run`): read records from the log stream as one consumer of
 `config.trainer.group`; route each to the adapters that learn from it
-(`trainer.examples.adapters_for`), where it first joins the judge's hold-out window and later,
-pushed out by newer records, becomes fresh training data (test, then train: `trainer.replay`).
-Rounds go to the ready adapter that stands to gain most (fresh records times the share of drafted
-tokens the replicas' draft got wrong on them); a round runs `steps_per_round` steps (half fresh,
-half replay), then judges the candidate against the current version on the hold-out window, which
-it never trained on, and publishes it with compare-and-set if it is better by `publish_margin`
-(`trainer.judge`, `trainer.publisher`).
+(`trainer.examples.adapters_for`), where it first joins the judge's window of its domain and
+later, pushed out by newer records, becomes fresh training data (test, then train:
+`trainer.replay`). Rounds go to the ready adapter with the largest expected gain
+(`trainer.schedule`); a round runs `steps_per_round` steps (half fresh, half replay), then judges
+the candidate against the current version on the judge's windows and publishes it with
+compare-and-set if it is better by `publish_margin` (`trainer.judge`, `trainer.publisher`). An
+adapter with no version yet starts from the best published one and is due a round after about
+`2 * min_holdout_records` records; a running round of another adapter yields to it.
 
-An adapter with no version yet (a domain's, before its first) starts from the published version
-that does best on its hold-out records (the general adapter's, usually: it learnt from every
-domain) rather than from the base draft, and its first round starts as soon as it has
-`min_holdout_records` fresh records besides as many held out, not after `min_records`: a shifted
-domain's first version needs about `2 * min_holdout_records` of its records.
-
-Delivery (at least once, never twice after an acknowledgement):
-
-- an unusable record is acknowledged as soon as it is read;
-- every other record is acknowledged once every adapter it was routed to has used it in a
-  training step (after its time in their hold-out windows); it then lives on only in their
-  in-memory replay windows;
-- a record read but not yet trained on (held out or fresh) stays pending in the group. A
-  restarted worker (any consumer name) first claims every pending entry of the group, so a crash
-  loses no record; one used in a step whose acknowledgement the crash prevented is trained on
-  once more;
-- acknowledged records are never delivered again, so never retrained after a restart. What a
-  crash loses is the replay windows (memory only) and candidate progress since the last
-  published version, from which the restarted worker resumes (`Publisher.restore`).
-
+Delivery (docs/trainer.md, "Delivery, acknowledgement and restart"): at least once, never twice
+after an acknowledgement. A record is acknowledged once every adapter it was routed to trained on
+it (an unusable one at once); until then it stays pending in the group, and a restarted worker
+(any consumer name) first claims every pending entry, so a crash loses no record, only the
+replay windows and candidate progress since the last published version (`Publisher.restore`).
 One trainer per consumer group: at start-up it claims all of the group's pending entries.
 """
 
@@ -51,7 +37,7 @@ from osd.buffer.record import Record
 from osd.config import OSDConfig
 from osd.threads import threads_applied
 from trainer.draft_trainer import build_draft_trainer
-from trainer.examples import Example, adapters_for, window_key
+from trainer.examples import Example, adapters_for, entry_time, window_key
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
@@ -65,8 +51,6 @@ __all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
 _MAX_CLAIM = 100_000
-
-
 # Held-out positions a domain needs before the judge weighs it and guards it against regression
 # (fewer: too noisy to tell a 0.01 loss). When no domain has that many, all domains are weighed.
 MIN_DOMAIN_POSITIONS = 128
@@ -74,12 +58,6 @@ MIN_DOMAIN_POSITIONS = 128
 
 def _window_of(example: Example, adapters: tuple[str, ...]) -> str:
     return window_key(example.record, adapters)
-
-
-def _entry_time(entry_id: str) -> float:
-    """Unix seconds from a stream entry id (``<ms>-<seq>``); 0 when it is not one."""
-    head = entry_id.partition("-")[0]
-    return int(head) / 1e3 if head.isdigit() else 0.0
 
 
 class TrainerWorker:
@@ -200,7 +178,7 @@ class TrainerWorker:
                 self.stats.skipped += 1
                 done.append(entry_id)
                 continue
-            example = Example(entry_id, record, _entry_time(entry_id))
+            example = Example(entry_id, record, entry_time(entry_id))
             adapters = adapters_for(record, self.adapters)
             self.acks.expect(entry_id, len(adapters))
             for adapter in adapters:
@@ -243,24 +221,37 @@ class TrainerWorker:
             if (
                 len(data.fresh) >= self.cfg.min_records
                 or (oldest is not None and now - oldest >= self.cfg.max_record_wait_s)
-                or first_version_due(
-                    self.publisher.versions[adapter], data, self.cfg.min_holdout_records
-                )
+                or self._first_version_due(adapter)
             ):
                 ready.append(adapter)
         return ready
 
+    def _first_version_due(self, adapter: str) -> bool:
+        versions, least = self.publisher.versions, self.cfg.min_holdout_records
+        return first_version_due(versions[adapter], self.data[adapter], least)
+
+    def _first_version_waits(self, training: str) -> bool:
+        """Whether, while `training` (which has a version) trains, records arrived that make
+        another adapter due its first version: the round then yields to it."""
+        if self.publisher.versions[training] is None:
+            return False
+        self.ingest()
+        return any(self._first_version_due(a) for a in self.adapters if a != training)
+
     def train_round(self, adapter: str) -> RoundReport:
-        """`steps_per_round` steps of `adapter`, acknowledging what they used, then the judge."""
+        """`steps_per_round` steps of `adapter`, acknowledging what they used, then the judge;
+        a round that yields to a first version (`_first_version_waits`) ends unjudged."""
         data, cfg = self.data[adapter], self.cfg
         report = RoundReport(adapter=adapter)
         if adapter not in self._started:  # an adapter with no version starts from the best
             self._started.add(adapter)
             self.publisher.start_from_best(adapter, [e.record for e in data.holdout])
-        started = time.perf_counter()
+        started, yielded = time.perf_counter(), False
         for _ in range(cfg.steps_per_round):
             if self._stop.is_set():
                 break  # stopping: judge what was trained so far, then return
+            if yielded := self._first_version_waits(adapter):
+                break  # its candidate is judged after its next round
             batch, fresh = data.next_batch(cfg.batch_records, self.rng)
             if not batch:
                 break
@@ -278,7 +269,10 @@ class TrainerWorker:
             self.loop_at = time.time()
         report.train_s = time.perf_counter() - started
         self.stats.add_round(report)
-        self.judge_and_publish(adapter, report)
+        if yielded:
+            report.outcome = "yielded"
+        else:
+            self.judge_and_publish(adapter, report)
         self._emit(report)
         return report
 
@@ -343,12 +337,17 @@ class TrainerWorker:
 
     def run_once(self, block_ms: int = 1000) -> RoundReport | None:
         """Reads what is there (waiting up to `block_ms` when no adapter is ready), then runs
-        one round of the ready adapter with the largest `expected_gain`, if any."""
+        one round of a ready adapter, if any: one due its first version before the others (it
+        serves its domain with the base draft until then), the largest `expected_gain` first."""
         self.ingest(block_ms=0 if self.ready() else block_ms)
         ready = self.ready()
         if not ready:
             return None
-        return self.train_round(max(ready, key=lambda a: expected_gain(self.data[a].fresh)))
+        return self.train_round(
+            max(
+                ready, key=lambda a: (self._first_version_due(a), expected_gain(self.data[a].fresh))
+            )
+        )
 
     def run(
         self,

@@ -31,7 +31,8 @@ class RoundReport:
         train_s: seconds spent in the steps.
         verdict: the judge's verdict; None while there were too few held-out records.
         outcome: "published", "refused", "conflict", "unavailable" (the adapter store could not
-            be reached) or "waiting" (too few held-out records).
+            be reached), "waiting" (too few held-out records) or "yielded" (ended unjudged for
+            another adapter's first version).
         version: the version published, if any.
         record_to_version_s: for each record first included by this published version, seconds
             from its arrival in the log to the publication.

@@ -15,6 +15,7 @@ from osd.adapters.manifest import BASE_VERSION
 from osd.buffer.redis_server import connect
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
+from trainer.schedule import expected_gain
 from trainer.worker import TrainerWorker
 
 
@@ -262,3 +263,28 @@ def test_a_new_domain_gets_a_first_version_from_16_records_starting_from_the_gen
     assert report.outcome == "published", report.describe()
     judged = {e.entry_id for e in code_data.holdout}
     assert judged and not judged & {e.entry_id for e in code_data.replay}
+
+
+def test_a_running_round_yields_when_a_new_domain_becomes_due_its_first_version(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(tmp_path, stream, "model.adapters=[general,code]", steps_per_round=10)
+    push(redis_url, stream, records[:64])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    assert worker.train_round("general").outcome == "published"
+    push(redis_url, stream, records[64:112])
+    worker.ingest()
+    code = [dataclasses.replace(r, domain="code") for r in records[112:128]]
+    # The shift lands while general trains: after its first step.
+    worker.on_trained = lambda adapter, _ids: push(redis_url, stream, code) if adapter else None
+    report = worker.train_round("general")
+    worker.on_trained = None
+    assert report.outcome == "yielded" and report.steps == 1, report.describe()
+    assert report.verdict is None  # not judged: its candidate is after its next round
+    # General has more fresh records, which the draft gets as wrong as code's (the same traffic
+    # relabelled): it has the larger expected gain, yet code's first version goes first.
+    assert expected_gain(worker.data["general"].fresh) > expected_gain(worker.data["code"].fresh)
+    report = worker.run_once(block_ms=0)
+    worker.close()
+    assert report is not None and report.adapter == "code" and report.outcome == "published"
