@@ -250,6 +250,8 @@ def main(argv: Sequence[str]) -> int:
             + ", ".join(
                 f"{d} published after {n['published_after']}, in service from request "
                 f"{n['served_after']}"
+                if n["served_after"] is not None
+                else f"{d} none in service"
                 for d, n in firsts.items()
             )
         )
