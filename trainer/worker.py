@@ -231,11 +231,12 @@ class TrainerWorker:
         return first_version_due(versions[adapter], self.data[adapter], least)
 
     def _first_version_waits(self, training: str) -> bool:
-        """Whether, while `training` (which has a version) trains, records arrived that make
-        another adapter due its first version: the round then yields to it."""
+        """Whether records read while `training` (which has a version) trains make another
+        adapter due its first version (the round yields), reading only while Redis answers."""
         if self.publisher.versions[training] is None:
             return False
-        self.ingest()
+        if self.reader.connected:
+            self.ingest()
         return any(self._first_version_due(a) for a in self.adapters if a != training)
 
     def train_round(self, adapter: str) -> RoundReport:
