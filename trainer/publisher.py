@@ -98,7 +98,7 @@ class Publisher:
         except (AdapterStoreError, ValueError) as exc:
             _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
             return
-        self.trainer.set_weights(adapter, weights, ["candidate"])
+        self.trainer.set_weights(adapter, weights, ["candidate", "current"])
         _log.info(
             "%s: resuming from v%d (acceptance estimate %s)",
             adapter,

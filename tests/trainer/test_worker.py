@@ -141,9 +141,10 @@ def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
     assert store.current(name) == rival.version  # the rival's version stays current
     assert worker.publisher.versions[name] == rival.version
     assert worker.stats.conflicts == 1
-    reloaded = worker.trainer.weights(name, "candidate")
-    for key, value in lora_state_dict(other, f"{name}@0").items():
-        torch.testing.assert_close(reloaded[key], value, rtol=0, atol=0)
+    for slot in ("candidate", "current"):  # current: what the judge compares candidates with
+        reloaded = worker.trainer.weights(name, slot)
+        for key, value in lora_state_dict(other, f"{name}@0").items():
+            torch.testing.assert_close(reloaded[key], value, rtol=0, atol=0)
 
     # Training goes on from the rival's version and publishes over it.
     report = worker.train_round(name)
