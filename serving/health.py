@@ -209,11 +209,14 @@ class LoopHealth:
         if beat is None:
             check["problem"] = "no trainer has reported on this stream"
             return _graded(check)
-        waiting = (group.get("lag") or 0) + (group.get("pending") or 0)
+        # Records the trainer holds to judge on stay pending by design (not waiting for it).
+        judging = min(beat.judging, group.get("pending") or 0)
+        waiting = (group.get("lag") or 0) + (group.get("pending") or 0) - judging
         last_ack_age = now - beat.last_ack_at if beat.last_ack_at else None
         check.update(
             pid=beat.pid,
             rounds=beat.rounds,
+            judging=beat.judging,
             heartbeat_age_s=round(now - beat.alive_at, 1),
             loop_age_s=round(now - beat.loop_at, 1),
             last_ack_age_s=None if last_ack_age is None else round(last_ack_age, 1),

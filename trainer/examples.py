@@ -35,6 +35,7 @@ __all__ = [
     "adapters_for",
     "collate",
     "entry_time",
+    "example_window",
     "is_held_out",
     "rejected_positions",
     "train_positions",
@@ -245,3 +246,8 @@ def collate(records: Sequence[Record], mode: PositionMode) -> Batch:
         eval_mask=torch.from_numpy(eval_mask),
         first_index=min(r.prompt_len for r in records) - 1,
     )
+
+
+def example_window(example: Example, adapter_names: Sequence[str]) -> str:
+    """The replay and hold-out window of an example: its record's `window_key`."""
+    return window_key(example.record, adapter_names)

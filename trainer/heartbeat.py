@@ -30,7 +30,8 @@ class Heartbeat(Closeable):
     Args:
         url: the Redis holding the log stream.
         stream, group: the stream and consumer group the trainer consumes.
-        progress: returns (loop_at, last_ack_at, rounds) from the trainer, read at each beat.
+        progress: returns (loop_at, last_ack_at, rounds, judging) from the trainer, read at
+            each beat.
         interval_s: seconds between beats.
     """
 
@@ -39,7 +40,7 @@ class Heartbeat(Closeable):
         url: str,
         stream: str,
         group: str,
-        progress: Callable[[], tuple[float, float, int]],
+        progress: Callable[[], tuple[float, float, int, int]],
         *,
         interval_s: float = 5.0,
     ) -> None:
@@ -64,8 +65,10 @@ class Heartbeat(Closeable):
 
     def beat(self) -> bool:
         """Writes one beat now; False (logged once per outage) when Redis did not take it."""
-        loop_at, last_ack_at, rounds = self._progress()
-        beat = TrainerBeat(os.getpid(), time.time(), loop_at, last_ack_at, rounds, self._started_at)
+        loop_at, last_ack_at, rounds, judging = self._progress()
+        beat = TrainerBeat(
+            os.getpid(), time.time(), loop_at, last_ack_at, rounds, self._started_at, judging
+        )
         try:
             write_beat(self._client, self.key, beat)
         except redis.RedisError as exc:

@@ -36,7 +36,7 @@ import numpy as np
 
 from trainer.examples import Example
 
-__all__ = ["AckTracker", "AdapterData", "DomainWindows"]
+__all__ = ["AckTracker", "AdapterData", "DomainWindows", "held_for_judging"]
 
 
 def record_domain(example: Example) -> str:
@@ -242,3 +242,10 @@ class AckTracker:
                 del self._remaining[entry_id]
                 done.append(entry_id)
         return done
+
+
+def held_for_judging(acks: AckTracker, data: Iterable[AdapterData]) -> int:
+    """How many unacknowledged entries wait only in judge windows (in no adapter's fresh queue):
+    pending by design, not a backlog (the trainer's heartbeat reports them)."""
+    fresh = {example.entry_id for adapter_data in data for example in adapter_data.fresh}
+    return max(0, len(acks) - len(fresh))

@@ -37,11 +37,11 @@ from osd.buffer.record import Record
 from osd.config import OSDConfig
 from osd.threads import threads_applied
 from trainer.draft_trainer import build_draft_trainer
-from trainer.examples import Example, adapters_for, entry_time, window_key
+from trainer.examples import Example, adapters_for, entry_time, example_window
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
-from trainer.replay import AckTracker, AdapterData
+from trainer.replay import AckTracker, AdapterData, held_for_judging
 from trainer.schedule import expected_gain, first_version_due
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
@@ -54,10 +54,6 @@ _MAX_CLAIM = 100_000
 # Held-out positions a domain needs before the judge weighs it and guards it against regression
 # (fewer: too noisy to tell a 0.01 loss). When no domain has that many, all domains are weighed.
 MIN_DOMAIN_POSITIONS = 128
-
-
-def _window_of(example: Example, adapters: tuple[str, ...]) -> str:
-    return window_key(example.record, adapters)
 
 
 class TrainerWorker:
@@ -100,7 +96,7 @@ class TrainerWorker:
         self.reader = LogReader(
             redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
         )
-        key = functools.partial(_window_of, adapters=tuple(self.adapters))
+        key = functools.partial(example_window, adapter_names=tuple(self.adapters))
         self.data = {
             a: AdapterData(
                 cfg.replay_size,
@@ -112,7 +108,7 @@ class TrainerWorker:
             )
             for a in self.adapters
         }
-        self._started: set[str] = set()  # adapters that trained (or resumed from a version)
+        self._started: set[str] = set()  # adapters that ran a round in this process
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -121,15 +117,15 @@ class TrainerWorker:
         self._last_claim = time.monotonic()
         self._claim_all_due = False  # the start-up claim found Redis down: claim all again
         self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
-        # Audit hook: called after each step with the adapter and the stream entry ids it
-        # trained on for the first time (the reliability tests count trainings per entry).
+        # Audit hook after each step: (adapter, entry ids trained on for the first time).
         self.on_trained: Callable[[str, list[str]], None] | None = None
         self.loop_at = time.time()  # the loop last came round (or a step ended): the heartbeat
+        self.judging = 0  # entries held only to judge on, as of loop_at (for the heartbeat)
         self.heartbeat = Heartbeat(
             redis_url,
             config.log.stream,
             cfg.group,
-            lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds),
+            lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds, self.judging),
         )
         self._resume()
 
@@ -227,8 +223,10 @@ class TrainerWorker:
         return ready
 
     def _first_version_due(self, adapter: str) -> bool:
+        """Only before an adapter's first round: one refused then waits like the others."""
         versions, least = self.publisher.versions, self.cfg.min_holdout_records
-        return first_version_due(versions[adapter], self.data[adapter], least)
+        due = first_version_due(versions[adapter], self.data[adapter], least)
+        return due and adapter not in self._started
 
     def _first_version_waits(self, training: str) -> bool:
         """Whether records read while `training` (which has a version) trains make another
@@ -268,6 +266,7 @@ class TrainerWorker:
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
             self.loop_at = time.time()
+            self.judging = held_for_judging(self.acks, self.data.values())
         report.train_s = time.perf_counter() - started
         self.stats.add_round(report)
         if yielded:
@@ -376,6 +375,7 @@ class TrainerWorker:
             self.heartbeat.start()  # replicas' /health sees the trainer consume
         while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
             self.loop_at = time.time()
+            self.judging = held_for_judging(self.acks, self.data.values())
             before = self.stats.read + self.stats.claimed
             report = self.run_once(block_ms=200 if exit_when_idle_s is not None else 1000)
             rounds += report is not None

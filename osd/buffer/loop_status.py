@@ -37,6 +37,8 @@ class TrainerBeat:
         last_ack_at: when Redis last confirmed an acknowledgement (0: none yet).
         rounds: training rounds run since the trainer started.
         started_at: when it started.
+        judging: records it holds only to judge candidates on (pending in the group by design
+            until newer records push them into training; not a backlog).
     """
 
     pid: int
@@ -45,6 +47,7 @@ class TrainerBeat:
     last_ack_at: float
     rounds: int
     started_at: float
+    judging: int = 0
 
 
 def write_beat(client: redis.Redis, key: str, beat: TrainerBeat) -> None:
@@ -67,6 +70,7 @@ def read_beat(client: redis.Redis, key: str) -> TrainerBeat | None:
             last_ack_at=float(fields["last_ack_at"]),
             rounds=int(fields["rounds"]),
             started_at=float(fields["started_at"]),
+            judging=int(fields.get("judging", "0")),  # absent from an older trainer's beats
         )
     except (KeyError, ValueError):
         return None

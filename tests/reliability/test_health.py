@@ -8,6 +8,7 @@ docs/reliability.md, "Health".
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -99,6 +100,31 @@ def test_views_follow_redis_and_trainer_down_and_back(redis_server, tmp_path):
 
         with running_trainer(tmp_path, redis_server.url):
             wait_for(lambda: replica.health()["status"] == "ok", 20)
+
+
+def test_records_the_trainer_holds_to_judge_on_are_not_a_stale_backlog(redis_server, tmp_path):
+    """Fewer records than a judge window keeps: all stay pending (not trained, so not
+    acknowledged) for as long as no newer ones come; the trainer reports them in its beat, and
+    the replica does not count them as records waiting for it."""
+    limits = HealthLimits(drop_window_s=1.0, ack_stale_s=1.0)
+    store = open_adapter_store(redis_server.url)
+    with (
+        running_replica(
+            toy_config(), redis_url=redis_server.url, store=store, health_limits=limits
+        ) as replica,
+        running_trainer(tmp_path, redis_server.url),
+    ):
+        for _ in range(3):
+            assert replica.complete().status_code == 200
+
+        def trainer_check() -> dict:
+            return replica.client.get("/ready").json()["checks"]["trainer"]
+
+        wait_for(lambda: trainer_check().get("judging") == 3, 20)
+        time.sleep(limits.ack_stale_s + 0.5)  # nothing acknowledged for longer than allowed
+        check = trainer_check()
+        assert (check["pending"], check["judging"], check["status"]) == (3, 3, "ok"), check
+        assert replica.health()["status"] == "ok"
 
 
 def test_ready_is_503_when_the_decode_loop_stopped():

@@ -289,3 +289,24 @@ def test_a_running_round_yields_when_a_new_domain_becomes_due_its_first_version(
     report = worker.run_once(block_ms=0)
     worker.close()
     assert report is not None and report.adapter == "code" and report.outcome == "published"
+
+
+def test_a_refused_first_round_waits_like_any_other_round_and_preempts_nothing(
+    tmp_path, redis_url, stream, records
+):
+    config = make_config(
+        tmp_path, stream, "model.adapters=[general,code]", min_records=64, publish_margin=0.9
+    )
+    code = [dataclasses.replace(r, domain="code") for r in records[:32]]
+    push(redis_url, stream, code[:16])
+    worker = new_worker(config, redis_url)
+    worker.ingest()
+    assert "code" in worker.ready()
+    assert worker.train_round("code").outcome == "refused"  # the margin refuses everything
+    push(redis_url, stream, code[16:24])
+    worker.ingest()
+    # 8 more records would make an adapter without a version due its first round again; this
+    # one had its first round, so it waits for min_records (or max_record_wait_s) like the
+    # others, and cannot make their rounds yield to it every 8 records.
+    assert len(worker.data["code"].fresh) == 8 and "code" not in worker.ready(now=0.0)
+    worker.close()
