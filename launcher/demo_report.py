@@ -60,11 +60,11 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
 
 
 def first_versions(samples: list[Any], published: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per domain with an adapter of its own: how many of its requests had finished when that
-    adapter's first version was published (``published_after``; None: never, or no longer in
-    the store's history), and how many were
-    served before the first one drafted by a published version of it (``served_after``), counted
-    from the domain's first request, its shift. A chat counts for the domain it is about."""
+    """Per domain with an adapter of its own, counted from the domain's first request (its
+    shift): how many of its requests had finished when that adapter's first version was
+    published (``published_after``; None: never, or no longer in the store's history), and how
+    many were served before the first one drafted by a published version of it
+    (``served_after``). A chat counts for the domain it is about."""
     out: dict[str, Any] = {}
     # Version 1 is every adapter's first (numbers go on after a rollback); the store may have
     # deleted it by the end of a long run (bounded history): then it is unknown (None).

@@ -165,10 +165,6 @@ class AdapterData:
         self.fresh.extend(released)
         return released
 
-    def add_fresh(self, example: Example) -> None:
-        """Queues `example` for training without judging on it first."""
-        self.fresh.append(example)
-
     def oldest_fresh_at(self) -> float | None:
         """Arrival time of the oldest fresh record, or None when there is none."""
         return self.fresh[0].arrived_at if self.fresh else None

@@ -19,8 +19,7 @@ def examples(prefix: str, n: int) -> list[Example]:
 
 def filled(num_fresh: int, num_replay: int, replay_size: int = 100) -> AdapterData:
     data = AdapterData(replay_size=replay_size, holdout_size=10)
-    for e in examples("f", num_fresh):
-        data.add_fresh(e)
+    data.fresh.extend(examples("f", num_fresh))  # as if pushed out of the judge's window
     data.trained(examples("r", num_replay))
     return data
 
