@@ -11,7 +11,8 @@ Run from the repository root (needs the demo pair: ``osd demo-models build``)::
    redis-server, a directory adapter store) reads them from the stream ``--chunk`` at a time and
    trains, judges and publishes as it does in the demo. After each chunk, the *published* version
    of the domain's adapter (and of the general adapter) is measured.
-3. **Offline**: a fresh LoRA adapter of the same layout trained on the same training records for
+3. **Offline**: a fresh LoRA adapter of the same layout trained on all the logged records (the
+   online worker trains on all but its newest judge window: each record judges, then trains) for
    ``--offline-epochs`` passes (default 40: several times the steps the online trainer took):
    what distillation on these records reaches when compute is no object.
 
@@ -47,7 +48,6 @@ from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.evaluation import measure_acceptance
 from osd.demo.report import load_pair
 from trainer.draft_trainer import DraftTrainer, build_draft_trainer, peft_name
-from trainer.examples import is_held_out
 from trainer.worker import TrainerWorker
 
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -202,9 +202,8 @@ def run_online(
 def run_offline(
     args: argparse.Namespace, draft: Any, records: Sequence[Record], meter: Meter
 ) -> dict[str, Any]:
-    """Same LoRA layout and learning rate, same training records, many passes."""
-    holdout = load_config(_CONFIG, []).trainer.holdout_fraction
-    records = [r for r in records if not is_held_out(r.request_id, args.holdout or holdout)]
+    """Same LoRA layout and learning rate, all the records (a few more than online trained
+    on), many passes."""
     config = load_config(_CONFIG, ["wandb.mode=disabled"])
     # Built as the online worker builds its own: same loss, learning rate, device and seed.
     trainer = build_draft_trainer(config, [args.domain], draft, base_model_id="demo:draft")

@@ -215,7 +215,7 @@ def bench_latency(pair: Pair, records: Sequence[Record], duration_s: float, rate
         f"  record -> version at {rate:g} records/s for {duration_s:.0f} s: p50 "
         f"{latency['p50']:.2f} s, mean {latency['mean']:.2f} s, max {latency['max']:.2f} s; "
         f"{stats['published']} versions published, {stats['refused']} refused, "
-        f"{stats['trained_records']} records trained, {stats['held_out']} held out"
+        f"{stats['trained_records']} records trained, {stats['held_out']} judged first"
     )
 
 
