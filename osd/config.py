@@ -27,6 +27,7 @@ __all__ = [
     "LogConfig",
     "ModelConfig",
     "OSDConfig",
+    "RoutingConfig",
     "ServeConfig",
     "SpecConfig",
     "TrainerConfig",
@@ -279,6 +280,50 @@ class TrainerConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """Content routing of requests that name no ``domain`` and no ``draft`` (docs/trainer.md,
+    "Content routing"): the trainer fits a routing model on logged records and gives free domain
+    adapters to new topics of unlabeled traffic; replicas route by the published model."""
+
+    enabled: bool = True
+    # Replica: the bandit chooses when the model's choice is less likely than this. 0: always
+    # follow the model, as the trainer judged it (its argmax).
+    min_confidence: float = 0.0
+    fit_every: int = 8  # trainer: a candidate router each this many new records
+    window: int = 256  # newest records of each domain the router is fit and judged on
+    publish_margin: float = 0.002  # routed acceptance a candidate must add on held-out records
+    discover: bool = True  # open a free domain adapter for a new topic of unlabeled traffic
+    topic_similarity: float = 0.25  # cosine of a prompt to a topic's centroid to belong to it
+    novelty_margin: float = 0.15  # below the median acceptance by this much: served poorly
+    # Replica: share of unlabeled requests a new routing model's predecessor still routes, so the
+    # two are compared on the same traffic before the new one is kept or rolled back.
+    trial_share: float = 0.2
+
+    def __post_init__(self) -> None:
+        _require(
+            0 <= self.min_confidence <= 1,
+            "routing.min_confidence",
+            self.min_confidence,
+            "in [0, 1]",
+        )
+        _require(self.fit_every >= 1, "routing.fit_every", self.fit_every, ">= 1")
+        _require(self.window >= 16, "routing.window", self.window, ">= 16")
+        _require(
+            0 <= self.publish_margin < 1, "routing.publish_margin", self.publish_margin, "in [0, 1)"
+        )
+        _require(
+            0 < self.topic_similarity < 1,
+            "routing.topic_similarity",
+            self.topic_similarity,
+            "in (0, 1)",
+        )
+        _require(
+            0 <= self.novelty_margin < 1, "routing.novelty_margin", self.novelty_margin, "in [0, 1)"
+        )
+        _require(0 <= self.trial_share < 1, "routing.trial_share", self.trial_share, "in [0, 1)")
+
+
+@dataclass(frozen=True)
 class WandbConfig:
     """Weights & Biases: offline by default (``wandb sync`` later); online with a key."""
 
@@ -297,6 +342,7 @@ class OSDConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     adapters: AdapterConfig = field(default_factory=AdapterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     run_dir: str = "runs/latest"
 
