@@ -25,7 +25,7 @@ from osd.adapters.lora import adapter_spec, check_lora_shapes, lora_shapes, lora
 from osd.adapters.manifest import AdapterSpec
 from osd.buffer.record import Record
 from osd.config import ModelConfig, OSDConfig, resolve_device
-from osd.distill.acceptance import AcceptanceEstimate, estimate_acceptance
+from osd.distill.acceptance import AcceptanceEstimate, acceptance_bounds, estimate_acceptance
 from osd.distill.losses import LossName, distillation_loss
 from osd.model_sources import attach_lora_adapters, load_draft
 from trainer.examples import Batch, PositionMode, collate
@@ -170,6 +170,21 @@ class DraftTrainer:
             top_ids, top_probs, _, eval_mask = batch.sliced()
             parts.append(estimate_acceptance(logits, top_ids, top_probs, eval_mask))
         return AcceptanceEstimate.combine(parts)
+
+    @torch.no_grad()
+    def record_acceptance(self, adapter: str, slot: Slot, records: Sequence[Record]) -> list[float]:
+        """Each record's mean acceptance lower bound under `slot` of `adapter` (what the content
+        router's labels compare across adapters)."""
+        out: list[float] = []
+        for start in range(0, len(records), self.eval_batch_records):
+            batch = collate(records[start : start + self.eval_batch_records], "all")
+            batch = batch.to(self.device)
+            logits = self._logits(adapter, slot, batch).float()
+            top_ids, top_probs, _, eval_mask = batch.sliced()
+            lower, _ = acceptance_bounds(logits, top_ids, top_probs)
+            mask = eval_mask.float()
+            out.extend((lower * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).tolist())
+        return out
 
     def weights(self, adapter: str, slot: Slot = "candidate") -> dict[str, Tensor]:
         """CPU copies of one slot's LoRA tensors, keyed as the store and replicas expect."""

@@ -60,14 +60,18 @@ def is_held_out(request_id: str, fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2.0**64 < fraction
 
 
-def window_key(record: Record, adapter_names: Sequence[str]) -> str:
-    """The replay and hold-out window a record belongs to: its domain when that domain has its
-    own adapter, else ``""``, one bucket for every other label (prose in the demo, and any label
-    a client made up), so requests cannot multiply the windows."""
-    return record.domain if record.domain in adapter_names[1:] else ""
+def window_key(record: Record, adapter_names: Sequence[str], domain: str | None = None) -> str:
+    """The replay and hold-out window a record belongs to: its domain (`domain` when given,
+    else its label) when that domain has its own adapter, else ``""``, one bucket for every other
+    label (prose in the demo, and any label a client made up), so requests cannot multiply the
+    windows."""
+    domain = record.domain if domain is None else domain
+    return domain if domain in adapter_names[1:] else ""
 
 
-def adapters_for(record: Record, adapter_names: Sequence[str]) -> list[str]:
+def adapters_for(
+    record: Record, adapter_names: Sequence[str], domain: str | None = None
+) -> list[str]:
     """The adapters that learn from `record`.
 
     The first configured adapter is the general one and learns from every record; each other
@@ -78,6 +82,8 @@ def adapters_for(record: Record, adapter_names: Sequence[str]) -> list[str]:
     Args:
         record: a logged record.
         adapter_names: `config.model.adapters`, general adapter first.
+        domain: the domain an unlabeled record was assigned to (`trainer.topics`); None: the
+            record's own label.
 
     Returns:
         Adapter names, general first; a record of an unknown domain goes to the general one only.
@@ -85,7 +91,8 @@ def adapters_for(record: Record, adapter_names: Sequence[str]) -> list[str]:
     if not adapter_names:
         raise ValueError("adapter_names must name at least the general adapter")
     general, *domains = adapter_names
-    return [general, record.domain] if record.domain in domains else [general]
+    domain = record.domain if domain is None else domain
+    return [general, domain] if domain in domains else [general]
 
 
 def rejected_positions(record: Record) -> npt.NDArray[np.int64]:
@@ -132,11 +139,14 @@ class Example:
         entry_id: the log stream entry id it came from ("" when not from a stream).
         record: the record itself.
         arrived_at: unix seconds when it reached the log (from the entry id), for latency.
+        domain: the domain it trains as when its record carries no label (a topic's adapter,
+            `trainer.topics`); None: its record's label decides.
     """
 
     entry_id: str
     record: Record
     arrived_at: float
+    domain: str | None = None
 
     @property
     def num_generated(self) -> int:
@@ -249,5 +259,6 @@ def collate(records: Sequence[Record], mode: PositionMode) -> Batch:
 
 
 def example_window(example: Example, adapter_names: Sequence[str]) -> str:
-    """The replay and hold-out window of an example: its record's `window_key`."""
-    return window_key(example.record, adapter_names)
+    """The replay and hold-out window of an example: its record's `window_key` (under the domain
+    it was assigned to, if any)."""
+    return window_key(example.record, adapter_names, example.domain)

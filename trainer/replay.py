@@ -225,6 +225,10 @@ class AckTracker:
             raise ValueError(f"entry {entry_id} is registered already")
         self._remaining[entry_id] = num_adapters
 
+    def expect_more(self, entry_id: str) -> None:
+        """One more adapter will train on a registered entry (a new topic took it)."""
+        self._remaining[entry_id] += 1
+
     def used(self, entry_ids: Iterable[str]) -> list[str]:
         """One adapter trained on `entry_ids`; returns those now done (to acknowledge)."""
         done = []

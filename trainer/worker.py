@@ -21,6 +21,7 @@ One trainer per consumer group: at start-up it claims all of the group's pending
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -35,6 +36,7 @@ from osd.adapters.store import AdapterStore, AdapterStoreUnavailable
 from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.config import OSDConfig
+from osd.routing.store import RouterStore
 from osd.threads import threads_applied
 from trainer.draft_trainer import build_draft_trainer
 from trainer.examples import Example, adapters_for, entry_time, example_window
@@ -42,6 +44,7 @@ from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData, held_for_judging
+from trainer.routing import RoutingTrainer
 from trainer.schedule import expected_gain, first_version_due
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
@@ -109,6 +112,14 @@ class TrainerWorker:
             for a in self.adapters
         }
         self._started: set[str] = set()  # adapters that ran a round in this process
+        self.routing = RoutingTrainer(
+            self.adapters,
+            lambda adapter, records: self.trainer.record_acceptance(adapter, "current", records),
+            self.publisher.versions,
+            config.routing,
+            RouterStore(redis_url, config.log.stream, keep_versions=retention.keep_versions),
+            min_records=2 * cfg.min_holdout_records,
+        )
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -163,26 +174,39 @@ class TrainerWorker:
 
     def _accept(self, entries: list[tuple[str, Record]]) -> int:
         """Routes read entries to their adapters' hold-out windows (whose oldest records become
-        fresh); returns how many."""
+        fresh), unlabeled ones by content (`trainer.routing`); returns how many."""
         done: list[str] = []
-        accepted = 0
+        usable: list[Example] = []
         for entry_id, record in entries:
             if entry_id in self.acks:
                 continue  # claimed again while we hold it
-            accepted += 1
             if not self._usable(record):
                 self.stats.skipped += 1
                 done.append(entry_id)
-                continue
-            example = Example(entry_id, record, entry_time(entry_id))
-            adapters = adapters_for(record, self.adapters)
-            self.acks.expect(entry_id, len(adapters))
-            for adapter in adapters:
-                self.data[adapter].add(example)
-            self.stats.held_out += 1
-            self.stats.by_domain[record.domain or "-"] += 1
+            else:
+                usable.append(Example(entry_id, record, entry_time(entry_id)))
         self.reader.ack(done)
-        return accepted
+        assigned = self.routing.observe(usable)
+        batch = {e.entry_id for e in usable}
+        domains = {e.entry_id: d for e, d in assigned if e.entry_id in batch}
+        for example in usable:
+            self._add(dataclasses.replace(example, domain=domains.get(example.entry_id)))
+        for example, domain in assigned:
+            if example.entry_id not in batch and domain:  # a new topic takes earlier records
+                if example.entry_id in self.acks:
+                    self.acks.expect_more(example.entry_id)
+                else:  # acknowledged already: trained on without holding it again
+                    example = dataclasses.replace(example, entry_id="")
+                self.data[domain].add(dataclasses.replace(example, domain=domain))
+        return len(done) + len(usable)
+
+    def _add(self, example: Example) -> None:
+        adapters = adapters_for(example.record, self.adapters, example.domain)
+        self.acks.expect(example.entry_id, len(adapters))
+        for adapter in adapters:
+            self.data[adapter].add(example)
+        self.stats.held_out += 1
+        self.stats.by_domain[example.record.domain or example.domain or "-"] += 1
 
     def ingest(self, block_ms: int = 0) -> int:
         """Reads new records (waiting up to `block_ms` for the first), unless enough fresh
@@ -328,7 +352,7 @@ class TrainerWorker:
         """Logs the round's progress line and sends its metrics to the tracker."""
         reader = self.reader.metrics()
         _log.info("%s | %s | lag %s", report.describe(), self.stats.describe(), reader.lag)
-        metrics = {**report.metrics(), **self.stats.metrics()}
+        metrics = {**report.metrics(), **self.stats.metrics(), **self.routing.last_metrics}
         for key in ("lag", "pending", "stream_length", "dead_letters"):
             value = getattr(reader, key)
             if value is not None:
@@ -340,6 +364,7 @@ class TrainerWorker:
         one round of a ready adapter, if any: one due its first version before the others (it
         serves its domain with the base draft until then), the largest `expected_gain` first."""
         self.ingest(block_ms=0 if self.ready() else block_ms)
+        self.routing.maybe_fit()
         ready = self.ready()
         if not ready:
             return None
@@ -394,6 +419,7 @@ class TrainerWorker:
         and tracker."""
         self.heartbeat.close()
         self.reader.close()
+        self.routing.close()
         close_store = getattr(self.store, "close", None)
         if callable(close_store):
             close_store()

@@ -15,6 +15,7 @@ from osd.adapters.manifest import BASE_VERSION
 from osd.buffer.redis_server import connect
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
+from tests.trainer.routing_fakes import FakeScorer, topic_examples
 from trainer.schedule import expected_gain
 from trainer.worker import TrainerWorker
 
@@ -310,3 +311,31 @@ def test_a_refused_first_round_waits_like_any_other_round_and_preempts_nothing(
     # others, and cannot make their rounds yield to it every 8 records.
     assert len(worker.data["code"].fresh) == 8 and "code" not in worker.ready(now=0.0)
     worker.close()
+
+
+def test_unlabeled_records_of_a_new_topic_open_a_domain_adapter_and_are_acked_after_both(
+    tmp_path, redis_url, stream
+):
+    config = make_config(
+        tmp_path, stream, "model.adapters=[general,code,sql]", min_records=16, steps_per_round=4
+    )
+    prose, code = topic_examples("prose", 24), topic_examples("code", 16)
+    ids = push(redis_url, stream, [e.record for e in prose + code])
+    worker = new_worker(config, redis_url)
+    worker.routing.score_fn = FakeScorer()  # scores by topic: the toy draft knows none
+    worker.ingest()
+    # The 16th poorly served code record opened a topic on the first free domain adapter, and
+    # the 15 before it went there too: 8 to train on, 8 to judge on.
+    code_data = worker.data["code"]
+    assert {e.entry_id for e in [*code_data.fresh, *code_data.holdout]} == set(ids[24:])
+    assert not worker.data["sql"].fresh and not worker.data["sql"].holdout
+    assert set(worker.routing.topics.topics) == {"code"}
+    assert "code" in worker.ready()  # due its first version
+    run_until_idle(worker)
+    worker.close()
+    # Every code record that left the judge windows was trained on by both adapters, then acked.
+    judging = {e.entry_id for d in worker.data.values() for e in d.holdout}
+    assert set(ids) - judging
+    assert pending_count(redis_url, stream, config.trainer.group) == len(judging & set(ids)), (
+        "acknowledged once every adapter that holds it trained on it"
+    )
