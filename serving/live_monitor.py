@@ -38,6 +38,11 @@ class LiveMonitor:
             while sum(d for _, d in history) - history[0][1] >= self.window:
                 history.popleft()
 
+    def forget(self, adapter: str, version: int) -> None:
+        """Drops what was seen of a version (its window starts again)."""
+        with self._lock:
+            self._requests.pop((adapter, version), None)
+
     def _stats(self, adapter: str, version: int) -> tuple[float, float] | None:
         """(rate, variance of the rate) over the window, or None until a full window was seen."""
         with self._lock:

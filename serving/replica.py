@@ -18,6 +18,7 @@ from typing import Any
 from osd.adapters.store import AdapterStore
 from osd.config import OSDConfig
 from osd.model_sources import attach_lora_adapters, load_model_pair
+from osd.routing.store import RouterStore
 from osd.spec.engine import SpeculativeDecoder
 from osd.spec.loop import BatchedEngine
 from osd.spec.scheduler import BatchLimits
@@ -27,6 +28,7 @@ from serving.health import HealthLimits, LoopHealth
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.router import AdapterRouter
+from serving.router_watcher import RouterWatcher
 from serving.runtime import ReplicaRuntime
 from serving.watcher import AdapterWatcher
 
@@ -99,7 +101,7 @@ def build_runtime(
         engine,
         batch,
         models.slots,
-        AdapterRouter(adapters, general=adapters[0]),
+        AdapterRouter(adapters, general=adapters[0], min_confidence=config.routing.min_confidence),
         metrics or ReplicaMetrics(),
         log_writer=log_writer,
         monitor=monitor,
@@ -115,11 +117,14 @@ class WiredReplica:
     runtime: ReplicaRuntime
     watcher: AdapterWatcher | None
     health: LoopHealth
+    router_watcher: RouterWatcher | None = None
 
     def close(self) -> None:
         self.health.stop()
         if self.watcher is not None:
             self.watcher.stop()
+        if self.router_watcher is not None:
+            self.router_watcher.stop()
         self.runtime.close()
 
 
@@ -144,10 +149,13 @@ def wire_replica(
     metrics = ReplicaMetrics()
     events: deque[dict[str, Any]] = deque(maxlen=RECENT_ADAPTER_EVENTS)
     monitor, watcher = None, None
-    if store is not None:
+    routes_by_content = bool(redis_url) and config.routing.enabled
+    if store is not None or routes_by_content:
         monitor = LiveMonitor(
             a.rollback_window if rollback_window is None else rollback_window, a.rollback_margin
         )
+    if store is not None:
+        assert monitor is not None
         watcher = AdapterWatcher(
             models.slots,
             store,
@@ -181,5 +189,18 @@ def wire_replica(
     )
     if watcher is not None:
         watcher.start()
+    router_watcher = None
+    if routes_by_content and monitor is not None:  # the routing model is in the log's Redis
+        router_watcher = RouterWatcher(
+            runtime.router,
+            RouterStore(redis_url, config.log.stream, keep_versions=a.keep_versions),
+            monitor=monitor,
+            events=events,
+            trial_share=config.routing.trial_share,
+            interval_s=(
+                a.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
+            ),
+        )
+        router_watcher.start()
     health.start()
-    return WiredReplica(runtime, watcher, health)
+    return WiredReplica(runtime, watcher, health, router_watcher)

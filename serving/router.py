@@ -1,9 +1,11 @@
 """Which draft adapter proposes a request's tokens (the mixture of drafts from the OSD paper).
 
 In order: the request's ``draft`` field (an adapter name, or a domain that has its own
-adapter), else its ``domain`` label, else a learned rule: an epsilon-greedy bandit per route over
-the recent acceptance rate of each adapter. An unknown adapter falls back to the general one and
-the fallback is reported.
+adapter), else its ``domain`` label, else (a request that names neither) the **content router**:
+the published routing model (`osd.routing.model`, kept current by `serving.router_watcher`)
+picks the adapter from the prompt's token ids when it is at least `min_confidence` sure; else a
+learned rule: an epsilon-greedy bandit per route over the recent acceptance rate of each adapter.
+An unknown adapter falls back to the general one and the fallback is reported.
 """
 
 from __future__ import annotations
@@ -11,9 +13,15 @@ from __future__ import annotations
 import random
 import threading
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["AdapterRouter", "RouteDecision"]
+from osd.routing.model import RoutingModel
+
+__all__ = ["ROUTER_MONITOR_KEY", "AdapterRouter", "RouteDecision"]
+
+# The live monitor's name for the routing model (no adapter name contains "@").
+ROUTER_MONITOR_KEY = "@router"
 
 
 @dataclass(frozen=True)
@@ -22,8 +30,11 @@ class RouteDecision:
 
     adapter: str
     route_key: str
-    reason: str  # "draft", "domain", "bandit", "fallback"
+    reason: str  # "draft", "domain", "content", "bandit", "fallback"
     note: str = ""
+    # The routing model version that decided an unlabeled request (0: none loaded); None for a
+    # request that named its domain or draft. The live monitor judges router versions by it.
+    router_version: int | None = None
 
 
 class AdapterRouter:
@@ -34,6 +45,7 @@ class AdapterRouter:
         general: the adapter used when nothing better is known.
         epsilon: exploration rate of the bandit.
         window: recent requests per (route, adapter) the bandit averages over.
+        min_confidence: least probability of the routing model's choice it is followed at.
     """
 
     def __init__(
@@ -44,6 +56,7 @@ class AdapterRouter:
         epsilon: float = 0.1,
         window: int = 50,
         seed: int = 0,
+        min_confidence: float = 0.0,
     ) -> None:
         if general not in adapters:
             raise ValueError(f"general adapter {general!r} is not among {adapters}")
@@ -53,9 +66,36 @@ class AdapterRouter:
         )
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        self.min_confidence = min_confidence
+        self.model: RoutingModel | None = None
+        self.model_version = 0
+        self._baseline: tuple[RoutingModel | None, int] | None = None
+        self._baseline_share = 0.0
 
-    def choose(self, draft: str | None = None, domain: str | None = None) -> RouteDecision:
-        """Picks the adapter for one request."""
+    def set_model(
+        self,
+        model: RoutingModel | None,
+        version: int,
+        *,
+        baseline: tuple[RoutingModel | None, int] | None = None,
+        baseline_share: float = 0.0,
+    ) -> None:
+        """Routes unlabeled requests by `model` (version `version`) from now on; None: by the
+        bandit alone. With `baseline` (a model and its version), a `baseline_share` of them is
+        routed by it instead, at random: the A/B trial that judges the new version on the same
+        traffic as its predecessor (`serving.router_watcher`)."""
+        with self._lock:
+            self.model, self.model_version = model, version
+            self._baseline, self._baseline_share = baseline, baseline_share
+
+    def choose(
+        self,
+        draft: str | None = None,
+        domain: str | None = None,
+        prompt_ids: Sequence[int] = (),
+    ) -> RouteDecision:
+        """Picks the adapter for one request (`prompt_ids`: its prompt, for the content
+        router)."""
         route_key = domain or "default"
         if draft:
             if draft in self.adapters:
@@ -68,7 +108,18 @@ class AdapterRouter:
             )
         if domain and domain in self.adapters:
             return RouteDecision(domain, route_key, "domain")
-        return RouteDecision(self._bandit(route_key), route_key, "bandit")
+        if domain:
+            return RouteDecision(self._bandit(route_key), route_key, "bandit")
+        with self._lock:
+            model, version = self.model, self.model_version
+            if self._baseline is not None and self._rng.random() < self._baseline_share:
+                model, version = self._baseline
+        if model is not None and len(prompt_ids):
+            adapter, probability = model.predict(prompt_ids)
+            if adapter in self.adapters and probability >= self.min_confidence:
+                note = f"p={probability:.2f}"
+                return RouteDecision(adapter, route_key, "content", note, router_version=version)
+        return RouteDecision(self._bandit(route_key), route_key, "bandit", router_version=version)
 
     def record(self, route_key: str, adapter: str, acceptance_rate: float) -> None:
         """Feeds back the acceptance a request achieved with an adapter."""

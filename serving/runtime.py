@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -27,13 +28,14 @@ from osd.spec.choices import choice_requests
 from osd.spec.engine import SpeculativeDecoder
 from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.grammar import Grammar
-from osd.spec.loop import BatchedEngine, EngineFull, RequestHandle, single_threaded_torch
+from osd.spec.loop import BatchedEngine, EngineFull, single_threaded_torch
+from osd.spec.request import DecodeRequest
 from serving.adapter_slots import AdapterLease, AdapterSlots
 from serving.jobs import Job, stream_choices
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
-from serving.router import AdapterRouter
+from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
 
 __all__ = ["Job", "ReplicaRuntime"]
@@ -164,12 +166,14 @@ class ReplicaRuntime:
                 code="overloaded",
             )
         try:
-            route = self.router.choose(request.draft, request.domain)
+            prepared = self._prepare(request, max_tokens, grammar)
+            route = self.router.choose(request.draft, request.domain, prepared.prompt_ids)
             if route.reason == "fallback":
                 self.metrics.router_fallbacks.inc()
             lease = self.slots.acquire(route.adapter)
             try:
-                streams = self._start(request, lease, max_tokens, grammar)
+                prepared = dataclasses.replace(prepared, adapter=lease.peft_name)
+                streams = self.batch.submit_group(choice_requests(prepared, request.n))
             except EngineFull as exc:
                 self._give_back(lease)
                 raise APIError(429, str(exc), kind="rate_limit_error", code="overloaded") from None
@@ -185,15 +189,12 @@ class ReplicaRuntime:
         self.metrics.in_flight.inc()
         return Job(request, streams, route, lease)
 
-    def _start(
-        self,
-        request: CompletionRequest | ChatRequest,
-        lease: AdapterLease,
-        max_tokens: int,
-        grammar: Grammar | None,
-    ) -> list[RequestHandle]:
+    def _prepare(
+        self, request: CompletionRequest | ChatRequest, max_tokens: int, grammar: Grammar | None
+    ) -> DecodeRequest:
+        """The request, checked and tokenized; its adapter is set once the router chose it."""
         spec, defaults = request.spec, self.config.spec
-        prepared = self.engine.prepare(
+        return self.engine.prepare(
             self.prompt_of(request),
             max_tokens=max_tokens,
             temperature=request.temperature,
@@ -210,14 +211,13 @@ class ReplicaRuntime:
             method=(spec and spec.method) or defaults.method,
             num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
             num_drafts=(spec and spec.K) or defaults.num_drafts,
-            adapter=lease.peft_name,
+            adapter=None,
             log=self.log_writer is not None and request.log,
             route=request.domain or "",
             logprobs=request.num_logprobs,
             prompt_logprobs=request.num_prompt_logprobs,
             grammar=grammar,
         )
-        return self.batch.submit_group(choice_requests(prepared, request.n))
 
     def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
         """The request's stop token ids besides end-of-sequence; None: the engine's default."""
@@ -322,6 +322,10 @@ class ReplicaRuntime:
             self.router.record(job.route.route_key, lease.adapter, stats.acceptance_rate)
             if self.monitor is not None:
                 self.monitor.observe(lease.adapter, lease.version, stats.accepted, stats.drafted)
+                if job.route.router_version is not None:  # judges the routing model's versions
+                    self.monitor.observe(
+                        ROUTER_MONITOR_KEY, job.route.router_version, stats.accepted, stats.drafted
+                    )
         if self.log_writer is None:
             return
         if not job.request.log or log is None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
+from osd.routing import RoutingModel, fit_routing_model, stack_features
 from serving.router import AdapterRouter, RouteDecision
 
 ADAPTERS = ["general", "code", "chat"]
@@ -31,8 +33,9 @@ def test_the_general_adapter_must_be_one_of_the_adapters():
         ("code", "chat", RouteDecision("code", "chat", "draft")),  # the draft field wins
         (None, "chat", RouteDecision("chat", "chat", "domain")),
         (None, "legal", RouteDecision("general", "legal", "bandit")),  # no adapter of its own
-        (None, None, RouteDecision("general", "default", "bandit")),
-        ("", "", RouteDecision("general", "default", "bandit")),  # empty fields are absent
+        # No label: the content router's decision (version 0: no routing model loaded).
+        (None, None, RouteDecision("general", "default", "bandit", router_version=0)),
+        ("", "", RouteDecision("general", "default", "bandit", router_version=0)),
     ],
 )
 def test_the_request_fields_choose_before_the_bandit(draft, domain, decision):
@@ -96,3 +99,35 @@ def test_the_same_seed_explores_the_same_way():
 def test_a_single_adapter_is_never_explored_away_from():
     router = AdapterRouter(["general"], epsilon=1.0)
     assert {router.choose().adapter for _ in range(20)} == {"general"}
+
+
+def content_model(adapter: str = "code") -> RoutingModel:
+    """A routing model sure that prompts of low token ids go to `adapter`, others to general."""
+    low, high = stack_features([[1, 2, 3, 4]] * 4), stack_features([[40, 41, 42, 43]] * 4)
+    features = np.concatenate([low, high])
+    return fit_routing_model(features, [adapter] * 4 + ["general"] * 4, ["general", adapter])
+
+
+def test_unlabeled_requests_follow_the_routing_model_when_it_is_sure():
+    router = greedy_router()
+    router.set_model(content_model(), 7)
+    decision = router.choose(prompt_ids=[1, 2, 3, 4])
+    assert (decision.adapter, decision.reason, decision.router_version) == ("code", "content", 7)
+    assert router.choose(prompt_ids=[40, 41, 42, 43]).adapter == "general"
+    # A label or a draft still decides, and is not the routing model's doing.
+    assert router.choose(domain="chat", prompt_ids=[1, 2, 3, 4]) == RouteDecision(
+        "chat", "chat", "domain"
+    )
+    assert router.choose(domain="legal", prompt_ids=[1, 2, 3, 4]).reason == "bandit"
+
+
+def test_an_unsure_routing_model_or_an_unknown_adapter_leaves_it_to_the_bandit():
+    router = AdapterRouter(ADAPTERS, epsilon=0.0, min_confidence=0.999)
+    router.set_model(content_model(), 3)
+    decision = router.choose(prompt_ids=[1, 2, 3, 4])
+    assert (decision.reason, decision.router_version) == ("bandit", 3)
+    other = greedy_router()
+    other.set_model(content_model("legal"), 4)  # an adapter this replica does not have
+    assert other.choose(prompt_ids=[1, 2, 3, 4]).reason == "bandit"
+    other.set_model(None, 0)
+    assert other.choose(prompt_ids=[1, 2, 3, 4]).router_version == 0
