@@ -81,9 +81,15 @@ def set_aside_previous_run(run_dir: Path) -> Path | None:
 
 
 def run(
-    config: OSDConfig, items: list[Any], concurrency: int, reference_every: int = 10
+    config: OSDConfig,
+    items: list[Any],
+    concurrency: int,
+    reference_every: int = 10,
+    *,
+    labels: bool = True,
 ) -> dict[str, Any]:
-    """Runs the stack and the traffic; returns what the report needs."""
+    """Runs the stack and the traffic; returns what the report needs. ``labels=False``: the
+    requests carry no domain, the replica routes them by content."""
     from rich.live import Live
 
     stack = LocalStack(config)
@@ -106,6 +112,7 @@ def run(
             concurrency,
             reference_every,
             api_key=keys[0] if keys else None,
+            labels=labels,
         )
         driver.start()
         view = functools.partial(live_view, driver, health, len(items))
@@ -115,6 +122,7 @@ def run(
                 live.update(view(stack.supervision()))
         supervision = stack.supervision()
         published = _published_versions(stack.redis_url, config)
+        routing = _routing_stats(stack.redis_url, config)
     finally:
         stop.set()
         if driver is not None:
@@ -127,6 +135,8 @@ def run(
         "wall_start": wall_start,
         "events": sorted(events.values(), key=lambda e: e["time"]),
         "published": published,
+        "routing": routing,
+        "labels": labels,
         "run_dir": stack.run_dir,
         "loop": {"last_health": describe_loop(health, supervision), "restarts": supervision},
     }
@@ -153,6 +163,35 @@ def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any
                 }
             )
     return sorted(out, key=lambda e: e["time"])
+
+
+def _routing_stats(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
+    """The content router's accuracy points, oldest first ([]: none, or Redis is gone)."""
+    try:
+        from osd.routing.store import RouterStore
+
+        store = RouterStore(redis_url, config.log.stream)
+        try:
+            return store.stats()
+        finally:
+            store.close()
+    except Exception:
+        return []
+
+
+def describe_routing(routing: dict[str, Any]) -> str:
+    """One line on the content router's accuracy (report.json's ``routing``); "": no points."""
+    if not routing["points"]:
+        return ""
+
+    def value(key: str) -> str:
+        return "n/a" if routing[key] is None else format(routing[key], ".2f")
+
+    return (
+        f"  routing accuracy (served adapter = best per the logs): first {value('first')}, last "
+        f"{value('last')} over {len(routing['points'])} points; router versions "
+        f"{routing['published']}"
+    )
 
 
 def describe_reference(numbers: dict[str, Any]) -> str:
@@ -202,6 +241,12 @@ def main(argv: Sequence[str]) -> int:
         help="share of each domain's requests (code, SQL, math, JSON) sent as a chat on it "
         "through /v1/chat/completions with the openai client (0: none)",
     )
+    parser.add_argument(
+        "--unlabeled",
+        action="store_true",
+        help="send the same workload without domain labels: the replica routes by prompt "
+        'content (docs/trainer.md, "Content routing")',
+    )
     parser.add_argument("--workload", help="a JSONL workload to replay instead of the demo's")
     parser.add_argument("overrides", nargs="*", help="config overrides like serve.port=9000")
     args = parser.parse_args(list(argv))
@@ -231,7 +276,9 @@ def main(argv: Sequence[str]) -> int:
                 "from the base draft",
                 flush=True,
             )
-        result = run(config, items, args.concurrency, args.reference_every)
+        result = run(
+            config, items, args.concurrency, args.reference_every, labels=not args.unlabeled
+        )
     except KeyboardInterrupt:
         print("\ninterrupted: everything started was stopped.", flush=True)
         return 130
@@ -248,13 +295,17 @@ def main(argv: Sequence[str]) -> int:
         print(
             "  first version of a domain's adapter, in that domain's requests since its shift: "
             + ", ".join(
-                f"{d} published after {n['published_after']}, in service from request "
-                f"{n['served_after']}"
+                f"{d}{' (adapter ' + n['adapter'] + ')' if 'adapter' in n else ''} published "
+                f"after {n['published_after']}, in service from request {n['served_after']}"
                 if n["served_after"] is not None
                 else f"{d} none in service"
                 for d, n in firsts.items()
             )
         )
+    if args.unlabeled:
+        print("  the traffic carried no domain labels: the replica routed it by prompt content")
+    if line := describe_routing(report["routing"]):
+        print(line)
     chat = report["chat"]
     if chat["requests"]:
         print(

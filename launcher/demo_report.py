@@ -17,6 +17,7 @@ __all__ = [
     "first_versions",
     "reference_summary",
     "rolling",
+    "routing_summary",
     "throughput_series",
     "write_report",
 ]
@@ -59,12 +60,36 @@ def domain_summary(samples: list[Any], window: int = 10) -> dict[str, dict[str, 
     return out
 
 
-def first_versions(samples: list[Any], published: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per domain with an adapter of its own, counted from the domain's first request (its
-    shift): how many of its requests had finished when that adapter's first version was
-    published (``published_after``; None: never, or no longer in the store's history), and how
-    many were served before the first one drafted by a published version of it
-    (``served_after``). A chat counts for the domain it is about."""
+def _served_adapter(series: list[Any], general: str) -> str | None:
+    """The non-general adapter that served most of the last half of ``series`` with a published
+    version (unlabeled traffic: a topic the content router found may go to any domain's
+    adapter); None: none did."""
+    counts: dict[str, int] = {}
+    for s in series[len(series) // 2 :]:
+        if s.version > 0 and s.adapter != general:
+            counts[s.adapter] = counts.get(s.adapter, 0) + 1
+    return max(counts, key=lambda a: (counts[a], a)) if counts else None
+
+
+def first_versions(
+    samples: list[Any],
+    published: list[dict[str, Any]],
+    general: str = "general",
+    labels: bool = True,
+) -> dict[str, Any]:
+    """Per domain with an adapter, counted from the domain's first request (its shift): how
+    many of its requests had finished when that adapter's first version was published
+    (``published_after``; None: never, or no longer in the store's history), and how many were
+    served before the first one drafted by a published version of it (``served_after``). A chat
+    counts for the domain it is about.
+
+    A domain's adapter is the one named after it when it served any of the domain's requests
+    (labeled traffic: `labels`, then the only one). Otherwise (unlabeled traffic, routed by
+    content) it is the non-general
+    adapter that served most of the last half of the domain's requests with a published
+    version, reported as ``adapter``; failing that, the one named after it if it published a
+    first version; a domain with none of these is left out.
+    """
     out: dict[str, Any] = {}
     # Version 1 is every adapter's first (numbers go on after a rollback); the store may have
     # deleted it by the end of a long run (bounded history): then it is unknown (None).
@@ -73,16 +98,50 @@ def first_versions(samples: list[Any], published: list[dict[str, Any]]) -> dict[
     for sample in sorted(samples, key=lambda s: s.time):
         by_domain.setdefault(getattr(sample, "topic", "") or sample.domain, []).append(sample)
     for domain, series in sorted(by_domain.items()):
-        if domain not in first_at and not any(s.adapter == domain for s in series):
-            continue  # no adapter of its own
-        at = first_at.get(domain)
-        served = [i for i, s in enumerate(series) if s.adapter == domain and s.version > 0]
+        adapter: str | None = domain
+        if not labels and not any(s.adapter == domain for s in series):
+            adapter = _served_adapter(series, general)
+            if adapter is None and domain in first_at:
+                adapter = domain
+        if adapter is None or (
+            labels and domain not in first_at and not any(s.adapter == domain for s in series)
+        ):
+            continue  # no adapter of its own, none served it
+        at = first_at.get(adapter)
+        served = [i for i, s in enumerate(series) if s.adapter == adapter and s.version > 0]
         out[domain] = {
             "requests": len(series),
             "published_after": None if at is None else sum(s.time <= at for s in series),
             "served_after": served[0] if served else None,
         }
+        if adapter != domain:
+            out[domain]["adapter"] = adapter
     return out
+
+
+def routing_summary(points: list[dict[str, Any]], start: float) -> dict[str, Any]:
+    """The content router's accuracy points (``osd.routing.store.RouterStore.stats``) over the
+    run: each one's time since the traffic started, the share of unlabeled requests since the
+    previous point served by the best adapter per the logs (``served_accuracy``), the router
+    model's own accuracy, its version and outcome; the first and last served accuracy known,
+    and how many router versions were published."""
+    rows = [
+        {
+            "t": p["time"] - start,
+            "served_accuracy": p.get("served_accuracy"),
+            "model_accuracy": p.get("model_accuracy"),
+            "version": p.get("version"),
+            "outcome": p.get("outcome"),
+        }
+        for p in points
+    ]
+    known = [r["served_accuracy"] for r in rows if r["served_accuracy"] is not None]
+    return {
+        "points": rows,
+        "first": known[0] if known else None,
+        "last": known[-1] if known else None,
+        "published": sum(r["outcome"] == "published" for r in rows),
+    }
 
 
 def chat_summary(samples: list[Any], window: int = 10) -> dict[str, Any]:
@@ -169,9 +228,11 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "failure_reasons": result.get("failure_reasons", []),
         "loop": result.get("loop", {}),
         "domains": domain_summary(samples),
-        "first_versions": first_versions(samples, published),
+        "first_versions": first_versions(samples, published, labels=result.get("labels", True)),
         "chat": chat_summary(samples),
         "reference": reference_summary(samples),
+        "labels": result.get("labels", True),
+        "routing": routing_summary(result.get("routing", []), start),
         "tokens_per_second": throughput_series(samples),
         "published": published,
         "adapter_events": events,
@@ -205,6 +266,15 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     for event in report["adapter_events"]:
         color = {"swap": "green", "rollback": "red"}.get(event["event"], "orange")
         top.axvline(event["t"], color=color, linestyle="--", linewidth=0.6, alpha=0.6)
+    routed = [p for p in report["routing"]["points"] if p["served_accuracy"] is not None]
+    if routed:
+        top.plot(
+            [p["t"] for p in routed],
+            [p["served_accuracy"] for p in routed],
+            color="black",
+            marker=".",
+            label="routing accuracy (served)",
+        )
     top.set_ylabel("acceptance rate (rolling 10)")
     top.set_title("acceptance per domain; dotted: published, dashed: swapped in (red: rollback)")
     top.legend(loc="lower right")
@@ -276,5 +346,8 @@ def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
         for key, value in numbers.items():
             run.summary[f"reference/{phase}/{key}"] = value
     run.summary["published_versions"] = len(report["published"])
+    for key in ("first", "last"):
+        if report["routing"][key] is not None:
+            run.summary[f"routing/{key}"] = report["routing"][key]
     run.finish()
     return str(run.dir)

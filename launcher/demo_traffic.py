@@ -2,7 +2,8 @@
 
 Completions go to ``/v1/completions`` with httpx; chats (items with ``messages``) go to
 ``/v1/chat/completions`` through the official ``openai`` client, their domain and speculation
-settings in the request's extra body, the osd stats read from the response's extra field ``osd``.
+settings in the request's extra body (with ``labels=False`` no request carries a domain: the
+replica routes by the prompt's content), the osd stats read from the response's extra field ``osd``.
 A window of ``concurrency`` consecutive items in every ``reference_every`` is sent with
 speculation off: the target-only reference. Every finished request is kept as a :class:`Sample`.
 """
@@ -62,8 +63,11 @@ class TrafficDriver:
         concurrency: int,
         reference_every: int = 10,
         api_key: str | None = None,
+        *,
+        labels: bool = True,
     ) -> None:
         self.base_url = base_url
+        self.labels = labels  # False: no "domain" in the requests (the replica routes by content)
         self.url = f"{base_url}/v1/completions"
         self.api_key = api_key
         self.items, self.model, self.concurrency = items, model, concurrency
@@ -129,7 +133,7 @@ class TrafficDriver:
         field ``osd``, the domain and speculation settings go in the request's extra body."""
         import openai
 
-        extra: dict[str, Any] = {"domain": item.domain}
+        extra: dict[str, Any] = {"domain": item.domain} if self.labels else {}
         if reference:
             extra["spec"] = {"method": "none"}
         options: dict[str, Any] = {} if item.seed is None else {"seed": item.seed}
@@ -195,8 +199,9 @@ class TrafficDriver:
             "prompt": item.prompt,
             "max_tokens": item.max_tokens,
             "temperature": 0.0 if item.temperature is None else item.temperature,
-            "domain": item.domain,
         }
+        if self.labels:
+            body["domain"] = item.domain
         if item.seed is not None:
             body["seed"] = item.seed
         if reference:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.demo_job import describe_reference
+from launcher.demo_job import describe_reference, describe_routing
 from launcher.demo_live import describe_chat, recent_by_domain
-from launcher.demo_report import chat_summary, domain_summary, first_versions, reference_summary
+from launcher.demo_report import (
+    chat_summary,
+    domain_summary,
+    first_versions,
+    reference_summary,
+    routing_summary,
+)
 from launcher.demo_traffic import Sample, is_reference
 
 
@@ -145,3 +151,61 @@ def test_first_versions_count_a_domains_requests_from_its_shift():
     # v1 deleted by the end of a long run (bounded history): when it came is not known.
     firsts = first_versions(samples, published[2:])
     assert firsts["sql"] == {"requests": 10, "published_after": None, "served_after": 7}
+
+
+def test_first_versions_of_unlabeled_traffic_follow_the_adapter_that_served_the_domain():
+    def served(domain, time, adapter, version):
+        return Sample(time, domain, domain, 0.5, 10, 1.0, adapter, version, 200)
+
+    # Routed by content: the code requests went to the sql adapter, base draft until its v1.
+    samples = [served("code", t, "general", 0) for t in range(2)]
+    samples += [served("code", 2 + t, "sql", 0) for t in range(3)]
+    samples += [served("code", 5 + t, "sql", 1) for t in range(5)]
+    samples += [served("prose", 20 + t, "general", 0) for t in range(4)]  # no adapter served it
+    published = [{"adapter": "sql", "version": 1, "t": 3.5}]
+    assert first_versions(samples, published) == {}  # labelled: code's own adapter never served
+    firsts = first_versions(samples, published, labels=False)
+    assert sorted(firsts) == ["code"]
+    assert firsts["code"] == {
+        "requests": 10,
+        "published_after": 4,
+        "served_after": 5,
+        "adapter": "sql",
+    }
+
+
+def test_routing_summary_reports_the_first_and_last_served_accuracy():
+    points = [
+        {
+            "time": 105.0,
+            "outcome": "published",
+            "version": 1,
+            "served_accuracy": None,
+            "served_records": 0,
+            "topics": {},
+            "model_accuracy": 0.7,
+        },
+        {
+            "time": 130.0,
+            "outcome": "kept",
+            "version": 1,
+            "served_accuracy": 0.8,
+            "served_records": 40,
+            "topics": {"sql": 40},
+            "model_accuracy": None,
+        },
+    ]
+    routing = routing_summary(points, start=100.0)
+    assert routing["first"] == routing["last"] == 0.8 and routing["published"] == 1
+    assert [p["t"] for p in routing["points"]] == [5.0, 30.0]
+    assert routing["points"][0] == {
+        "t": 5.0,
+        "served_accuracy": None,
+        "model_accuracy": 0.7,
+        "version": 1,
+        "outcome": "published",
+    }
+    assert "first 0.80, last 0.80 over 2 points; router versions 1" in describe_routing(routing)
+    empty = routing_summary([], start=100.0)
+    assert empty == {"points": [], "first": None, "last": None, "published": 0}
+    assert describe_routing(empty) == ""
