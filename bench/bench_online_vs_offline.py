@@ -43,7 +43,7 @@ from osd import SpeculativeDecoder
 from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis
 from osd.buffer.writer import LogWriter
-from osd.config import load_config
+from osd.config import OSDConfig, load_config
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.evaluation import measure_acceptance
 from osd.demo.report import load_pair
@@ -51,6 +51,19 @@ from trainer.draft_trainer import DraftTrainer, build_draft_trainer, peft_name
 from trainer.worker import TrainerWorker
 
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def online_config(tmp: str, *overrides: str) -> OSDConfig:
+    """The demo config for a trainer of its own under `tmp`: a directory adapter store, no W&B,
+    rounds that start after half a second of waiting."""
+    return load_config(
+        _CONFIG,
+        [
+            "wandb.mode=disabled", "adapters.store=directory",
+            f"adapters.root={tmp}/adapters", f"run_dir={tmp}",
+            "trainer.max_record_wait_s=0.5", *overrides,
+        ],
+    )  # fmt: skip
 
 
 def _prompts(paths: Any, domain: str, split: str) -> list[str]:
@@ -138,15 +151,8 @@ def run_online(
 ) -> list[dict[str, Any]]:
     curve = []
     with LocalRedis() as server, tempfile.TemporaryDirectory() as tmp:
-        config = load_config(
-            _CONFIG,
-            [
-                "wandb.mode=disabled", "adapters.store=directory",
-                f"adapters.root={tmp}/adapters", f"run_dir={tmp}",
-                "trainer.max_record_wait_s=0.5",
-                *([f"trainer.holdout_fraction={args.holdout}"] if args.holdout else []),
-            ],
-        )  # fmt: skip
+        holdout = [f"trainer.holdout_fraction={args.holdout}"] if args.holdout else []
+        config = online_config(tmp, *holdout)
         worker = TrainerWorker(config, server.url, draft=draft, base_model_id="demo:draft")
         writer = LogWriter(server.url, config.log.stream)
         base = {
