@@ -98,6 +98,12 @@ class RouterWatcher:
             self._report("refused", version, reason=str(exc))
             return
         previous = self.current
+        if version < previous:  # the pointer went back (another replica rolled it back): no trial
+            self._models = {version: model}
+            self.current, self.previous = version, None
+            self.router.set_model(model, version)
+            self._report("swap", version)
+            return
         self._models = {previous: self._models.get(previous), version: model}
         for v in (previous, version):  # both windows cover this trial's traffic alone
             self.monitor.forget(ROUTER_MONITOR_KEY, v)

@@ -36,12 +36,14 @@ __all__ = [
 
 MAX_STATS = 2000
 
-# KEYS: pointer, the new version's hash. ARGV: expected ('' = none), new.
+# KEYS: pointer. ARGV: expected ('' = none), new, the new version's hash key. The version key is
+# an argument, not a declared key, so a replica's Redis user needs only read access to it
+# (Redis asks write access for every declared key; docs/reliability.md, "Redis ACL").
 # Returns {1, actual} moved, {0, actual} the pointer was not `expected`, {-1, actual} no version.
 _CAS_SCRIPT = """
 local actual = redis.call('GET', KEYS[1]) or ''
 if actual ~= ARGV[1] then return {0, actual} end
-if ARGV[2] ~= '' and redis.call('EXISTS', KEYS[2]) == 0 then return {-1, actual} end
+if ARGV[2] ~= '' and redis.call('EXISTS', ARGV[3]) == 0 then return {-1, actual} end
 redis.call('SET', KEYS[1], ARGV[2])
 return {1, actual}
 """
@@ -157,8 +159,12 @@ class RouterStore:
         status, actual = self._call(
             "moving the router pointer",
             self._cas,
-            keys=[self._key("current"), self._key(f"v{new}")],
-            args=["" if expected is None else str(expected), "" if new is None else str(new)],
+            keys=[self._key("current")],
+            args=[
+                "" if expected is None else str(expected),
+                "" if new is None else str(new),
+                self._key(f"v{new}"),
+            ],
         )
         if int(status) != 1:
             raise RouterConflict(expected, _version(actual))

@@ -17,6 +17,8 @@ from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.buffer.writer import LogWriter
+from osd.routing import fit_routing_model, stack_features
+from osd.routing.store import RouterStore
 
 from .conftest import STREAM, replica_adapter, running_replica, toy_config, wait_for
 
@@ -32,6 +34,7 @@ WRITER_ACL = "on >{pw} resetkeys ~{stream} resetchannels -@all +ping +xadd"
 # reports the versions it holds (a SET with a TTL), so that they are not deleted.
 REPLICA_ACL = (
     "on >{pw} resetkeys ~{stream} %R~{stream}:trainer:* %R~osd:adapter:* "
+    "%R~{stream}:router:* %RW~{stream}:router:current "
     "%RW~osd:adapter:*:current %RW~osd:adapter:*:manifest %W~osd:adapters:held:* "
     "resetchannels &osd:adapters "
     "-@all +ping +xadd +get +exists +set +publish +subscribe +evalsha +script|load "
@@ -192,6 +195,18 @@ def test_whole_replica_runs_as_a_user_that_cannot_write_adapter_versions(acl_red
     admin.script_flush()
     replica_store.rollback("general", first, expected_current=second)
     assert store.current("general") == first
+    # The routing-model watcher's reads and its trial rollback, as this user too.
+    trainer_router, replica_router = RouterStore(server.url, STREAM), RouterStore(url, STREAM)
+    model = fit_routing_model(stack_features([[1, 2], [3, 4]]), ["general"] * 2, ["general"])
+    old = trainer_router.publish(model, expected_current=None, score=0.5)
+    new = trainer_router.publish(model, expected_current=old, score=0.6)
+    assert replica_router.current() == new and replica_router.load(new).model.classes == (
+        "general",
+    )
+    replica_router.rollback(old, expected_current=new)
+    assert trainer_router.current() == old
+    trainer_router.close()
+    replica_router.close()
     user = connect(url)
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.set(f"osd:adapter:general:v{first}:weights", b"evil")

@@ -106,6 +106,17 @@ def test_a_version_whose_requests_do_worse_is_rolled_back_in_the_store_too(parts
     assert {router.choose(prompt_ids=CODE).router_version for _ in range(50)} == {first}
 
 
+def test_a_pointer_moved_back_elsewhere_is_followed_without_a_trial(parts):
+    store, router, _, _, watcher = parts
+    first = store.publish(model_to("code"), expected_current=None, score=0.5)
+    second = store.publish(model_to("sql"), expected_current=first, score=0.6)
+    watcher.reconcile()
+    store.rollback(first, expected_current=second)  # another replica judged `second` worse
+    watcher.reconcile()
+    assert watcher.previous is None  # the version rolled back elsewhere routes nothing here
+    assert {router.choose(prompt_ids=CODE).router_version for _ in range(50)} == {first}
+
+
 def test_the_watcher_thread_picks_up_versions_and_stops(parts):
     store, router, _, _, watcher = parts
     watcher.interval = 0.05
