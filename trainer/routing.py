@@ -156,7 +156,7 @@ class RoutingTrainer:
                 self._remember(sample, window_key(record, self.adapters))
         self._since_fit += len(samples)
         unlabeled = [s for s in samples if s.unlabeled]
-        if not unlabeled or not self.cfg.enabled:
+        if not unlabeled or not self.cfg.enabled or not self.domains:  # nothing to route to
             for sample in unlabeled:
                 self._remember(sample, "")
             return [(s.example, "") for s in unlabeled]
@@ -216,7 +216,7 @@ class RoutingTrainer:
         """Fits, judges and maybe publishes a candidate once `fit_every` records came since the
         last; returns the outcome ("published", "refused", "conflict", "unavailable", "waiting")
         or None when not due."""
-        if not self.cfg.enabled or self._since_fit < self.cfg.fit_every:
+        if not self.cfg.enabled or not self.domains or self._since_fit < self.cfg.fit_every:
             return None
         self._since_fit = 0
         candidates = self.candidates()

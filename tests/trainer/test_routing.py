@@ -118,3 +118,10 @@ def test_a_busy_domain_does_not_starve_the_others_rescoring(monkeypatch):
     assert scorer.calls == {"code": 16, "sql": 16}
     rescored = {d: sum(s.scores["code"][0] == 2 for s in w) for d, w in router.windows.items()}
     assert rescored == {"code": 8, "sql": 8}
+
+
+def test_with_the_general_adapter_alone_nothing_is_scored():
+    scorer = FakeScorer()
+    router = RoutingTrainer(["general"], scorer, {"general": 1}, RoutingConfig(fit_every=8))
+    assert {d for _, d in router.observe(topic_examples("code", 16))} == {""}
+    assert router.maybe_fit() is None and scorer.calls == {}
