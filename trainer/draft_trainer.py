@@ -14,7 +14,7 @@ Training runs under `accelerate` (fp32 on CPU, bf16 autocast on CUDA); the losse
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -158,17 +158,23 @@ class DraftTrainer:
             self.model.eval()
         return StepStats(float(loss.detach()), batch.num_tokens, batch.num_train_positions)
 
-    @torch.no_grad()
-    def estimate(self, adapter: str, slot: Slot, records: Sequence[Record]) -> AcceptanceEstimate:
-        """Mean acceptance bounds of `slot` of `adapter` over every generated position of
-        `records` (`osd.distill.acceptance.estimate_acceptance`); trivial [0, 1] with no records."""
-        parts = []
+    def _evaluated(
+        self, adapter: str, slot: Slot, records: Sequence[Record]
+    ) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """`(logits, target_top_ids, target_top_probs, eval_mask)` of `slot` of `adapter`, a
+        chunk of `eval_batch_records` records at a time (under `torch.no_grad` of the caller)."""
         for start in range(0, len(records), self.eval_batch_records):
             chunk = records[start : start + self.eval_batch_records]
             batch = collate(chunk, "all").to(self.device)
             logits = self._logits(adapter, slot, batch).float()
             top_ids, top_probs, _, eval_mask = batch.sliced()
-            parts.append(estimate_acceptance(logits, top_ids, top_probs, eval_mask))
+            yield logits, top_ids, top_probs, eval_mask
+
+    @torch.no_grad()
+    def estimate(self, adapter: str, slot: Slot, records: Sequence[Record]) -> AcceptanceEstimate:
+        """Mean acceptance bounds of `slot` of `adapter` over every generated position of
+        `records` (`osd.distill.acceptance.estimate_acceptance`); trivial [0, 1] with no records."""
+        parts = [estimate_acceptance(*chunk) for chunk in self._evaluated(adapter, slot, records)]
         return AcceptanceEstimate.combine(parts)
 
     @torch.no_grad()
@@ -176,12 +182,8 @@ class DraftTrainer:
         """Each record's mean acceptance lower bound under `slot` of `adapter` (what the content
         router's labels compare across adapters)."""
         out: list[float] = []
-        for start in range(0, len(records), self.eval_batch_records):
-            batch = collate(records[start : start + self.eval_batch_records], "all")
-            batch = batch.to(self.device)
-            logits = self._logits(adapter, slot, batch).float()
-            top_ids, top_probs, _, eval_mask = batch.sliced()
-            lower, _ = acceptance_bounds(logits, top_ids, top_probs)
+        for logits, top_ids, top_probs, eval_mask in self._evaluated(adapter, slot, records):
+            lower, _ = acceptance_bounds(logits, top_ids, top_probs)  # (B, T)
             mask = eval_mask.float()
             out.extend((lower * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).tolist())
         return out

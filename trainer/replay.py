@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -38,13 +39,15 @@ from trainer.examples import Example
 
 __all__ = ["AckTracker", "AdapterData", "DomainWindows", "held_for_judging"]
 
+T = TypeVar("T")  # what a window holds: an `Example`, or the content router's samples of one
+
 
 def record_domain(example: Example) -> str:
     """The window an example goes to by default: its record's domain label."""
     return example.record.domain
 
 
-class DomainWindows:
+class DomainWindows(Generic[T]):
     """The newest `size` examples of each domain, for at most `max_domains` domains.
 
     Iterating yields every kept example, domain by domain, oldest first within a domain.
@@ -53,14 +56,14 @@ class DomainWindows:
     """
 
     def __init__(
-        self, size: int, max_domains: int, key: Callable[[Example], str] = record_domain
+        self, size: int, max_domains: int, key: Callable[[Any], str] = record_domain
     ) -> None:
         if size < 1 or max_domains < 1:
             raise ValueError(f"size and max_domains must be >= 1, got {size}, {max_domains}")
         self.size, self.max_domains, self.key = size, max_domains, key
-        self._windows: OrderedDict[str, deque[Example]] = OrderedDict()  # least recently fed first
+        self._windows: OrderedDict[str, deque[T]] = OrderedDict()  # least recently fed first
 
-    def append(self, example: Example, size: int | None = None) -> list[Example]:
+    def append(self, example: T, size: int | None = None) -> list[T]:
         """Adds `example` to its domain's window, which then keeps its newest `size` (default:
         the windows' size) examples.
 
@@ -69,7 +72,7 @@ class DomainWindows:
             recently fed domain's when a new domain needs its place.
         """
         size = self.size if size is None else size
-        domain, left = self.key(example), list[Example]()
+        domain, left = self.key(example), list[T]()
         window = self._windows.get(domain)
         if window is None:
             if len(self._windows) >= self.max_domains:
@@ -82,27 +85,27 @@ class DomainWindows:
             left.append(window.popleft())
         return left
 
-    def extend(self, examples: Iterable[Example]) -> None:
+    def extend(self, examples: Iterable[T]) -> None:
         for example in examples:
             self.append(example)
 
     def __len__(self) -> int:
         return sum(len(w) for w in self._windows.values())
 
-    def __iter__(self) -> Iterator[Example]:
+    def __iter__(self) -> Iterator[T]:
         for window in self._windows.values():
             yield from window
 
-    def by_domain(self) -> dict[str, list[Example]]:
+    def by_domain(self) -> dict[str, list[T]]:
         """Domain -> its kept examples, oldest first."""
         return {domain: list(window) for domain, window in self._windows.items()}
 
-    def sample(self, count: int, rng: np.random.Generator) -> list[Example]:
+    def sample(self, count: int, rng: np.random.Generator) -> list[T]:
         """Up to `count` distinct examples, the domains in equal shares as far as they last."""
         windows = [w for w in self._windows.values() if w]
         pools = [[int(i) for i in rng.permutation(len(w))] for w in windows]
         order = [int(i) for i in rng.permutation(len(windows))]
-        picks: list[Example] = []
+        picks: list[T] = []
         while len(picks) < count and any(pools):
             for d in order:
                 if pools[d] and len(picks) < count:
@@ -142,8 +145,8 @@ class AdapterData:
                 f"{min_holdout}"
             )
         self.fresh: deque[Example] = deque()
-        self.replay = DomainWindows(replay_size, max_domains, key)
-        self.holdout = DomainWindows(holdout_size, max_domains, key)
+        self.replay = DomainWindows[Example](replay_size, max_domains, key)
+        self.holdout = DomainWindows[Example](holdout_size, max_domains, key)
         self.holdout_fraction, self.min_holdout = holdout_fraction, min(min_holdout, holdout_size)
         self._seen: Counter[str] = Counter()  # records received per hold-out window
 

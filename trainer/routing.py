@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +41,7 @@ from osd.routing.features import prompt_features
 from osd.routing.model import RoutingModel, fit_routing_model
 from osd.routing.store import RouterConflict, RouterStore, RouterStoreError
 from trainer.examples import Example, window_key
+from trainer.replay import DomainWindows
 from trainer.topics import TopicMap
 
 __all__ = ["RouteSample", "RoutingTrainer"]
@@ -62,6 +62,7 @@ class RouteSample:
     features: npt.NDArray[np.float32]
     unlabeled: bool
     scores: dict[str, tuple[int | None, float]] = field(default_factory=dict)  # (version, score)
+    window: str = ""  # the domain whose window keeps it (its label's, or its assigned adapter's)
 
     def label(self, candidates: Sequence[str]) -> str:
         """The candidate with the best score (the first, the general adapter, on ties)."""
@@ -107,7 +108,9 @@ class RoutingTrainer:
         )
         # The newest `routing.window` records of each domain (the general adapter's: ""), so a
         # long shift does not push a quieter domain's prompts out of what the router knows.
-        self.windows: dict[str, deque[RouteSample]] = {}
+        self.windows = DomainWindows[RouteSample](
+            config.window, len(self.adapters), key=lambda s: s.window
+        )
         self._recent: dict[str, Example] = {}  # unlabeled examples a topic may still take
         self.model: RoutingModel | None = None
         self.version: int | None = None
@@ -139,10 +142,16 @@ class RoutingTrainer:
 
     # Records in.
 
-    def observe(self, examples: Sequence[Example]) -> list[tuple[Example, str]]:
-        """Takes newly read records; returns, for each unlabeled one and for earlier ones a new
-        topic took now, the domain adapter that also learns from it ("" for none). Labelled
-        records are only remembered (their label decides)."""
+    def observe(
+        self, examples: Sequence[Example]
+    ) -> tuple[dict[str, str], list[tuple[Example, str]]]:
+        """Takes newly read records.
+
+        Returns:
+            `(assigned, taken)`: entry id -> the domain adapter that also learns from it ("":
+            none), for each unlabeled one of `examples` (a labelled record's label decides);
+            and earlier records a topic opened now takes, with that topic's adapter.
+        """
         samples = []
         for example in examples:
             record = example.record
@@ -156,40 +165,43 @@ class RoutingTrainer:
                 self._remember(sample, window_key(record, self.adapters))
         self._since_fit += len(samples)
         unlabeled = [s for s in samples if s.unlabeled]
+        assigned: dict[str, str] = {}
+        taken: list[tuple[Example, str]] = []
         if not unlabeled or not self.cfg.enabled or not self.domains:  # nothing to route to
             for sample in unlabeled:
                 self._remember(sample, "")
-            return [(s.example, "") for s in unlabeled]
+                assigned[sample.example.entry_id] = ""
+            return assigned, taken
         candidates = self.candidates()
         for adapter in candidates[1:]:  # a version (e.g. from before a restart) is no free slot
             if adapter not in self.topics.topics:
                 self.topics.claim(adapter)
         self._refresh(unlabeled, candidates)
-        out: list[tuple[Example, str]] = []
         for sample in unlabeled:
             entry = sample.example.entry_id
             scores = {a: sample.scores[a][1] for a in candidates}
             self._note_served(sample.example.record.adapter_name, scores)
-            domain, taken = self.topics.assign(entry, sample.features, scores)
+            domain, earlier = self.topics.assign(entry, sample.features, scores)
             self._remember(sample, domain)
-            out.append((sample.example, domain))
-            out.extend((self._recent[k], domain) for k in taken if k in self._recent)
+            assigned[entry] = domain
+            taken += [(self._recent[k], domain) for k in earlier if k in self._recent]
             self._recent[entry] = sample.example
         while len(self._recent) > self.cfg.window:
             del self._recent[next(iter(self._recent))]
-        return out
+        return assigned, taken
 
     def _remember(self, sample: RouteSample, domain: str) -> None:
-        window = self.windows.setdefault(domain, deque(maxlen=self.cfg.window))
-        window.append(sample)
+        sample.window = domain
+        self.windows.append(sample)
 
     def _rescore(self, candidates: Sequence[str]) -> None:
         """Scores up to `RESCORE_PER_FIT` records under candidates' current versions, the same
         share from each domain's window, newest first, those with no score of some candidate
         before those with an old one: a busy domain must not starve the others' labels."""
-        share = max(1, RESCORE_PER_FIT // max(1, len(self.windows)))
+        windows = self.windows.by_domain().values()
+        share = max(1, RESCORE_PER_FIT // max(1, len(windows)))
         picked: list[RouteSample] = []
-        for window in self.windows.values():
+        for window in windows:
             due = [s for s in reversed(window) if not self._current(s, candidates)]
             due.sort(key=lambda s: all(a in s.scores for a in candidates))  # stable
             picked += due[:share]
@@ -220,7 +232,7 @@ class RoutingTrainer:
             return None
         self._since_fit = 0
         candidates = self.candidates()
-        if not any(s.unlabeled for w in self.windows.values() for s in w):
+        if not any(s.unlabeled for s in self.windows):
             return None  # labelled traffic routes itself: no scoring cost
         if len(candidates) < 2:
             return "waiting"  # nothing to choose between
@@ -228,7 +240,7 @@ class RoutingTrainer:
         self._follow_pointer()
         self._rescore(candidates)
         train, test = [], []
-        for window in self.windows.values():  # each domain's newest quarter judges
+        for window in self.windows.by_domain().values():  # each domain's newest quarter judges
             scored = [s for s in window if all(a in s.scores for a in candidates)]
             held = len(scored) // 4
             train += scored[: len(scored) - held]

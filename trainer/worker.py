@@ -186,18 +186,15 @@ class TrainerWorker:
             else:
                 usable.append(Example(entry_id, record, entry_time(entry_id)))
         self.reader.ack(done)
-        assigned = self.routing.observe(usable)
-        batch = {e.entry_id for e in usable}
-        domains = {e.entry_id: d for e, d in assigned if e.entry_id in batch}
+        assigned, taken = self.routing.observe(usable)
         for example in usable:
-            self._add(dataclasses.replace(example, domain=domains.get(example.entry_id)))
-        for example, domain in assigned:
-            if example.entry_id not in batch and domain:  # a new topic takes earlier records
-                if example.entry_id in self.acks:
-                    self.acks.expect_more(example.entry_id)
-                else:  # acknowledged already: trained on without holding it again
-                    example = dataclasses.replace(example, entry_id="")
-                self.data[domain].add(dataclasses.replace(example, domain=domain))
+            self._add(dataclasses.replace(example, domain=assigned.get(example.entry_id)))
+        for example, domain in taken:  # a new topic takes earlier records
+            if example.entry_id in self.acks:
+                self.acks.expect_more(example.entry_id)
+            else:  # acknowledged already: trained on without holding it again
+                example = dataclasses.replace(example, entry_id="")
+            self.data[domain].add(dataclasses.replace(example, domain=domain))
         return len(done) + len(usable)
 
     def _add(self, example: Example) -> None:
