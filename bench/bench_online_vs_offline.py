@@ -66,6 +66,24 @@ def online_config(tmp: str, *overrides: str) -> OSDConfig:
     )  # fmt: skip
 
 
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+    """``--out`` (results as JSON) and ``--cache`` (logged records kept for reruns)."""
+    parser.add_argument("--out", default="", help="write the results as JSON here")
+    parser.add_argument(
+        "--cache", default="runs/bench/records", help="logged records kept here for reruns ('')"
+    )
+
+
+def demo_setup(args: argparse.Namespace, log_level: int) -> tuple[Any, Path | None, Any, Any, Any]:
+    """Seeds torch, sets up logging, builds (or finds) the demo pair and loads it: `(paths,
+    records cache folder or None, target, base draft, tokenizer)`."""
+    torch.manual_seed(0)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(name)s: %(message)s")
+    paths = build_demo_models()
+    cache = Path(args.cache) / paths.root.name if args.cache else None
+    return (paths, cache, *load_pair(paths))
+
+
 def _prompts(paths: Any, domain: str, split: str) -> list[str]:
     return [doc.text[: doc.prompt_chars] for doc in load_corpus_split(paths.corpus, domain, split)]
 
@@ -240,16 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--prose-first", type=int, default=0, help="prose training records fed before the domain's"
     )
-    parser.add_argument("--out", default="", help="write the results as JSON here")
-    parser.add_argument(
-        "--cache", default="runs/bench/records", help="logged records kept here for reruns ('')"
-    )
+    add_output_args(parser)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    paths = build_demo_models()
-    cache = Path(args.cache) / paths.root.name if args.cache else None
-    target, base_draft, tokenizer = load_pair(paths)
+    paths, cache, target, base_draft, tokenizer = demo_setup(args, logging.INFO)
     started = time.perf_counter()
     engine = SpeculativeDecoder(target, base_draft, tokenizer)
     train_prompts = _prompts(paths, args.domain, "train")[: args.records]

@@ -36,15 +36,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from bench.bench_online_vs_offline import _prompts, log_records, online_config
+from bench.bench_online_vs_offline import (
+    _prompts,
+    add_output_args,
+    demo_setup,
+    log_records,
+    online_config,
+)
 from osd import SpeculativeDecoder
 from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis
 from osd.buffer.writer import LogWriter
-from osd.demo import build_demo_models, parse_schedule
-from osd.demo.report import load_pair
+from osd.demo import parse_schedule
 from osd.routing import stack_features
 from osd.routing.store import RouterStore
 from trainer.worker import TrainerWorker
@@ -135,16 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-round", type=int, default=8, help="records pushed per run_once")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--eval-prompts", type=int, default=24, help="held-out prompts a domain")
-    parser.add_argument("--out", default="", help="write the results as JSON here")
-    parser.add_argument(
-        "--cache", default="runs/bench/records", help="logged records kept here for reruns ('')"
-    )
+    add_output_args(parser)
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
-    paths = build_demo_models()
-    cache = Path(args.cache) / paths.root.name if args.cache else None
-    target, base_draft, tokenizer = load_pair(paths)
+    paths, cache, target, base_draft, tokenizer = demo_setup(args, logging.WARNING)
     engine = SpeculativeDecoder(target, base_draft, tokenizer)
     phases = parse_schedule(args.schedule)
     domains = list(dict.fromkeys(d for d, _ in phases))
