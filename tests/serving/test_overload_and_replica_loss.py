@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,10 @@ def faults_app(serve_port, serving_redis):
         yield app
 
 
-def post(base_url, max_tokens, timeout=120):
+TOY_EOS = "1"  # the toy tokenizer's <eos> id (osd/toy_models.py)
+
+
+def post(base_url, max_tokens, timeout=120, bias=None):
     start = time.perf_counter()
     try:
         response = httpx.post(
@@ -39,6 +43,7 @@ def post(base_url, max_tokens, timeout=120):
                 "max_tokens": max_tokens,
                 "temperature": 0.7,
                 "log": False,
+                **({"logit_bias": bias} if bias else {}),
             },
         )
         if response.status_code == 500:
@@ -75,11 +80,26 @@ def test_overload_is_refused_and_admitted_requests_finish(faults_app):
 def test_killed_replica_is_replaced_and_serving_resumes(faults_app):
     base_url, _ = faults_app
     pid = httpx.get(f"{base_url}/health", timeout=10).json()["pid"]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        in_flight = [pool.submit(post, base_url, 150) for _ in range(3)]
-        wait_for(lambda: in_flight_requests(base_url) >= 1, timeout_s=60)  # killed mid-request
-        os.kill(pid, signal.SIGKILL)
-        statuses = [f.result()[0] for f in in_flight]
+    # Clients keep posting until the kill, each request banned from ending early at <eos>, so
+    # the kill lands mid-request however fast the toy model decodes (three one-shot requests
+    # could all end between two scrapes of /metrics on a slow machine).
+    killed = threading.Event()
+
+    def keep_posting():
+        outcomes = []
+        while not killed.is_set():
+            outcomes.append(post(base_url, 150, bias={TOY_EOS: -100}))
+        return outcomes
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        clients = [pool.submit(keep_posting) for _ in range(3)]
+        try:
+            wait_for(lambda: in_flight_requests(base_url) >= 1, timeout_s=60)
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            killed.set()
+        outcomes = [outcome for client in clients for outcome in client.result()]
+    statuses = [status for status, _ in outcomes]
     # The requests in flight end, served or with an error, none with the client's timeout (a
     # hang) and none with a 4xx (the client did nothing wrong).
     assert not [s for s in statuses if isinstance(s, str) and "Timeout" in s], statuses
