@@ -249,13 +249,13 @@ class RoutingTrainer:
             return "waiting"  # too little to fit or judge on
         features = np.stack([s.features for s in train])
         candidate = fit_routing_model(features, [s.label(candidates) for s in train], candidates)
-        new = self._routed(candidate, test)
-        old = self._routed(self.model, test) if self.model is not None else None
+        chosen = candidate.choices(np.stack([s.features for s in test]))
+        new = self._routed(test, chosen)
+        old = None if self.model is None else self._routed(test, self._choices(self.model, test))
         outcome = "refused"
         if old is None or new > old + self.cfg.publish_margin:
             outcome = self._publish(candidate, new)
         labels = [s.label(candidates) for s in test]
-        chosen = candidate.choices(np.stack([s.features for s in test]))
         self._point(
             outcome,
             routed=new,
@@ -277,9 +277,12 @@ class RoutingTrainer:
         except RouterStoreError as exc:
             _log.warning("routing model: cannot read the pointer (%s)", exc)
 
-    def _routed(self, model: RoutingModel, samples: Sequence[RouteSample]) -> float:
-        """Mean score of the adapter `model` picks per record (routed acceptance)."""
-        chosen = model.choices(np.stack([s.features for s in samples]))
+    @staticmethod
+    def _choices(model: RoutingModel, samples: Sequence[RouteSample]) -> list[str]:
+        return model.choices(np.stack([s.features for s in samples]))
+
+    def _routed(self, samples: Sequence[RouteSample], chosen: Sequence[str]) -> float:
+        """Mean score of the adapter chosen per record (routed acceptance)."""
         return float(
             np.mean([s.score(a, self.general) for s, a in zip(samples, chosen, strict=True)])
         )
@@ -322,9 +325,7 @@ class RoutingTrainer:
         }
         self._served, self._regret = [], []
         self.last_metrics = {
-            f"routing/{k}": float(v)
-            for k, v in point.items()
-            if isinstance(v, int | float) and v is not None
+            f"routing/{k}": float(v) for k, v in point.items() if isinstance(v, int | float)
         }
         _log.info("routing %s", {k: v for k, v in point.items() if k != "time"})
         if self.store is not None:
