@@ -33,7 +33,7 @@ well opens none. Pure: numpy and the standard library.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -148,9 +148,9 @@ class TopicMap:
             self.free.remove(adapter)
         self.topics.setdefault(adapter, Topic(adapter)).add(key, features, self.min_records)
 
-    def _nearest(self, topics: object, features: npt.NDArray[np.float32]) -> Topic | None:
+    def _nearest(self, topics: Iterable[Topic], features: npt.NDArray[np.float32]) -> Topic | None:
         best, best_sim = None, self.similarity
-        for topic in topics:  # type: ignore[attr-defined]
+        for topic in topics:
             sim = topic.similarity(features)
             if sim >= best_sim:
                 best, best_sim = topic, sim
