@@ -250,5 +250,5 @@ class AckTracker:
 def held_for_judging(acks: AckTracker, data: Iterable[AdapterData]) -> int:
     """How many unacknowledged entries wait only in judge windows (in no adapter's fresh queue):
     pending by design, not a backlog (the trainer's heartbeat reports them)."""
-    fresh = {example.entry_id for adapter_data in data for example in adapter_data.fresh}
-    return max(0, len(acks) - len(fresh))
+    fresh = {e.entry_id for adapter_data in data for e in adapter_data.fresh if e.entry_id in acks}
+    return len(acks) - len(fresh)
