@@ -167,16 +167,15 @@ def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any
 
 def _routing_stats(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
     """The content router's accuracy points, oldest first ([]: none, or Redis is gone)."""
-    try:
-        from osd.routing.store import RouterStore
+    from osd.routing.store import RouterStore, RouterStoreError
 
-        store = RouterStore(redis_url, config.log.stream)
-        try:
-            return store.stats()
-        finally:
-            store.close()
-    except Exception:
+    store = RouterStore(redis_url, config.log.stream)
+    try:
+        return store.stats()
+    except (RouterStoreError, ValueError):  # ValueError: a stats entry that is not JSON
         return []
+    finally:
+        store.close()
 
 
 def describe_routing(routing: dict[str, Any]) -> str:

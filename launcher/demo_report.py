@@ -98,14 +98,14 @@ def first_versions(
     for sample in sorted(samples, key=lambda s: s.time):
         by_domain.setdefault(getattr(sample, "topic", "") or sample.domain, []).append(sample)
     for domain, series in sorted(by_domain.items()):
-        adapter: str | None = domain
-        if not labels and not any(s.adapter == domain for s in series):
-            adapter = _served_adapter(series, general)
-            if adapter is None and domain in first_at:
-                adapter = domain
-        if adapter is None or (
-            labels and domain not in first_at and not any(s.adapter == domain for s in series)
-        ):
+        own = domain if domain in first_at else None  # an adapter named after it published
+        if any(s.adapter == domain for s in series):
+            adapter: str | None = domain
+        elif labels:
+            adapter = own
+        else:
+            adapter = _served_adapter(series, general) or own
+        if adapter is None:
             continue  # no adapter of its own, none served it
         at = first_at.get(adapter)
         served = [i for i, s in enumerate(series) if s.adapter == adapter and s.version > 0]
