@@ -61,6 +61,9 @@ def demo_workload(schedule: str, max_tokens: int, seed: int, chat_share: float =
     return list(items)
 
 
+TRAINER_START_S = 300.0  # the trainer loads the draft and resumes; then it beats
+
+
 def set_aside_previous_run(run_dir: Path) -> Path | None:
     """Renames a previous run's directory to ``<run_dir>-<time>`` and returns where it went.
 
@@ -99,6 +102,15 @@ def run(
     driver = None
     try:
         stack.start()
+        # The loop is what the demo shows: traffic starts once the trainer consumes, so the
+        # first versions count from the shift, not from the trainer's model load.
+        print("[osd demo] waiting for the trainer's first heartbeat", flush=True)
+        if not stack.wait_trainer(TRAINER_START_S):
+            print(
+                f"[osd demo] no trainer heartbeat in {TRAINER_START_S:.0f}s (see trainer.log); "
+                "sending traffic anyway",
+                flush=True,
+            )
         wall_start = time.time()
         poller = threading.Thread(
             target=poll_health, args=(stack.base_url, health, events, stop), daemon=True

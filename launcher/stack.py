@@ -25,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 import yaml
 
 from launcher.supervisor import Supervised, Supervisor
-from osd.buffer.redis_server import LocalRedis
+from osd.buffer.loop_status import read_beat, trainer_beat_key
+from osd.buffer.redis_server import LocalRedis, connect
 from osd.closing import Closeable
 from osd.config import OSDConfig
 from osd.model_sources import uses_demo_models
@@ -222,6 +224,25 @@ class LocalStack(Closeable):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"the Serve app did not answer at {self.base_url} in {timeout_s}s")
+
+    def wait_trainer(self, timeout_s: float = 300.0) -> bool:
+        """Waits until the trainer's first heartbeat (it loaded its model and consumes the log);
+        False, after `timeout_s` or without a trainer: serving does not need one, so callers
+        go on (records wait in the stream)."""
+        if self.trainer is None:
+            return False
+        key = trainer_beat_key(self.config.log.stream, self.config.trainer.group)
+        client = connect(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(redis.RedisError):  # Redis restarting: ask again
+                    if read_beat(client, key) is not None:
+                        return True
+                time.sleep(0.5)
+            return False
+        finally:
+            client.close()
 
     def close(self) -> None:
         """Stops the trainer, Serve, Ray and redis-server, in that order; safe to repeat.

@@ -68,6 +68,9 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
     assert report["chat"]["requests"] == 12 and report["chat"]["topics"] == {"code": 12}
     assert report["chat"]["empty_responses"] == sum(s["text_chars"] == 0 for s in chats)
     assert "chat" in done.stdout and "/v1/chat/completions" in done.stdout
+    # Traffic started once the trainer consumed (its first heartbeat), not before.
+    assert "waiting for the trainer's first heartbeat" in done.stdout
+    assert "no trainer heartbeat" not in done.stdout
     assert all(0 <= s["mean_k"] <= 8 for s in report["samples"])
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert list(tmp_path.glob("wandb/offline-run-*"))

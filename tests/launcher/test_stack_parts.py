@@ -1,17 +1,23 @@
 """The parts of launcher.stack that need no Ray: the port a stack serves on, the config file
-the trainer child reads back, the signal handlers ``osd up`` installs, and ``close()`` on a
-stack that never started. The stack itself, started and stopped, is ``test_stack.py``."""
+the trainer child reads back, the signal handlers ``osd up`` installs, ``close()`` on a
+stack that never started, and waiting for the trainer's first heartbeat. The stack itself,
+started and stopped, is ``test_stack.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from launcher.stack import LocalStack, config_to_yaml, free_port, install_signal_handlers
+from osd.buffer.loop_status import TrainerBeat, trainer_beat_key, write_beat
+from osd.buffer.redis_server import LocalRedis, connect
 from osd.config import OSDConfig, load_config
 from tests.serving.conftest import TOY
 
@@ -97,3 +103,24 @@ def test_a_stack_that_never_answers_times_out_naming_its_url():
     stack = LocalStack(toy_config(), port=free_port())  # nothing listens there
     with pytest.raises(TimeoutError, match=stack.base_url):
         stack.wait_ready(timeout_s=0.5)
+
+
+def test_waiting_for_the_trainer_ends_at_its_first_heartbeat_or_the_timeout():
+    """The demo sends traffic once the trainer consumes (`LocalStack.wait_trainer`): a real
+    redis-server, a child standing in for the trainer, and the heartbeat it would write."""
+    config = toy_config()
+    with LocalRedis() as server:
+        stack = LocalStack(config)
+        stack.redis_url = server.url
+        assert not stack.wait_trainer(timeout_s=0.2)  # no trainer started: nothing to wait for
+        stack.trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            started = time.monotonic()
+            assert not stack.wait_trainer(timeout_s=1.0)  # started, never beat
+            assert time.monotonic() - started >= 1.0
+            key = trainer_beat_key(config.log.stream, config.trainer.group)
+            write_beat(connect(server.url), key, TrainerBeat(1, time.time(), 0.0, 0.0, 0, 0.0))
+            assert stack.wait_trainer(timeout_s=5.0)
+        finally:
+            stack.trainer.kill()
+            stack.trainer.wait()
