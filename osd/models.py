@@ -33,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from osd.devices import to_device
+from osd.spec.attention import AttentionLayout, attention_layout
 from osd.spec.kv_cache import ForwardPlan, SlotKVCache
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
@@ -167,6 +168,9 @@ class CausalLM:
     Attributes:
         model: the Hugging Face model (or a peft model wrapping one).
         vocab_size: logits columns used (may be below the padded embedding size).
+        attention: which keys each layer attends to (sliding windows, chunks); a model the
+            engine cannot serve exactly is refused here
+            (:class:`osd.spec.attention.UnsupportedModel`).
     """
 
     model: PreTrainedModel
@@ -175,7 +179,10 @@ class CausalLM:
     # decoding makes it a shared (read) lock so module dicts never change mid-forward.
     guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
 
+    attention: AttentionLayout = field(init=False)
+
     def __post_init__(self) -> None:
+        self.attention = attention_layout(_base_model(self.model))
         params = inspect.signature(_base_model(self.model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._slices_logits = "logits_to_keep" in params
@@ -257,6 +264,22 @@ class CausalLM:
             attention_mask=plan.attention_mask,
             position_ids=plan.position_ids,
         )
+
+    def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The base model's (no adapter) own forward, with transformers' masks and no cache.
+
+        Args:
+            input_ids: (B, T) tokens.
+
+        Returns:
+            (B, T, vocab_size) logits.
+        """
+        disabled: AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._has_lora:
+            disabled = self.model.disable_adapter()  # type: ignore[operator]  # peft's
+        with self.guard(), disabled:
+            logits = _base_model(self.model)(input_ids=input_ids, use_cache=False).logits
+        return logits[..., : self.vocab_size]
 
     def _forward(
         self,

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from osd.buffer.record import Method
 from osd.errors import ParamError
 from osd.models import CausalLM, load_causal_lm, load_tokenizer
+from osd.spec.attention_probe import check_cached_forward
 from osd.spec.choices import choice_requests
 from osd.spec.forward import ModelPair
 from osd.spec.generation import GenerationResult, StreamChunk
@@ -94,9 +95,16 @@ class SpeculativeDecoder:
         adaptive_threshold: float = 0.0,
         max_spec_tokens: int = 8,
         draft_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        check_models: bool = True,
     ) -> None:
         """``draft_guard`` is entered around every draft forward: a server that adds and removes
-        LoRA adapters while decoding passes its adapters' read lock (serving.adapter_slots)."""
+        LoRA adapters while decoding passes its adapters' read lock (serving.adapter_slots).
+
+        A model the engine cannot serve exactly (a recurrent or state-space layer,
+        cross-attention, an attention pattern it does not know) is refused here with
+        :class:`osd.spec.attention.UnsupportedModel` (a ``ValueError``) naming the model class
+        and the feature; ``check_models`` runs each model once through the KV cache against its
+        own forward to catch what the config does not say (:mod:`osd.spec.attention_probe`)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
@@ -109,6 +117,9 @@ class SpeculativeDecoder:
                 f"target is on {self.target.device} but draft on {self.draft.device}; "
                 "put both on one device"
             )
+        if check_models:
+            check_cached_forward(self.target, "target")
+            check_cached_forward(self.draft, "draft")
         if log_top_m < 1:
             raise ValueError(f"log_top_m must be >= 1, got {log_top_m}")
         if not 0.0 <= adaptive_threshold < 1.0:

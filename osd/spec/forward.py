@@ -117,6 +117,7 @@ def run_model(
         trash_slot=cache.trash_slot,
         dtype=pair.dtype,
         kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
+        layout=model.attention,
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
 

@@ -14,8 +14,10 @@ never copied). Padding writes go to one trash slot (the last).
 
 The plan's 4-D additive mask goes to the model as is (transformers 5 passes a 4-D mask through),
 with explicit position ids, so any attention implementation that takes a mask works (eager,
-sdpa). Reads gather the rows' keys per layer, a copy a paged-attention kernel would avoid on a
-GPU; at this project's sizes it is a small share of the step (measured in ``bench/``).
+sdpa); a model with sliding-window or chunked layers gets them in its masks
+(:mod:`osd.spec.attention`), one mask per layer kind where it mixes kinds. Reads gather the
+rows' keys per layer, a copy a paged-attention kernel would avoid on a GPU; at this project's
+sizes it is a small share of the step (measured in ``bench/``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from osd.spec.attention import AttentionLayout, layout_masks
 
 __all__ = ["ForwardPlan", "SlotKVCache", "plan_forward"]
 
@@ -39,7 +43,8 @@ class ForwardPlan:
         write_slot: (B, T) slot each column's key/value goes to (the trash slot for padding).
         write_pos: (B, T) position within that slot.
         read_slot: (B, S) slot each row reads key position s from.
-        attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum).
+        attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum), or one per
+            layer kind for a model that mixes kinds (:mod:`osd.spec.attention`).
     """
 
     input_ids: torch.Tensor
@@ -47,7 +52,7 @@ class ForwardPlan:
     write_slot: torch.Tensor
     write_pos: torch.Tensor
     read_slot: torch.Tensor
-    attention_mask: torch.Tensor
+    attention_mask: torch.Tensor | dict[str, torch.Tensor]
 
     @property
     def kv_len(self) -> int:
@@ -83,6 +88,7 @@ def plan_forward(
     trash_slot: int,
     dtype: torch.dtype,
     kv_len: int | None = None,
+    layout: AttentionLayout | None = None,
 ) -> ForwardPlan:
     """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
 
@@ -99,6 +105,8 @@ def plan_forward(
         dtype: the model's dtype, for the additive mask.
         kv_len: ``max(start + real)`` when the caller knows it on the host (saves a device
             sync); computed otherwise.
+        layout: the model's attention pattern (sliding windows, chunks); None: every layer
+            attends to all earlier positions.
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -116,15 +124,13 @@ def plan_forward(
         keys.unsqueeze(0) < prefix_len.unsqueeze(1), base_slot.unsqueeze(1), own_slot.unsqueeze(1)
     )  # (B, S)
     visible = keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # (B, T, S)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return ForwardPlan(
         input_ids=input_ids,
         position_ids=query_pos,
         write_slot=torch.where(valid, own_slot.unsqueeze(1), trash_slot),
         write_pos=torch.where(valid, positions, 0),
         read_slot=read_slot,
-        attention_mask=mask.unsqueeze(1),
+        attention_mask=layout_masks(layout or AttentionLayout.full(), query_pos, visible, dtype),
     )
 
 
