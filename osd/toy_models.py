@@ -17,15 +17,15 @@ __all__ = ["char_tokenizer", "noisy_copy", "tiny_llama", "with_lora_adapters"]
 
 # Printable characters; the first ids are the special tokens.
 _SPECIALS = ["<pad>", "<eos>"]
-_CHARS = list(string.ascii_lowercase + string.digits + " .,:;!?()[]{}=+-*/'\"\n")
+_CHARS = list(string.ascii_lowercase + string.digits + " .,:;!?()[]{}=+-*/'\"\n<>_#@")
 
 
 def char_tokenizer(chars: str | None = None) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: ids 0, 1 are <pad>, <eos>, then one id per character.
 
     Args:
-        chars: the characters; default: lowercase letters, digits and punctuation (59 tokens
-            in all, fits vocab 64).
+        chars: the characters; default: lowercase letters, digits and punctuation (64 tokens
+            in all: the toy models' vocabulary).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

@@ -392,14 +392,23 @@ def _raise_failed(rows: Sequence[Row]) -> None:
 
 
 def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenizer: Any) -> int:
-    """The vocabulary both models score; padded embedding rows beyond the tokenizer may differ."""
+    """The token ids the engine samples from: both heads score them and the tokenizer has them.
+
+    Heads are often padded past the tokenizer (Qwen2.5-0.5B: 151,936 rows, 7B: 152,064, the
+    tokenizer 151,665), and the padded rows of the two models may differ. Their logits are
+    dropped before any softmax, as vLLM drops the rows it pads past ``org_vocab_size``: every
+    distribution the engine samples, verifies and logs is the target's over the tokenizer's
+    ids (the target's own, conditioned on a real token), so no method at any temperature can
+    emit an id the tokenizer does not have (``docs/algorithms.md``, "Padded vocabularies").
+    Without a tokenizer (token-id prompts), the heads must agree in size.
+    """
     target_size = target.get_output_embeddings().weight.shape[0]
     draft_size = draft.get_output_embeddings().weight.shape[0]
-    if target_size == draft_size:
-        return int(target_size)
     shared = min(target_size, draft_size)
     if tokenizer is not None and len(tokenizer) <= shared:
-        return int(shared)
+        return int(len(tokenizer))
+    if target_size == draft_size:
+        return int(target_size)
     raise ValueError(
         f"target and draft have different vocabularies ({target_size} vs {draft_size} tokens)"
         + ("" if tokenizer is None else f" and the tokenizer has {len(tokenizer)}")
