@@ -37,15 +37,18 @@ def mc_engine():
     return SpeculativeDecoder(target, draft)
 
 
-def exact_sequence_probs(target, params: SamplingParams) -> dict[tuple[int, ...], float]:
-    prefixes = list(itertools.product(range(VOCAB), repeat=LENGTH - 1))
-    ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+def exact_sequence_probs(
+    target, params: SamplingParams, prompt: list[int] = PROMPT, vocab: int = VOCAB
+) -> dict[tuple[int, ...], float]:
+    """Every LENGTH-token continuation of ``prompt`` and its probability under ``target``."""
+    prefixes = list(itertools.product(range(vocab), repeat=LENGTH - 1))
+    ids = torch.tensor([prompt + list(p) for p in prefixes])
     with torch.no_grad():
-        logits = target(ids).logits[:, len(PROMPT) - 1 :]  # (N, LENGTH, V)
+        logits = target(ids).logits[:, len(prompt) - 1 :]  # (N, LENGTH, V)
     probs = logits_to_probs(logits.double(), params)
     out = {}
     for row, prefix in enumerate(prefixes):
-        for last in range(VOCAB):
+        for last in range(vocab):
             seq = (*prefix, last)
             out[seq] = math.prod(float(probs[row, i, seq[i]]) for i in range(LENGTH))
     return out
