@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from osd.devices import to_device
 from osd.spec.attention import AttentionLayout, attention_layout
-from osd.spec.kv_cache import ForwardPlan, SlotKVCache
+from osd.spec.kv_cache import ForwardPlan, SlotKVCache, plan_one_row
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
 
@@ -264,6 +264,21 @@ class CausalLM:
             attention_mask=plan.attention_mask,
             position_ids=plan.position_ids,
         )
+
+    def kv_bytes_per_slot(self, max_len: int, max_forward: int | None = None) -> int:
+        """Bytes of KV cache one sequence of ``max_len`` positions takes in this model, all
+        layers, windowed layers keeping their window and ``max_forward`` positions when given
+        (:class:`osd.spec.kv_cache.SlotKVCache`); measured with a one-token forward, so any
+        layer shapes and dtypes count as they are."""
+        cache = SlotKVCache(num_slots=1, max_len=1)
+        dtype = next(self.model.parameters()).dtype
+        plan = plan_one_row(1, cache.trash_slot, dtype, self.attention, self.device)
+        with torch.no_grad():
+            self.run(plan, cache, num_logits=1)
+        kept = SlotKVCache(1, max_len, self.attention.spans, max_forward).kept
+        per_layer = cache.bytes_per_layer_position()
+        kept += [max_len] * (len(per_layer) - len(kept))
+        return sum(b * n for b, n in zip(per_layer, kept, strict=False))
 
     def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The base model's (no adapter) own forward, with transformers' masks and no cache.

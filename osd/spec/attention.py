@@ -65,10 +65,14 @@ class AttentionLayout:
         windows: kind -> window (sliding) or chunk (chunked) in positions, None for full; one
             entry per kind the model's layers use.
         by_kind: the model takes a dict of masks keyed by kind (else one mask, of the only kind).
+        spans: per layer, how many positions back its queries reach (the window or chunk; None:
+            all); empty when every layer is full. The slot cache keeps only that many (and a
+            forward's worth) for such a layer.
     """
 
     windows: dict[str, int | None]
     by_kind: bool
+    spans: tuple[int | None, ...] = ()
 
     @staticmethod
     def full() -> AttentionLayout:
@@ -104,7 +108,8 @@ def attention_layout(model: Any) -> AttentionLayout:
     if not layer_types:
         window = getattr(config, "sliding_window", None)
         if window and getattr(config, "use_sliding_window", True) is not False:
-            return AttentionLayout({SLIDING: int(window)}, by_kind=False)
+            num_layers = getattr(config, "num_hidden_layers", 0) or 0
+            return AttentionLayout({SLIDING: int(window)}, False, (int(window),) * num_layers)
         return AttentionLayout.full()
     kinds = set(layer_types)
     unknown = sorted(kinds - {FULL, SLIDING, CHUNKED})
@@ -118,7 +123,8 @@ def attention_layout(model: Any) -> AttentionLayout:
         windows[kind] = _window(config, kind, name)
     if len(kinds) == 1 and FULL in kinds:
         return AttentionLayout(windows, by_kind=False)
-    return AttentionLayout(windows, by_kind=True)
+    spans = tuple(windows[kind] for kind in layer_types)
+    return AttentionLayout(windows, by_kind=len(kinds) > 1, spans=spans)
 
 
 def _window(config: Any, kind: str, name: str) -> int | None:

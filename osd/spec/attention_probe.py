@@ -53,7 +53,8 @@ def cached_forward_error(lm: Any, length: int | None = None, seed: int = 0) -> f
         for n in (length, max(2, length - 7))
     ]
     device, dtype = lm.device, next(lm.model.parameters()).dtype
-    cache = SlotKVCache(num_slots=2, max_len=length)
+    # Windowed layers keep a ring of window + the widest piece, so the probe wraps them too.
+    cache = SlotKVCache(2, length, lm.attention.spans, max_forward=max(_PREFILL))
     cached = [torch.zeros(0, lm.vocab_size, device=device) for _ in rows]  # (done, V) per row
     done, step = [0, 0], 0
     with torch.no_grad():

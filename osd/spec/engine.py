@@ -201,14 +201,25 @@ class SpeculativeDecoder:
         return GenerationStream(self, self.prepare(prompt, **options))
 
     def model_pair(
-        self, num_slots: int, max_len: int, controller: GoodputController | None = None
+        self,
+        num_slots: int,
+        max_len: int,
+        controller: GoodputController | None = None,
+        max_forward: int | None = None,
     ) -> ModelPair:
         """The models with fresh slot caches of ``num_slots`` rows of ``max_len`` positions,
-        choosing ``"auto"`` k with ``controller`` (default: this decoder's)."""
+        choosing ``"auto"`` k with ``controller`` (default: this decoder's).
+
+        With ``max_forward`` (the most tokens one row sends the target in one forward), the
+        target's windowed layers keep only their window and a forward's worth of positions
+        (:class:`SlotKVCache`). The draft's cache keeps every position: after steps in which a
+        row drafts nothing, it catches up on all of them in one forward.
+        """
+        target_cache = SlotKVCache(num_slots, max_len, self.target.attention.spans, max_forward)
         return ModelPair(
             target=self.target,
             draft=self.draft,
-            target_cache=SlotKVCache(num_slots, max_len),
+            target_cache=target_cache,
             draft_cache=SlotKVCache(num_slots, max_len),
             vocab_size=self.vocab_size,
             log_top_m=self.log_top_m,

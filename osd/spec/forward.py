@@ -118,6 +118,7 @@ def run_model(
         dtype=pair.dtype,
         kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
         layout=model.attention,
+        max_real=max(num_real),
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
 

@@ -22,13 +22,14 @@ sizes it is a small share of the step (measured in ``bench/``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from osd.spec.attention import AttentionLayout, layout_masks
 
-__all__ = ["ForwardPlan", "SlotKVCache", "plan_forward"]
+__all__ = ["ForwardPlan", "SlotKVCache", "plan_forward", "plan_one_row"]
 
 _MIN_CAPACITY = 64
 
@@ -45,6 +46,7 @@ class ForwardPlan:
         read_slot: (B, S) slot each row reads key position s from.
         attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum), or one per
             layer kind for a model that mixes kinds (:mod:`osd.spec.attention`).
+        max_real: most real tokens of one row (host int).
     """
 
     input_ids: torch.Tensor
@@ -53,6 +55,7 @@ class ForwardPlan:
     write_pos: torch.Tensor
     read_slot: torch.Tensor
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
+    max_real: int
 
     @property
     def kv_len(self) -> int:
@@ -89,6 +92,7 @@ def plan_forward(
     dtype: torch.dtype,
     kv_len: int | None = None,
     layout: AttentionLayout | None = None,
+    max_real: int | None = None,
 ) -> ForwardPlan:
     """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
 
@@ -107,6 +111,7 @@ def plan_forward(
             sync); computed otherwise.
         layout: the model's attention pattern (sliding windows, chunks); None: every layer
             attends to all earlier positions.
+        max_real: ``max(real)`` when the caller knows it on the host; computed otherwise.
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -119,6 +124,8 @@ def plan_forward(
     query_pos = torch.where(valid, positions, 0)
     if kv_len is None:
         kv_len = int((start + real).max()) if batch else 0
+    if max_real is None:
+        max_real = int(real.max()) if batch else 0
     keys = torch.arange(kv_len, device=device)  # (S,)
     read_slot = torch.where(
         keys.unsqueeze(0) < prefix_len.unsqueeze(1), base_slot.unsqueeze(1), own_slot.unsqueeze(1)
@@ -131,6 +138,32 @@ def plan_forward(
         write_pos=torch.where(valid, positions, 0),
         read_slot=read_slot,
         attention_mask=layout_masks(layout or AttentionLayout.full(), query_pos, visible, dtype),
+        max_real=max_real,
+    )
+
+
+def plan_one_row(
+    num_tokens: int,
+    trash_slot: int,
+    dtype: torch.dtype,
+    layout: AttentionLayout | None,
+    device: torch.device | str,
+) -> ForwardPlan:
+    """A plan for one fresh row of ``num_tokens`` zeros in slot 0 (sizing and profiling)."""
+    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    return plan_forward(
+        input_ids=torch.zeros(1, num_tokens, dtype=torch.int64, device=device),
+        start=zeros,
+        left=zeros,
+        real=torch.full((1,), num_tokens, dtype=torch.int64, device=device),
+        own_slot=zeros,
+        base_slot=zeros,
+        prefix_len=zeros,
+        trash_slot=trash_slot,
+        dtype=dtype,
+        kv_len=num_tokens,
+        layout=layout,
+        max_real=num_tokens,
     )
 
 
@@ -142,57 +175,100 @@ class SlotKVCache:
     Storage is allocated on first use (shapes and dtype come from the model) and grows along
     the position dimension up to ``max_len``.
 
+    A layer whose queries reach back at most ``span`` positions (a sliding window or an
+    attention chunk) keeps only a ring of ``span + max_forward - 1`` positions per slot when
+    that is below ``max_len``: position p lives at p mod the ring. A forward writes at most
+    ``max_forward`` positions per row, so the keys each of its queries may see (the span
+    before it) are never overwritten by the same forward, and a rolled-back position is
+    written again before any query sees it; older positions are masked anyway.
+
     Args:
         num_slots: rows of KV memory (a spectr request takes one per draft sequence).
         max_len: most positions one slot holds.
+        spans: per layer, how far back its queries reach (None: every earlier position); empty:
+            every layer full.
+        max_forward: most tokens one row writes in one forward; None: ``max_len`` (no rings).
     """
 
     is_compileable = False
 
-    def __init__(self, num_slots: int, max_len: int) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        max_len: int,
+        spans: Sequence[int | None] = (),
+        max_forward: int | None = None,
+    ) -> None:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"need num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
+        if max_forward is not None and max_forward < 1:
+            raise ValueError(f"max_forward must be >= 1, got {max_forward}")
         self.num_slots = num_slots
         self.max_len = max_len
+        self.max_forward = max_forward or max_len
+        # Positions each layer keeps per slot (a ring when below max_len).
+        self.kept = [
+            max_len if span is None else min(max_len, span + self.max_forward - 1) for span in spans
+        ]
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
-        self._capacity = min(_MIN_CAPACITY, max_len)
+        # Storage grows per group of layers keeping the same number of positions.
+        self._capacity = {kept: min(_MIN_CAPACITY, kept) for kept in {max_len, *self.kept}}
         self._plan: ForwardPlan | None = None
         # The bound plan's reads and writes as row indices of the (slot x position) flattened
-        # storage: index_select/index_copy_ on them cost a fifth of 2-D advanced indexing.
-        self._read_index = torch.zeros(0, dtype=torch.int64)
-        self._write_index = torch.zeros(0, dtype=torch.int64)
+        # storage, per group: index_select/index_copy_ on them cost a fifth of 2-D indexing.
+        self._read_index: dict[int, torch.Tensor] = {}
+        self._write_index: dict[int, torch.Tensor] = {}
 
     @property
     def trash_slot(self) -> int:
         return self.num_slots
+
+    def _kept(self, layer_idx: int) -> int:
+        return self.kept[layer_idx] if layer_idx < len(self.kept) else self.max_len
 
     def bind(self, plan: ForwardPlan) -> None:
         """Sets the plan the next forward follows; grows the storage if it needs more room."""
         needed = plan.kv_len  # real tokens are written below it (padding goes to the trash)
         if needed > self.max_len:
             raise ValueError(f"forward needs {needed} positions; slots hold {self.max_len}")
-        if needed > self._capacity:
-            capacity = self._capacity
-            while capacity < needed:
-                capacity *= 2
-            self._grow(min(capacity, self.max_len))
+        if plan.max_real > self.max_forward:
+            raise ValueError(
+                f"a row writes {plan.max_real} positions in one forward; this cache's rings "
+                f"take at most {self.max_forward}"
+            )
+        grown = {
+            kept: min(_doubled(capacity, min(needed, kept)), kept)
+            for kept, capacity in self._capacity.items()
+            if capacity < min(needed, kept)
+        }
+        if grown:
+            self._grow(grown)
         self._plan = plan
         positions = torch.arange(plan.kv_len, device=plan.read_slot.device)
-        self._read_index = (plan.read_slot * self._capacity + positions).reshape(-1)
-        self._write_index = (plan.write_slot * self._capacity + plan.write_pos).reshape(-1)
+        for kept, capacity in self._capacity.items():
+            self._read_index[kept] = (plan.read_slot * capacity + positions % kept).reshape(-1)
+            self._write_index[kept] = (plan.write_slot * capacity + plan.write_pos % kept).reshape(
+                -1
+            )
 
-    def _grow(self, capacity: int) -> None:
+    def _grow(self, grown: dict[int, int]) -> None:
         # All new tensors first: a failed allocation leaves every layer as it was.
-        grown = [
-            [old.new_zeros((old.shape[0], capacity, *old.shape[2:])) for old in store]
+        news = [
+            [
+                old.new_zeros((old.shape[0], grown[self._kept(i)], *old.shape[2:]))
+                if self._kept(i) in grown
+                else old
+                for i, old in enumerate(store)
+            ]
             for store in (self._keys, self._values)
         ]
-        for store, news in zip((self._keys, self._values), grown, strict=True):
-            for i, new in enumerate(news):
-                new[:, : store[i].shape[1]] = store[i]
-                store[i] = new
-        self._capacity = capacity
+        for store, layers in zip((self._keys, self._values), news, strict=True):
+            for i, new in enumerate(layers):
+                if new is not store[i]:
+                    new[:, : store[i].shape[1]] = store[i]
+                    store[i] = new
+        self._capacity.update(grown)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -200,8 +276,10 @@ class SlotKVCache:
         """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones."""
         plan = self._plan
         assert plan is not None, "bind() a plan before the forward"
+        kept = self._kept(layer_idx)
         if layer_idx == len(self._keys):
-            shape = (self.num_slots + 1, self._capacity, key_states.shape[1], key_states.shape[3])
+            capacity = self._capacity[kept]
+            shape = (self.num_slots + 1, capacity, key_states.shape[1], key_states.shape[3])
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
         batch, heads, _, head_dim = key_states.shape
@@ -212,8 +290,8 @@ class SlotKVCache:
         ):
             flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
             new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
-            flat.index_copy_(0, self._write_index, new)
-            rows = flat.index_select(0, self._read_index)  # (B * S, H, D)
+            flat.index_copy_(0, self._write_index[kept], new)
+            rows = flat.index_select(0, self._read_index[kept])  # (B * S, H, D)
             out.append(rows.view(batch, plan.kv_len, heads, head_dim).transpose(1, 2))
         return out[0], out[1]
 
@@ -226,10 +304,28 @@ class SlotKVCache:
         """
         if pos.numel() == 0:
             return
-        for store in (*self._keys, *self._values):
+        for i, store in enumerate((*self._keys, *self._values)):
+            kept = self._kept(i % len(self._keys))
+            capacity = self._capacity[kept]
             flat = store.view(-1, *store.shape[2:])
-            flat.index_copy_(0, dst * self._capacity + pos, flat[src * self._capacity + pos])
+            at = pos % kept
+            flat.index_copy_(0, dst * capacity + at, flat[src * capacity + at])
+
+    def bytes_per_layer_position(self) -> list[int]:
+        """Bytes one position of one slot takes in each layer's keys and values (empty before
+        the first forward, which sizes the storage)."""
+        return [
+            k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel()
+            for k, v in zip(self._keys, self._values, strict=True)
+        ]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Unused with explicit position ids; present for models that ask."""
         return 0
+
+
+def _doubled(capacity: int, needed: int) -> int:
+    """``capacity`` doubled until it holds ``needed`` (which is within the layer's limit)."""
+    while capacity < needed:
+        capacity *= 2
+    return capacity

@@ -19,6 +19,7 @@ as its number of rows towards ``max_num_seqs`` and the KV slots.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -33,9 +34,10 @@ from osd.errors import ParamError
 from osd.spec.choices import check_group
 from osd.spec.generation import GenerationResult, StreamChunk
 from osd.spec.goodput import GoodputController
+from osd.spec.limits import HTTP_MAX_DRAFTS, MAX_SPEC_TOKENS
 from osd.spec.request import DecodeRequest
 from osd.spec.rows import Row
-from osd.spec.scheduler import BatchLimits, num_to_admit
+from osd.spec.scheduler import BatchLimits, kv_slots_for_memory, num_to_admit
 from osd.spec.step import prefill, run_step
 from osd.threads import usable_cores
 
@@ -164,9 +166,21 @@ class BatchedEngine:
         if not max_len:
             raise ValueError("the models declare no context length: set max_model_len")
         self.max_len = max_len
+        # The most tokens a row sends the target in one forward: a prefill chunk or a verified
+        # block; the target's windowed layers keep their window and this much (kv_cache).
+        max_forward = min(max(limits.max_num_batched_tokens, MAX_SPEC_TOKENS + 1), max_len)
+        if not limits.kv_slots and limits.kv_cache_memory_bytes:
+            per_slot = decoder.target.kv_bytes_per_slot(max_len, max_forward)
+            per_slot += decoder.draft.kv_bytes_per_slot(max_len)
+            slots = kv_slots_for_memory(
+                limits.kv_cache_memory_bytes,
+                per_slot,
+                max_slots=limits.max_num_seqs * HTTP_MAX_DRAFTS,
+            )
+            self.limits = limits = dataclasses.replace(limits, kv_slots=slots)
         # The loop's own controller: its step costs are those of this batch, not of a caller's.
         self.controller = GoodputController(max_k=decoder.max_spec_tokens)
-        self.pair = decoder.model_pair(limits.num_slots, max_len, self.controller)
+        self.pair = decoder.model_pair(limits.num_slots, max_len, self.controller, max_forward)
         self.stats = LoopStats()
         self._free_slots = list(range(limits.num_slots))
         self._submitted: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()

@@ -82,9 +82,9 @@ def test_greedy_output_equals_generate_for_every_method(family):
     assert accepted > 0  # rows were cut back after partial acceptances, not only rejections
 
 
-def test_mixed_batch_with_per_row_adapters_equals_generate(family):
-    _, target, decoder = family
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=6, kv_slots=16))
+def decode_batch(engine: BatchedEngine, decoder: SpeculativeDecoder, runs: list) -> list:
+    """Greedy results of ``runs`` ((method, adapter, k, prompt, max_tokens) each), submitted
+    together; closes the engine."""
     try:
         handles = [
             engine.submit(
@@ -99,11 +99,17 @@ def test_mixed_batch_with_per_row_adapters_equals_generate(family):
                     stop_token_ids=[],
                 )
             )
-            for method, adapter, k, p, n in MIXED
+            for method, adapter, k, p, n in runs
         ]
-        results = [h.result() for h in handles]
+        return [h.result() for h in handles]
     finally:
         engine.close()
+
+
+def test_mixed_batch_with_per_row_adapters_equals_generate(family):
+    _, target, decoder = family
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=6, kv_slots=16))
+    results = decode_batch(engine, decoder, MIXED)
     for (method, _, _, p, n), result in zip(MIXED, results, strict=True):
         assert result.token_ids == target_greedy(target, PROMPTS[p], n), method
     assert engine.stats.mean_batch >= 2  # rows shared steps
@@ -140,3 +146,18 @@ def test_bf16_speculation_equals_the_target_alone_or_flips_at_a_tie(family, caps
         for method, position, margin in flips:
             print(f"\nbf16 flip {name} {method}: position {position}, logit margin {margin:.4f}")
     assert all(margin <= BF16_TIE for _, _, margin in flips), flips
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2", "llama4-chunked"])
+def test_windowed_layers_keeping_only_their_window_stay_exact(name):
+    # A prefill budget of 4 tokens: the target's forwards write at most 65 positions a row (a
+    # block of k = 64), so its windowed layers keep a ring of 8 + 64 positions, which 100-token
+    # outputs wrap; SpecTr's scratch slots and copied branches wrap with them.
+    target, draft = family_pair(name)
+    decoder = SpeculativeDecoder(target, draft)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, max_num_batched_tokens=4))
+    assert WINDOW + 64 in engine.pair.target_cache.kept  # the rings
+    runs = [("block", "code", 4, 0, 100), ("spectr", "sql", 3, 1, 100), ("none", None, 4, 1, 100)]
+    results = decode_batch(engine, decoder, runs)
+    for (method, _, _, p, n), result in zip(runs, results, strict=True):
+        assert result.token_ids == target_greedy(target, PROMPTS[p], n), method
