@@ -146,6 +146,11 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     kv_slots: int = 0
     max_model_len: int = 0
+    # With kv_slots 0, KV slots from memory instead (vLLM's gpu_memory_utilization): the replica
+    # may fill this share of its device's memory (weights, activations and caches; on the CPU,
+    # the machine's RAM), or give the caches kv_cache_memory_bytes outright. 0: neither.
+    gpu_memory_utilization: float = 0.0
+    kv_cache_memory_bytes: int = 0
     # torch intra-op threads of the decode loop; 0: every core the replica may use.
     torch_threads: int = 0
     num_cpus: float = 1.0
@@ -194,6 +199,18 @@ class ServeConfig:
         )
         _require(self.kv_slots >= 0, "serve.kv_slots", self.kv_slots, ">= 0")
         _require(self.max_model_len >= 0, "serve.max_model_len", self.max_model_len, ">= 0")
+        _require(
+            0.0 <= self.gpu_memory_utilization <= 1.0,
+            "serve.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in [0, 1]",
+        )
+        _require(
+            self.kv_cache_memory_bytes >= 0,
+            "serve.kv_cache_memory_bytes",
+            self.kv_cache_memory_bytes,
+            ">= 0",
+        )
         _require(self.torch_threads >= 0, "serve.torch_threads", self.torch_threads, ">= 0")
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from osd.adapters.store import AdapterStore
-from osd.config import OSDConfig
+from osd.config import OSDConfig, ServeConfig
+from osd.device_memory import forward_peak_bytes, kv_budget_bytes
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.routing.store import RouterStore
 from osd.spec.engine import SpeculativeDecoder
@@ -57,6 +58,24 @@ def load_replica_models(config: OSDConfig) -> ReplicaModels:
     return ReplicaModels(target, tokenizer, AdapterSlots(draft, adapters))
 
 
+def _kv_memory(engine: SpeculativeDecoder, serve: ServeConfig) -> int:
+    """The KV budget of ``serve.kv_cache_memory_bytes`` or ``serve.gpu_memory_utilization``."""
+    if serve.kv_slots or serve.kv_cache_memory_bytes or not serve.gpu_memory_utilization:
+        return serve.kv_cache_memory_bytes
+    reserve = max(
+        forward_peak_bytes(lm, serve.max_num_batched_tokens) for lm in (engine.target, engine.draft)
+    )
+    budget = kv_budget_bytes(engine.device, serve.gpu_memory_utilization, reserve)
+    logger.info(
+        "KV memory: %.1f MiB for the caches (%.0f%% of %s, %.1f MiB kept for activations)",
+        budget / 2**20,
+        100 * serve.gpu_memory_utilization,
+        engine.device,
+        reserve / 2**20,
+    )
+    return max(budget, 1)
+
+
 def build_runtime(
     config: OSDConfig,
     models: ReplicaModels | None = None,
@@ -92,6 +111,7 @@ def build_runtime(
             kv_slots=serve.kv_slots,
             max_model_len=serve.max_model_len,
             max_waiting=serve.max_ongoing_requests,
+            kv_cache_memory_bytes=_kv_memory(engine, serve),
         ),
         num_threads=threads.num_threads,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BatchLimits", "num_to_admit"]
+__all__ = ["BatchLimits", "kv_slots_for_memory", "num_to_admit"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class BatchLimits:
             request holds ``num_drafts`` of them.
         max_model_len: most positions of one sequence (prompt and output); 0: the models'.
         max_waiting: requests waiting for room; beyond it :meth:`submit` refuses at once.
+        kv_cache_memory_bytes: with ``kv_slots`` 0, the KV memory both models' caches may take
+            together: as many slots as fit (:func:`kv_slots_for_memory`); 0: no budget.
     """
 
     max_num_seqs: int = 16
@@ -31,18 +33,42 @@ class BatchLimits:
     kv_slots: int = 0
     max_model_len: int = 0
     max_waiting: int = 64
+    kv_cache_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("kv_slots", "max_model_len", "max_waiting"):
+        for name in ("kv_slots", "max_model_len", "max_waiting", "kv_cache_memory_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def num_slots(self) -> int:
         return self.kv_slots or self.max_num_seqs
+
+
+def kv_slots_for_memory(budget_bytes: int, bytes_per_slot: int, max_slots: int) -> int:
+    """How many KV slots a memory budget holds (the cache's trash slot counted).
+
+    Args:
+        budget_bytes: memory the caches of both models may take.
+        bytes_per_slot: one slot of both models at the longest sequence (max_len positions).
+        max_slots: no more than this (slots beyond the rows and drafts a batch holds idle).
+
+    Raises:
+        ValueError: the budget does not hold one sequence.
+    """
+    if bytes_per_slot < 1:
+        raise ValueError(f"bytes_per_slot must be >= 1, got {bytes_per_slot}")
+    fits = budget_bytes // bytes_per_slot - 1  # one slot takes the padding writes
+    if fits < 1:
+        raise ValueError(
+            f"a KV memory budget of {budget_bytes / 2**20:.1f} MiB holds no sequence "
+            f"({bytes_per_slot / 2**20:.1f} MiB each at the longest length, plus one for "
+            "padding): lower serve.max_model_len or give the KV cache more memory"
+        )
+    return min(fits, max_slots)
 
 
 def num_to_admit(
