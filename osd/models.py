@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from osd.devices import to_device
 from osd.spec.attention import AttentionLayout, attention_layout
 from osd.spec.kv_cache import ForwardPlan, SlotKVCache, plan_one_row
+from osd.threads import torch_single_threaded
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
 
@@ -273,7 +274,7 @@ class CausalLM:
         cache = SlotKVCache(num_slots=1, max_len=1)
         dtype = next(self.model.parameters()).dtype
         plan = plan_one_row(1, cache.trash_slot, dtype, self.attention, self.device)
-        with torch.no_grad():
+        with torch.no_grad(), torch_single_threaded():  # beside the decode loop (osd.threads)
             self.run(plan, cache, num_logits=1)
         kept = SlotKVCache(1, max_len, self.attention.spans, max_forward).kept
         per_layer = cache.bytes_per_layer_position()

@@ -18,6 +18,7 @@ import torch
 from osd.devices import to_device
 from osd.spec.attention import UnsupportedModel
 from osd.spec.kv_cache import SlotKVCache, plan_forward
+from osd.threads import torch_single_threaded
 
 __all__ = ["check_cached_forward", "cached_forward_error"]
 
@@ -115,7 +116,8 @@ def check_cached_forward(lm: Any, name: str) -> None:
     tolerance = _TOLERANCE.get(dtype, _LOW_PRECISION_TOLERANCE)
     model_class = type(getattr(lm.model, "get_base_model", lambda: lm.model)()).__name__
     try:
-        error = cached_forward_error(lm)
+        with torch_single_threaded():  # not beside the decode loop's team (osd.threads)
+            error = cached_forward_error(lm)
     except (RuntimeError, TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
         raise UnsupportedModel(
             f"the {name} model {model_class} cannot run on osd's KV cache ({exc!r:.200})"
