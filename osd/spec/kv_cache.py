@@ -232,7 +232,7 @@ class SlotKVCache:
         needed = plan.kv_len  # real tokens are written below it (padding goes to the trash)
         if needed > self.max_len:
             raise ValueError(f"forward needs {needed} positions; slots hold {self.max_len}")
-        if plan.max_real > self.max_forward:
+        if plan.max_real > self.max_forward and min(self.kept, default=self.max_len) < self.max_len:
             raise ValueError(
                 f"a row writes {plan.max_real} positions in one forward; this cache's rings "
                 f"take at most {self.max_forward}"

@@ -77,3 +77,14 @@ def test_the_cpu_budget_is_a_share_of_the_machine_less_what_is_in_use():
     assert forward_peak_bytes(CausalLM(build_family("llama3", 0), 64), 16) == 0  # CUDA only
     with pytest.raises(ValueError, match="utilization"):
         kv_budget_bytes(device, 1.5)
+
+
+def test_a_forward_wider_than_the_rings_is_refused_not_served_inexactly():
+    from osd.spec.kv_cache import SlotKVCache, plan_one_row
+
+    ringed = SlotKVCache(2, 100, spans=[8, None], max_forward=4)
+    assert ringed.kept == [11, 100]
+    with pytest.raises(ValueError, match="writes 5 positions in one forward"):
+        ringed.bind(plan_one_row(5, ringed.trash_slot, torch.float32, None, "cpu"))
+    full = SlotKVCache(2, 100, spans=[None, None], max_forward=4)  # no ring: any width
+    full.bind(plan_one_row(5, full.trash_slot, torch.float32, None, "cpu"))
