@@ -154,15 +154,16 @@ def layout_masks(
     Returns:
         (B, 1, T, S) additive mask, or a dict of them keyed by layer kind.
     """
-    keys = torch.arange(visible.shape[-1], device=visible.device).view(1, 1, -1)  # (1, 1, S)
-    queries = query_pos.unsqueeze(-1)  # (B, T, 1)
     masks: dict[str, torch.Tensor] = {}
     for kind, size in layout.windows.items():
         seen = visible
-        if kind == SLIDING and size is not None:
-            seen = visible & (keys > queries - size)
-        elif kind == CHUNKED and size is not None:
-            seen = visible & (keys // size == queries // size)
+        if size is not None:
+            keys = torch.arange(visible.shape[-1], device=visible.device).view(1, 1, -1)  # (1,1,S)
+            queries = query_pos.unsqueeze(-1)  # (B, T, 1)
+            if kind == SLIDING:
+                seen = visible & (keys > queries - size)
+            else:  # chunked
+                seen = visible & (keys // size == queries // size)
         mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
         masks[kind] = mask.masked_fill_(~seen, torch.finfo(dtype).min).unsqueeze(1)
     if layout.by_kind:

@@ -247,10 +247,11 @@ class SlotKVCache:
         self._plan = plan
         positions = torch.arange(plan.kv_len, device=plan.read_slot.device)
         for kept, capacity in self._capacity.items():
-            self._read_index[kept] = (plan.read_slot * capacity + positions % kept).reshape(-1)
-            self._write_index[kept] = (plan.write_slot * capacity + plan.write_pos % kept).reshape(
-                -1
-            )
+            ring = kept < self.max_len  # positions wrap (else they are below capacity)
+            read_pos = positions % kept if ring else positions
+            write_pos = plan.write_pos % kept if ring else plan.write_pos
+            self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
+            self._write_index[kept] = (plan.write_slot * capacity + write_pos).reshape(-1)
 
     def _grow(self, grown: dict[int, int]) -> None:
         # All new tensors first: a failed allocation leaves every layer as it was.
