@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 
 from osd.devices import to_device
 from osd.spec.attention import AttentionLayout, attention_layout
-from osd.spec.kv_cache import ForwardPlan, SlotKVCache, plan_one_row
+from osd.spec.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
 from osd.threads import torch_single_threaded
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
@@ -276,8 +276,8 @@ class CausalLM:
         plan = plan_one_row(1, cache.trash_slot, dtype, self.attention, self.device)
         with torch.no_grad(), torch_single_threaded():  # beside the decode loop (osd.threads)
             self.run(plan, cache, num_logits=1)
-        kept = SlotKVCache(1, max_len, self.attention.spans, max_forward).kept
         per_layer = cache.bytes_per_layer_position()
+        kept = kept_positions(self.attention.spans, max_len, max_forward or max_len)
         kept += [max_len] * (len(per_layer) - len(kept))
         return sum(b * n for b, n in zip(per_layer, kept, strict=False))
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-__all__ = ["FAMILIES", "WINDOW", "build_family", "family_pair", "noisy_family_copy"]
+__all__ = ["FAMILIES", "WINDOW", "WINDOWED", "build_family", "family_pair", "noisy_family_copy"]
 
 WINDOW = 8  # sliding window / attention chunk of the windowed families, in tokens
 VOCAB = 64
@@ -125,6 +125,13 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
         layer_types=["chunked_attention", "chunked_attention", "full_attention"],
     ),
 }
+
+
+# The families with sliding-window or chunked layers (of WINDOW tokens).
+WINDOWED = {
+    "qwen2-sliding", "mistral-sliding", "gemma2", "gemma3", "phi3", "gpt-oss", "cohere2",
+    "llama4-chunked",
+}  # fmt: skip
 
 
 def build_family(name: str, seed: int, logit_scale: float = 4.0, **overrides: Any) -> Any:

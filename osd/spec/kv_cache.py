@@ -29,7 +29,7 @@ import torch
 
 from osd.spec.attention import AttentionLayout, layout_masks
 
-__all__ = ["ForwardPlan", "SlotKVCache", "plan_forward", "plan_one_row"]
+__all__ = ["ForwardPlan", "SlotKVCache", "kept_positions", "plan_forward", "plan_one_row"]
 
 _MIN_CAPACITY = 64
 
@@ -207,9 +207,7 @@ class SlotKVCache:
         self.max_len = max_len
         self.max_forward = max_forward or max_len
         # Positions each layer keeps per slot (a ring when below max_len).
-        self.kept = [
-            max_len if span is None else min(max_len, span + self.max_forward - 1) for span in spans
-        ]
+        self.kept = kept_positions(spans, max_len, self.max_forward)
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         # Storage grows per group of layers keeping the same number of positions.
@@ -323,6 +321,12 @@ class SlotKVCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Unused with explicit position ids; present for models that ask."""
         return 0
+
+
+def kept_positions(spans: Sequence[int | None], max_len: int, max_forward: int) -> list[int]:
+    """Positions each layer keeps per slot: ``max_len``, or its span and one forward's tokens
+    (a ring) when that is less (:class:`SlotKVCache`)."""
+    return [max_len if span is None else min(max_len, span + max_forward - 1) for span in spans]
 
 
 def _doubled(capacity: int, needed: int) -> int:

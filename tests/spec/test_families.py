@@ -15,7 +15,7 @@ import torch
 from osd import SpeculativeDecoder
 from osd.spec.loop import BatchedEngine
 from osd.spec.scheduler import BatchLimits
-from tests.families import FAMILIES, WINDOW, family_pair
+from tests.families import FAMILIES, WINDOW, WINDOWED, family_pair
 
 # Prompts longer than the windows (8), outputs 4x a window: every layer kind is exercised.
 PROMPTS = [[3, 5, 7, 9, 11, 13, 2, 4, 6, 8], list(range(20, 40))]
@@ -64,9 +64,7 @@ def family(request):
 def test_every_family_passes_its_windows(family):
     name, target, decoder = family
     window = decoder.target.attention.max_window
-    windowed = name.endswith(("sliding", "chunked")) or name in {"gemma2", "gemma3", "gpt-oss"}
-    windowed = windowed or name in {"phi3", "cohere2"}
-    assert (window == WINDOW) if windowed else window is None, decoder.target.attention
+    assert (window == WINDOW) if name in WINDOWED else window is None, decoder.target.attention
     assert len(PROMPTS[0]) + LENGTH > 4 * WINDOW
 
 
