@@ -118,9 +118,7 @@ def attention_layout(model: Any) -> AttentionLayout:
             f"{name} has layers of kind {', '.join(unknown)}, which osd cannot serve exactly "
             "(it serves full, sliding-window and chunked attention)"
         )
-    windows: dict[str, int | None] = {}
-    for kind in sorted(kinds):
-        windows[kind] = _window(config, kind, name)
+    windows = {kind: _window(config, kind, name) for kind in sorted(kinds)}
     if len(kinds) == 1 and FULL in kinds:
         return AttentionLayout(windows, by_kind=False)
     spans = tuple(windows[kind] for kind in layer_types)
