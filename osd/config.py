@@ -58,6 +58,9 @@ class ModelConfig:
     lora_rank: int = 8
     lora_alpha: int = 16
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # Slot-cache forwards of Llama-shaped families (Llama, Mistral, Qwen2/3) through osd's lean
+    # forward (osd.spec.lean_forward); false: transformers' own forward, for debugging.
+    lean_forward: bool = True
 
     def __post_init__(self) -> None:
         _require(bool(self.target), "model.target", self.target, "a path or hub id")

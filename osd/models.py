@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreT
 from osd.devices import to_device
 from osd.spec.attention import AttentionLayout, attention_layout
 from osd.spec.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
+from osd.spec.lean_forward import LeanForward, lean_forward_for
 from osd.threads import torch_single_threaded
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
@@ -172,6 +173,8 @@ class CausalLM:
         attention: which keys each layer attends to (sliding windows, chunks); a model the
             engine cannot serve exactly is refused here
             (:class:`osd.spec.attention.UnsupportedModel`).
+        lean: run slot-cache forwards through :mod:`osd.spec.lean_forward` where the model's
+            family has one (False: transformers' own forward, for debugging).
     """
 
     model: PreTrainedModel
@@ -179,6 +182,7 @@ class CausalLM:
     # Entered around every forward; a server that adds and removes LoRA adapters while
     # decoding makes it a shared (read) lock so module dicts never change mid-forward.
     guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    lean: bool = True
 
     attention: AttentionLayout = field(init=False)
 
@@ -190,6 +194,23 @@ class CausalLM:
         self._has_lora = hasattr(self.model, "peft_config")
         if self._has_lora:
             _hook_lora_layers(self.model)
+        # The lean forward looks its layers up once; a peft model's LoRA layers appear when an
+        # adapter is added, so it is looked up again whenever the adapters change.
+        self._lean: tuple[tuple[str, ...], LeanForward | None] | None = None
+
+    @property
+    def uses_lean_forward(self) -> bool:
+        """Whether slot-cache forwards run through the lean forward (module docstring of
+        :mod:`osd.spec.lean_forward`)."""
+        return self._lean_forward() is not None
+
+    def _lean_forward(self) -> LeanForward | None:
+        if not self.lean:
+            return None
+        names = self.adapter_names
+        if self._lean is None or self._lean[0] != names:
+            self._lean = (names, lean_forward_for(_base_model(self.model)))
+        return self._lean[1]
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
@@ -257,6 +278,14 @@ class CausalLM:
             (B, num_logits, vocab_size) logits.
         """
         cache.bind(plan)
+        if self.lean:
+            with self.guard(), self._selection(adapters, plan.input_ids):
+                lean = self._lean_forward()  # under the guard: adapters change between forwards
+                if lean is not None:
+                    logits = lean(
+                        plan.input_ids, plan.position_ids, plan.attention_mask, cache, num_logits
+                    )
+                    return logits[..., : self.vocab_size]
         return self._forward(
             plan.input_ids,
             cache,
@@ -297,6 +326,16 @@ class CausalLM:
             logits = _base_model(self.model)(input_ids=input_ids, use_cache=False).logits
         return logits[..., : self.vocab_size]
 
+    def _selection(
+        self, adapters: list[str | None] | None, input_ids: torch.Tensor
+    ) -> AbstractContextManager[Any]:
+        """Selects each row's LoRA adapter for this thread's next forward (a no-op without
+        LoRA)."""
+        if not self._has_lora:
+            return contextlib.nullcontext()
+        names = [name or BASE_ADAPTER for name in adapters or [None] * input_ids.shape[0]]
+        return _adapters_for_this_thread(names, input_ids.device)
+
     def _forward(
         self,
         input_ids: torch.Tensor,
@@ -308,11 +347,7 @@ class CausalLM:
         kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True, **extra}
         if self._slices_logits:
             kwargs["logits_to_keep"] = num_logits
-        selection: AbstractContextManager[Any] = contextlib.nullcontext()
-        if self._has_lora:
-            names = [name or BASE_ADAPTER for name in adapters]
-            selection = _adapters_for_this_thread(names, input_ids.device)
-        with self.guard(), selection:
+        with self.guard(), self._selection(adapters, input_ids):
             # The wrapped HF model runs the LoRA layers (their hooks choose the adapters); peft's
             # own forward would also look up its "active adapter", which a replica deletes and
             # replaces while serving, so it is left out of the decode path.

@@ -97,6 +97,7 @@ def build_runtime(
         log_top_m=spec.log_top_m,
         adaptive_threshold=spec.adaptive_threshold,
         max_spec_tokens=spec.max_spec_tokens,
+        lean_forward=config.model.lean_forward,
         # Adapters are added and removed between forwards, never during one.
         draft_guard=models.slots.model_lock.reading,
     )

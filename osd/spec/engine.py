@@ -96,6 +96,7 @@ class SpeculativeDecoder:
         max_spec_tokens: int = 8,
         draft_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         check_models: bool = True,
+        lean_forward: bool = True,
     ) -> None:
         """``draft_guard`` is entered around every draft forward: a server that adds and removes
         LoRA adapters while decoding passes its adapters' read lock (serving.adapter_slots).
@@ -104,14 +105,18 @@ class SpeculativeDecoder:
         cross-attention, an attention pattern it does not know) is refused here with
         :class:`osd.spec.attention.UnsupportedModel` (a ``ValueError``) naming the model class
         and the feature; ``check_models`` runs each model once through the KV cache against its
-        own forward to catch what the config does not say (:mod:`osd.spec.attention_probe`)."""
+        own forward to catch what the config does not say (:mod:`osd.spec.attention_probe`).
+
+        ``lean_forward`` runs the models' slot-cache forwards through
+        :mod:`osd.spec.lean_forward` where their family has one (False: transformers' own
+        forward, the debugging switch; outputs are the same)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
         draft_model = load_causal_lm(draft, device=device, dtype=dtype)
         vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
-        self.target = CausalLM(target_model, vocab_size)
-        self.draft = CausalLM(draft_model, vocab_size, guard=draft_guard)
+        self.target = CausalLM(target_model, vocab_size, lean=lean_forward)
+        self.draft = CausalLM(draft_model, vocab_size, guard=draft_guard, lean=lean_forward)
         if self.draft.device != self.target.device:
             raise ValueError(
                 f"target is on {self.target.device} but draft on {self.draft.device}; "

@@ -104,6 +104,12 @@ def run_model(
     written from position ``start`` to slot ``own`` (reading ``prefix`` positions from ``base``),
     then right padding."""
     device = input_ids.device
+    # Rows in consecutive slots, each reading only its own, read their keys in place.
+    first = own[0] if own else 0
+    consecutive = bool(own) and all(
+        o == first + b and (p == 0 or s == o)
+        for b, (o, s, p) in enumerate(zip(own, base, prefix, strict=True))
+    )
     # One host-to-device copy for the six per-row columns of the plan.
     columns = as_tensor([start, left, num_real, own, base, prefix], device)
     plan = plan_forward(
@@ -119,6 +125,7 @@ def run_model(
         kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
         layout=model.attention,
         max_real=max(num_real),
+        first_slot=first if consecutive else None,
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
 

@@ -15,9 +15,11 @@ never copied). Padding writes go to one trash slot (the last).
 The plan's 4-D additive mask goes to the model as is (transformers 5 passes a 4-D mask through),
 with explicit position ids, so any attention implementation that takes a mask works (eager,
 sdpa); a model with sliding-window or chunked layers gets them in its masks
-(:mod:`osd.spec.attention`), one mask per layer kind where it mixes kinds. Reads gather the
-rows' keys per layer, a copy a paged-attention kernel would avoid on a GPU; at this project's
-sizes it is a small share of the step (measured in ``bench/``).
+(:mod:`osd.spec.attention`), one mask per layer kind where it mixes kinds. Rows in consecutive
+slots that read only their own (the decode loop keeps its rows in slot order) read their keys
+in place, as one strided view of the storage; other forwards (SpecTr branches reading a shared
+prefix, rows in scattered slots, a wrapped ring) gather the rows' keys per layer, a copy a
+paged-attention kernel would avoid on a GPU.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class ForwardPlan:
         attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum), or one per
             layer kind for a model that mixes kinds (:mod:`osd.spec.attention`).
         max_real: most real tokens of one row (host int).
+        first_slot: when row b reads only slot ``first_slot + b`` (no shared prefix from
+            another slot), that first slot: the rows' keys are then one strided view of the
+            storage and are read in place, without a gather (host int; None: gather).
     """
 
     input_ids: torch.Tensor
@@ -56,6 +61,7 @@ class ForwardPlan:
     read_slot: torch.Tensor
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
     max_real: int
+    first_slot: int | None = None
 
     @property
     def kv_len(self) -> int:
@@ -93,6 +99,7 @@ def plan_forward(
     kv_len: int | None = None,
     layout: AttentionLayout | None = None,
     max_real: int | None = None,
+    first_slot: int | None = None,
 ) -> ForwardPlan:
     """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
 
@@ -112,6 +119,8 @@ def plan_forward(
         layout: the model's attention pattern (sliding windows, chunks); None: every layer
             attends to all earlier positions.
         max_real: ``max(real)`` when the caller knows it on the host; computed otherwise.
+        first_slot: set when row b reads only slot ``first_slot + b`` (the caller knows it on
+            the host: :attr:`ForwardPlan.first_slot`).
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -139,6 +148,7 @@ def plan_forward(
         read_slot=read_slot,
         attention_mask=layout_masks(layout or AttentionLayout.full(), query_pos, visible, dtype),
         max_real=max_real,
+        first_slot=first_slot,
     )
 
 
@@ -164,6 +174,7 @@ def plan_one_row(
         kv_len=num_tokens,
         layout=layout,
         max_real=num_tokens,
+        first_slot=0,
     )
 
 
@@ -282,6 +293,10 @@ class SlotKVCache:
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
         batch, heads, _, head_dim = key_states.shape
+        # Rows in consecutive slots read their keys in place (a strided view), unless this
+        # layer's ring has wrapped (positions no longer in order).
+        first = plan.first_slot
+        in_place = kept == self.max_len or plan.kv_len <= kept
         out = []
         for store, states in (
             (self._keys[layer_idx], key_states),
@@ -290,8 +305,13 @@ class SlotKVCache:
             flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
             new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
             flat.index_copy_(0, self._write_index[kept], new)
-            rows = flat.index_select(0, self._read_index[kept])  # (B * S, H, D)
-            out.append(rows.view(batch, plan.kv_len, heads, head_dim).transpose(1, 2))
+            if first is not None and in_place:
+                rows = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view
+            else:
+                rows = flat.index_select(0, self._read_index[kept]).view(
+                    batch, plan.kv_len, heads, head_dim
+                )
+            out.append(rows.transpose(1, 2))
         return out[0], out[1]
 
     def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:

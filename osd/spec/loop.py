@@ -324,6 +324,9 @@ class BatchedEngine:
             max_num_seqs=self.limits.max_num_seqs,
         )
         admitted = 0
+        # Lowest slots first, and the decoding rows kept in slot order: a batch in consecutive
+        # slots reads its keys in place (osd.spec.kv_cache, ForwardPlan.first_slot).
+        self._free_slots.sort()
         for group in groups:
             if len(group) > count:
                 break
@@ -360,6 +363,8 @@ class BatchedEngine:
                     self._release(handle, handle._row.error)
                 else:
                     self._decoding.append(handle)
+        if ready:
+            self._decoding.sort(key=lambda h: h._row.slots[0])
 
     def _step(self) -> None:
         rows = [h._row for h in self._decoding]
