@@ -53,7 +53,7 @@ def _linear(module: Any) -> _Linear:
     return module
 
 
-def _column_major_on_cpu(weight: torch.nn.Parameter) -> None:
+def _column_major_on_cpu(weight: torch.Tensor) -> None:
     """Stores a CPU linear layer's (out, in) weight as the transpose of a contiguous (in, out)
     matrix, in place: same values, same parameter object, no extra memory.
 
