@@ -257,10 +257,21 @@ class SlotKVCache:
         positions = torch.arange(plan.kv_len, device=plan.read_slot.device)
         for kept, capacity in self._capacity.items():
             ring = kept < self.max_len  # positions wrap (else they are below capacity)
-            read_pos = positions % kept if ring else positions
             write_pos = plan.write_pos % kept if ring else plan.write_pos
-            self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
             self._write_index[kept] = (plan.write_slot * capacity + write_pos).reshape(-1)
+            if not self._reads_in_place(kept):
+                read_pos = positions % kept if ring else positions
+                self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
+
+    def _reads_in_place(self, kept: int) -> bool:
+        """Whether the bound plan's rows read this group's keys as a view (consecutive slots,
+        and positions in order: no ring, or one that has not wrapped)."""
+        plan = self._plan
+        return (
+            plan is not None
+            and plan.first_slot is not None
+            and (kept == self.max_len or plan.kv_len <= kept)
+        )
 
     def _grow(self, grown: dict[int, int]) -> None:
         # All new tensors first: a failed allocation leaves every layer as it was.
@@ -296,7 +307,7 @@ class SlotKVCache:
         # Rows in consecutive slots read their keys in place (a strided view), unless this
         # layer's ring has wrapped (positions no longer in order).
         first = plan.first_slot
-        in_place = kept == self.max_len or plan.kv_len <= kept
+        in_place = self._reads_in_place(kept)
         out = []
         for store, states in (
             (self._keys[layer_idx], key_states),
@@ -305,7 +316,7 @@ class SlotKVCache:
             flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
             new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
             flat.index_copy_(0, self._write_index[kept], new)
-            if first is not None and in_place:
+            if in_place and first is not None:
                 rows = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view
             else:
                 rows = flat.index_select(0, self._read_index[kept]).view(
