@@ -184,3 +184,44 @@ def test_deltas_and_flush_always_add_up_to_the_decoded_text(utf8):
         assert out == assembler.text
         if not assembler.stopped:
             assert out == utf8.decode(ids), (text, out)
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """Words with SentencePiece's "▁" for a leading space, decoded as Llama's tokenizer does:
+    the first token of a decode loses its space, so a decode that starts mid-text differs from
+    the whole text's decode at its start."""
+    from tokenizers import Tokenizer, decoders, models
+
+    words = ["a", "b", "cd", "ef", "é", ",", "!"]
+    pieces = [*words, *[f"▁{w}" for w in words]]
+    vocab = {"<pad>": 0, "<eos>": EOS, **{p: i + 2 for i, p in enumerate(pieces)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, "<pad>"))
+    tokenizer.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_long_generations_decode_incrementally_to_the_whole_decode(kind, utf8):
+    """Past the decode window (32 tokens), in steps of any size, with and without a stop
+    string: the text is the whole sequence's decode, the deltas add up to it."""
+    tokenizer = utf8 if kind == "bytes" else metaspace_tokenizer()
+    vocab = range(2, 258) if kind == "bytes" else range(2, 16)
+    rng = random.Random(1)
+    for trial in range(60):
+        ids = [rng.choice(vocab) for _ in range(rng.randint(40, 300))]
+        if kind == "bytes":  # mostly valid UTF-8: multi-byte characters across the window
+            ids = byte_ids("".join(rng.choice("ab é€😀") for _ in range(len(ids) // 2)))
+        stop = ["€ é"] if trial % 3 == 0 else []
+        assembler = TextAssembler(tokenizer, stop)
+        out, kept, position = "", [], 0
+        while position < len(ids) and not assembler.stopped:
+            step = ids[position : position + rng.randint(1, 9)]
+            delta, num_kept = assembler.add(step)
+            out, kept, position = out + delta, kept + step[:num_kept], position + len(step)
+        out += assembler.flush()
+        assert out == assembler.text
+        whole = tokenizer.decode(kept, skip_special_tokens=True)
+        if assembler.stopped:
+            assert whole.startswith(out) and whole[len(out) :].startswith(stop[0])
+        else:
+            assert out == whole
