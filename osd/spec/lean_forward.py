@@ -53,6 +53,15 @@ def _linear(module: Any) -> _Linear:
     return module
 
 
+def _embedding(module: Any) -> _Linear:
+    """``F.embedding`` on a plain embedding's weights; the module itself otherwise (a LoRA
+    embedding: the distilled demo adapters train the embeddings too)."""
+    if type(module) is torch.nn.Embedding:
+        weight = module.weight
+        return lambda ids: F.embedding(ids, weight)
+    return module
+
+
 def _column_major_on_cpu(weight: torch.Tensor) -> None:
     """Stores a CPU linear layer's (out, in) weight as the transpose of a contiguous (in, out)
     matrix, in place: same values, same parameter object, no extra memory.
@@ -134,14 +143,14 @@ class LeanForward:
 
     def __init__(self, model: Any, layer_kinds: list[str]) -> None:
         inner = model.model
-        self.embed = inner.embed_tokens.weight
+        self.embed = _embedding(inner.embed_tokens)
         self.rotary = inner.rotary_emb
         self.layers = [
             _Layer(layer, kind) for layer, kind in zip(inner.layers, layer_kinds, strict=True)
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = model.lm_head
-        tied = head.weight is inner.embed_tokens.weight  # the embedding keeps its rows
+        tied = head.weight is getattr(inner.embed_tokens, "weight", None)  # kept by rows
         self.head = (lambda x: F.linear(x, head.weight, head.bias)) if tied else _linear(head)
 
     def __call__(
@@ -154,7 +163,7 @@ class LeanForward:
     ) -> torch.Tensor:
         """(B, T) ids -> (B, num_logits, V) logits of the last ``num_logits`` columns; keys and
         values go through ``cache.update`` (a bound :class:`osd.spec.kv_cache.SlotKVCache`)."""
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed(input_ids)
         batch, width = input_ids.shape
         cos, sin = self.rotary(hidden, position_ids)  # (B, T, D)
         half = sin.shape[-1] // 2

@@ -116,6 +116,30 @@ def test_per_row_lora_adapters_and_an_adapter_added_while_serving_take_effect():
     torch.testing.assert_close(before[2], after[2])
 
 
+def test_lora_on_embeddings_mlp_and_head_as_the_demo_distils_them():
+    """The demo's adapters train the embeddings, every projection and the head: each row's
+    adapter must reach every one of them (a lean forward that read the embedding's base weights
+    ran the distilled SQL adapter at acceptance 0.01 instead of 0.45)."""
+    from peft import get_peft_model
+
+    draft = build_family("llama3", 5)
+    targets = ["embed_tokens", "q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"]
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    draft = get_peft_model(draft, config, adapter_name="a")
+    draft.add_adapter("b", config)
+    lean, plain = CausalLM(draft, 64), CausalLM(draft, 64, lean=False)
+    caches = [SlotKVCache(4, 64) for _ in range(2)]
+    ids = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    plan = _plan(lean, ids, [0] * 3, [0] * 3, [4] * 3, [0, 1, 2], [0, 1, 2], [0] * 3, 0)
+    with torch.inference_mode():
+        got = lean.run(plan, caches[0], num_logits=4, adapters=["a", "b", None])
+        want = plain.run(plan, caches[1], num_logits=4, adapters=["a", "b", None])
+        base = CausalLM(build_family("llama3", 5), 64).run(plan, SlotKVCache(4, 64), num_logits=4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[0], base[0]) and not torch.allclose(got[1], got[0])
+    torch.testing.assert_close(got[2], base[2], rtol=1e-5, atol=1e-5)
+
+
 def test_the_switch_gives_the_same_output():
     target, draft = family_pair("qwen3", 4)
     outputs = []
