@@ -44,10 +44,13 @@ _FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 _Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _linear(module: Any) -> _Linear:
-    """``F.linear`` on a plain linear layer's weights; the module itself otherwise (LoRA)."""
+def _linear(module: Any, relayout: bool = True) -> _Linear:
+    """``F.linear`` on a plain linear layer's weights (laid out column-major on the CPU unless
+    ``relayout`` is False: a head tied to the embedding, which reads it by rows); the module
+    itself otherwise (LoRA)."""
     if type(module) is torch.nn.Linear:
-        _column_major_on_cpu(module.weight)
+        if relayout:
+            _column_major_on_cpu(module.weight)
         weight, bias = module.weight, module.bias
         return lambda x: F.linear(x, weight, bias)
     return module
@@ -150,8 +153,8 @@ class LeanForward:
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = model.lm_head
-        tied = head.weight is getattr(inner.embed_tokens, "weight", None)  # kept by rows
-        self.head = (lambda x: F.linear(x, head.weight, head.bias)) if tied else _linear(head)
+        tied = head.weight is getattr(inner.embed_tokens, "weight", None)
+        self.head = _linear(head, relayout=not tied)  # a LoRA head is called as its module
 
     def __call__(
         self,
