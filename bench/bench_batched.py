@@ -1,6 +1,6 @@
 """The batched decode loop on the demo pair: throughput by concurrency, speculation vs target alone.
 
-In one process: the demo pair, one :class:`osd.spec.loop.BatchedEngine` (as a replica runs it),
+In one process: the demo pair, one :class:`osd.decode.loop.BatchedEngine` (as a replica runs it),
 closed-loop clients (each sends its next request when the last one ends) at each concurrency,
 the same held-out prompts everywhere, greedy, tokens counted from the results. Variants per
 domain: the target alone (``method=none`` through the same loop), block verification (k=4)
@@ -31,13 +31,13 @@ import torch
 from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
+from osd.decode.loop import BatchedEngine
+from osd.decode.models import CausalLM
+from osd.decode.scheduler import BatchLimits
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.distill import DistillRecipe, distill_adapter
 from osd.demo.report import load_pair
 from osd.demo.training import encode_streams
-from osd.models import CausalLM
-from osd.spec.loop import BatchedEngine
-from osd.spec.scheduler import BatchLimits
 
 
 @dataclass

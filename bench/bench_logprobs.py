@@ -1,11 +1,11 @@
 """What logprobs cost a batched speculative step (issue 14, item 3).
 
-One :class:`osd.spec.loop.BatchedEngine`, a batch of 8 greedy rows (block verification, k=4) on
+One :class:`osd.decode.loop.BatchedEngine`, a batch of 8 greedy rows (block verification, k=4) on
 a tiny random pair with a realistic vocabulary (32k: the log-softmax and top-n are over it),
 each variant decoding the same tokens: no row asks for logprobs, half of the rows ask, every
-row asks (with 0, 5 and 20 alternatives). Times :func:`osd.spec.step.run_step` alone and
+row asks (with 0, 5 and 20 alternatives). Times :func:`osd.decode.step.run_step` alone and
 prints the median milliseconds per step over interleaved repeats, and the ratio to no
-logprobs; then the logprobs' own work (:func:`osd.spec.logprobs.gather_logprobs` and reading
+logprobs; then the logprobs' own work (:func:`osd.decode.logprobs.gather_logprobs` and reading
 it back, the fastest of 40) on a step's logits, which a busy machine's step-to-step noise can
 hide. Under a minute on two cores: ``python -m bench.bench_logprobs``.
 """
@@ -22,7 +22,7 @@ from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.step_timer import step_times
 from bench.tables import print_table
 from osd import SpeculativeDecoder
-from osd.spec.logprobs import gather_logprobs
+from osd.decode.logprobs import gather_logprobs
 from osd.testing import noisy_copy, tiny_llama
 
 BATCH = 8

@@ -113,7 +113,7 @@ def log_records(
     for i, prompt in enumerate(prompts):
         result = engine.generate(prompt, max_tokens=max_tokens, temperature=0.0, seed=i)
         assert result.log is not None
-        records.append(result.log.to_record(request_id=f"{tag}-{i}", domain=domain))
+        records.append(Record.from_generation(result.log, request_id=f"{tag}-{i}", domain=domain))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         packed = [r.pack() for r in records]

@@ -1,11 +1,11 @@
 """What structured output costs a batched speculative step (issue 14, item 2).
 
-One :class:`osd.spec.loop.BatchedEngine`, a batch of 8 sampled rows (block verification, k=4)
+One :class:`osd.decode.loop.BatchedEngine`, a batch of 8 sampled rows (block verification, k=4)
 on a tiny random pair with a realistic byte-level BPE vocabulary (trained here on the Python
 standard library's sources, about 28k tokens: llguidance's mask work grows with the
 vocabulary), each variant decoding the same prompts: no row constrained, half the rows under
 JSON mode (``json_object``), every row under JSON mode, every row under a JSON schema. Times
-:func:`osd.spec.step.run_step` alone and prints the median milliseconds per step over
+:func:`osd.decode.step.run_step` alone and prints the median milliseconds per step over
 interleaved repeats and the ratio to no grammar, then the masks' own work per step (the k + 1
 masks of every row, filled in llguidance's thread pool, with the tokens consumed and rolled
 back; the fastest of 20), which a busy machine's step-to-step noise can hide. About two
@@ -24,12 +24,12 @@ from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.step_timer import step_times
 from bench.tables import print_table
 from osd import SpeculativeDecoder
+from osd.decode.grammar import Grammar
+from osd.decode.grammar_masks import GrammarMasks
+from osd.decode.rows import Row
 from osd.demo.corpus import stdlib_files
 from osd.demo.recipe import TokenizerRecipe
 from osd.demo.vocab import train_tokenizer
-from osd.spec.grammar import Grammar
-from osd.spec.grammar_masks import GrammarMasks
-from osd.spec.rows import Row
 from osd.testing import noisy_copy, tiny_llama
 
 BATCH = 8

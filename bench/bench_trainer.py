@@ -93,7 +93,7 @@ def demo_pair() -> Pair | None:
         return None
     from transformers import AutoModelForCausalLM
 
-    from osd.models import load_tokenizer
+    from osd.decode.models import load_tokenizer
 
     def load(path: Path) -> Any:
         return AutoModelForCausalLM.from_pretrained(path).float().eval()
@@ -113,7 +113,7 @@ def make_records(pair: Pair, num_records: int, seed: int = 0) -> list[Record]:
     for i, prompt in enumerate(pair.prompts(num_records, rng, engine.vocab_size)):
         result = engine.generate(prompt, max_tokens=32, temperature=1.0, seed=seed + i)
         assert result.log is not None
-        records.append(result.log.to_record(request_id=f"bench-{seed}-{i}"))
+        records.append(Record.from_generation(result.log, request_id=f"bench-{seed}-{i}"))
     seconds = time.perf_counter() - started
     print(f"  logged {num_records} records in {seconds:.1f} s (generation, not the trainer)")
     return records

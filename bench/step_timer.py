@@ -1,4 +1,4 @@
-"""Times :func:`osd.spec.step.run_step` alone while a batched engine decodes a batch (the step
+"""Times :func:`osd.decode.step.run_step` alone while a batched engine decodes a batch (the step
 benchmarks)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-import osd.spec.loop
+import osd.decode.loop
 from osd import SpeculativeDecoder
-from osd.spec.loop import BatchedEngine
-from osd.spec.request import DecodeRequest
-from osd.spec.scheduler import BatchLimits
+from osd.decode.loop import BatchedEngine
+from osd.decode.request import DecodeRequest
+from osd.decode.scheduler import BatchLimits
 
 __all__ = ["step_times"]
 
@@ -22,7 +22,7 @@ def step_times(decoder: SpeculativeDecoder, requests: Sequence[DecodeRequest]) -
     """Decodes ``requests`` as one batch in a fresh engine; the seconds of each of its steps
     (CUDA synchronised after each step, so a step's time is its own)."""
     times: list[float] = []
-    real = osd.spec.loop.run_step
+    real = osd.decode.loop.run_step
 
     def timed(*args: Any) -> Any:
         started = time.perf_counter()
@@ -32,7 +32,7 @@ def step_times(decoder: SpeculativeDecoder, requests: Sequence[DecodeRequest]) -
         times.append(time.perf_counter() - started)
         return out
 
-    osd.spec.loop.run_step = timed  # type: ignore[assignment]
+    osd.decode.loop.run_step = timed  # type: ignore[assignment]
     size = len(requests)
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=size, kv_slots=size))
     try:
@@ -40,5 +40,5 @@ def step_times(decoder: SpeculativeDecoder, requests: Sequence[DecodeRequest]) -
             handle.result()
     finally:
         engine.close()
-        osd.spec.loop.run_step = real  # type: ignore[assignment]
+        osd.decode.loop.run_step = real  # type: ignore[assignment]
     return times

@@ -1,8 +1,8 @@
 """Many requests decoded together by one batched loop, as a replica runs them."""
 
 from osd import SpeculativeDecoder
-from osd.spec.loop import BatchedEngine
-from osd.spec.scheduler import BatchLimits
+from osd.decode.loop import BatchedEngine
+from osd.decode.scheduler import BatchLimits
 from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
 
 target = tiny_llama(vocab_size=64, hidden_size=64, num_layers=2, seed=0, logit_scale=4.0)

@@ -1,6 +1,7 @@
 """Speculative decoding with osd in a few lines (tiny random models: runs anywhere, offline)."""
 
 from osd import SpeculativeDecoder
+from osd.buffer.record import Record
 from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
 
 # Any Hugging Face causal LM pair sharing a vocabulary works: objects, local paths or hub ids,
@@ -26,5 +27,7 @@ print(result.stats.as_dict())  # steps, drafted, accepted, acceptance_rate, mean
 for chunk in engine.stream("hello", max_tokens=12, temperature=0, method="token"):
     print(chunk.token_ids, repr(chunk.text))  # tokens as soon as they are verified
 
-record = result.log.to_record(request_id="req-1", domain="code")  # what a replica logs
+record = Record.from_generation(
+    result.log, request_id="req-1", domain="code"
+)  # what a replica logs
 print(record.num_generated, record.top_m, len(record.pack()), "bytes")

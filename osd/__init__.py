@@ -13,17 +13,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from osd.spec.engine import SpeculativeDecoder
-    from osd.spec.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
-    from osd.spec.sampling import SamplingParams
+    from osd.decode.engine import SpeculativeDecoder
+    from osd.decode.generation import GenerationLog, GenerationResult, GenerationStats, StreamChunk
+    from osd.decode.sampling import SamplingParams
 
 _HOMES = {
-    "SpeculativeDecoder": "osd.spec.engine",
-    "GenerationLog": "osd.spec.generation",
-    "GenerationResult": "osd.spec.generation",
-    "GenerationStats": "osd.spec.generation",
-    "StreamChunk": "osd.spec.generation",
-    "SamplingParams": "osd.spec.sampling",
+    "SpeculativeDecoder": "osd.decode.engine",
+    "GenerationLog": "osd.decode.generation",
+    "GenerationResult": "osd.decode.generation",
+    "GenerationStats": "osd.decode.generation",
+    "StreamChunk": "osd.decode.generation",
+    "SamplingParams": "osd.decode.sampling",
 }
 
 __all__ = [

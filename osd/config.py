@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import yaml
 
-from osd.buffer.record import Method
 from osd.config_convert import config_from_dict
-from osd.spec.limits import MAX_DRAFTS, MAX_SPEC_TOKENS
+from osd.decode.limits import MAX_DRAFTS, MAX_SPEC_TOKENS
+from osd.decode.methods import Method
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -59,7 +59,7 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     # Slot-cache forwards of Llama-shaped families (Llama, Mistral, Qwen2/3) through osd's lean
-    # forward (osd.spec.lean_forward); false: transformers' own forward, for debugging.
+    # forward (osd.decode.lean_forward); false: transformers' own forward, for debugging.
     lean_forward: bool = True
 
     def __post_init__(self) -> None:

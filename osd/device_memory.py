@@ -4,7 +4,7 @@ The replica may fill ``utilization`` of its device's memory (all of it: weights,
 caches, and whatever else already holds memory there, as vLLM counts it). What is in use once
 the models are loaded, and the peak of the largest forward the decode loop runs (a prefill
 chunk, measured on CUDA), come off; the rest is the KV budget
-(:func:`osd.spec.scheduler.kv_slots_for_memory` turns it into slots). On the CPU the device
+(:func:`osd.decode.scheduler.kv_slots_for_memory` turns it into slots). On the CPU the device
 memory is the machine's: its total and what is available now.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import torch
 
-from osd.spec.kv_cache import SlotKVCache, plan_one_row
+from osd.decode.kv_cache import SlotKVCache, plan_one_row
 
 __all__ = ["forward_peak_bytes", "kv_budget_bytes"]
 
@@ -41,7 +41,7 @@ def kv_budget_bytes(device: torch.device, utilization: float, reserve_bytes: int
 
 def forward_peak_bytes(lm: Any, num_tokens: int) -> int:
     """Peak memory of one forward of ``num_tokens`` new tokens through ``lm`` (a
-    :class:`osd.models.CausalLM`) on CUDA, its one-sequence cache included; 0 elsewhere."""
+    :class:`osd.decode.models.CausalLM`) on CUDA, its one-sequence cache included; 0 elsewhere."""
     device = lm.device
     if device.type != "cuda":
         return 0

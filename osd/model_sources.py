@@ -12,7 +12,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from osd.config import ModelConfig, resolve_device, resolve_dtype
-from osd.models import load_causal_lm, load_tokenizer
+from osd.decode.models import load_causal_lm, load_tokenizer
 
 __all__ = [
     "attach_lora_adapters",

@@ -46,6 +46,7 @@ __all__ = [
     "quota_cores",
     "threads_applied",
     "threads_for",
+    "single_threaded_torch",
     "torch_single_threaded",
     "usable_cores",
 ]
@@ -227,6 +228,16 @@ def threads_applied(
         torch.set_num_threads(previous)
 
 
+def single_threaded_torch() -> None:
+    """Makes torch run single-threaded in the calling thread for good (helper threads that load
+    adapters or tensors beside the decode loop, as a thread pool's initializer: a thread that
+    runs torch in parallel keeps an OpenMP team beside the loop's; see
+    :func:`torch_single_threaded`)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @contextlib.contextmanager
 def torch_single_threaded() -> Iterator[None]:
     """Runs torch single-threaded in the calling thread for the block, then restores its count.
@@ -253,7 +264,7 @@ def child_env(num_processes: int, env: Mapping[str, str] | None = None) -> dict[
     ``OMP_NUM_THREADS=1`` is the default of every thread in the child: the thread that does the
     work (decode loop, trainer) sets its own count from :func:`threads_for`, and helper threads
     stay single-threaded (a second parallel team beside the decode loop's halved its speed, see
-    :mod:`osd.spec.loop`).
+    :mod:`osd.decode.loop`).
     """
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from osd.spec.generation import GenerationResult, TokenLogprob
+from osd.decode.generation import GenerationResult, TokenLogprob
 from serving.logprobs import LogprobFormatter, echo_prefix
 from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
 from serving.runtime import Job, ReplicaRuntime

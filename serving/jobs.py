@@ -1,7 +1,7 @@
 """An admitted request (:class:`Job`) and the streaming of its choices to the event loop.
 
-A job holds one :class:`osd.spec.loop.RequestHandle` per choice (OpenAI's ``n``,
-:mod:`osd.spec.choices`). Handles block, so a thread of the replica's pool waits on each
+A job holds one :class:`osd.decode.loop.RequestHandle` per choice (OpenAI's ``n``,
+:mod:`osd.decode.choices`). Handles block, so a thread of the replica's pool waits on each
 choice's; what they bring goes to the event loop through one queue, tagged with the choice's
 index, and steps of one choice that queued up while the consumer was busy go out as one chunk.
 """
@@ -16,8 +16,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from osd.spec.generation import GenerationResult, StreamChunk, merge_chunks
-from osd.spec.loop import RequestHandle
+from osd.decode.generation import GenerationResult, StreamChunk, merge_chunks
+from osd.decode.loop import RequestHandle
 from serving.adapter_slots import AdapterLease
 from serving.protocol import ChatRequest, CompletionRequest, new_id
 from serving.router import RouteDecision

@@ -5,7 +5,7 @@ each ``top_logprobs`` entry maps the n most likely tokens' text to their logprob
 does, always holds the sampled token too (up to n + 1 entries). Chat: ``{"content": [{"token",
 "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is its
 own decoding; a token that is part of a multi-byte character decodes to U+FFFD. The numbers
-are the target's raw logprobs (:mod:`osd.spec.logprobs` says why).
+are the target's raw logprobs (:mod:`osd.decode.logprobs` says why).
 
 Completions' ``echo`` puts the prompt before the completion: in the text (the prompt as sent, or
 the token ids' decoding) and, with ``logprobs``, in front of the tokens, the first prompt
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from osd.spec.generation import TokenLogprob
+from osd.decode.generation import TokenLogprob
 
 __all__ = ["LogprobFormatter", "echo_prefix"]
 

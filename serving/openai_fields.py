@@ -79,7 +79,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "guided_regex",
         "guided_choice",
         "guided_grammar",
-        "n",  # 1..16 choices, each its own sample (osd.spec.choices)
+        "n",  # 1..16 choices, each its own sample (osd.decode.choices)
     }
 )
 

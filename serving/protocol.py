@@ -25,9 +25,10 @@ from pydantic import (
     model_validator,
 )
 
-from osd.buffer.record import MAX_ID_BYTES, Method
-from osd.spec.limits import HTTP_MAX_DRAFTS, HTTP_MAX_SPEC_TOKENS, MAX_LOGPROBS
-from osd.spec.sampling import GREEDY_BELOW
+from osd.buffer.record import MAX_ID_BYTES
+from osd.decode.limits import HTTP_MAX_DRAFTS, HTTP_MAX_SPEC_TOKENS, MAX_LOGPROBS
+from osd.decode.methods import Method
+from osd.decode.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
 
@@ -117,7 +118,7 @@ class _Common(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # the record stores it as int32
-    # Applied alike to draft and target (osd.spec.sampling), so every method stays exact.
+    # Applied alike to draft and target (osd.decode.sampling), so every method stays exact.
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -129,7 +130,7 @@ class _Common(BaseModel):
     )
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
-    # Choices, each its own sample with a seed derived from (seed, index) (osd.spec.choices).
+    # Choices, each its own sample with a seed derived from (seed, index) (osd.decode.choices).
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -149,7 +150,7 @@ class _Common(BaseModel):
     @field_validator("temperature")
     @classmethod
     def _tiny_temperature_is_greedy(cls, temperature: float) -> float:
-        # As the engine does (osd.spec.sampling.SamplingParams): responses and records say 0.
+        # As the engine does (osd.decode.sampling.SamplingParams): responses and records say 0.
         return 0.0 if temperature < GREEDY_BELOW else temperature
 
     @field_validator("logit_bias")

@@ -17,12 +17,12 @@ from typing import Any
 
 from osd.adapters.store import AdapterStore
 from osd.config import OSDConfig, ServeConfig
+from osd.decode.engine import SpeculativeDecoder
+from osd.decode.loop import BatchedEngine
+from osd.decode.scheduler import BatchLimits
 from osd.device_memory import forward_peak_bytes, kv_budget_bytes
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.routing.store import RouterStore
-from osd.spec.engine import SpeculativeDecoder
-from osd.spec.loop import BatchedEngine
-from osd.spec.scheduler import BatchLimits
 from osd.threads import threads_for
 from serving.adapter_slots import AdapterSlots, peft_adapter_name
 from serving.health import HealthLimits, LoopHealth

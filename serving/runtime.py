@@ -1,11 +1,11 @@
 """One replica's state: the engine, the draft's adapter versions, router, log writer, metrics.
 
-All requests of a replica are decoded by one batched loop (:class:`osd.spec.loop.
+All requests of a replica are decoded by one batched loop (:class:`osd.decode.loop.
 BatchedEngine`): each is a row with its own KV slot, random streams and leased adapter
 version, and every step drafts, verifies and emits for all rows together. A small thread pool
 only waits on the rows' outputs for the event loop. After a request, its record goes to the log
 writer's queue (never blocking) unless it opted out. A request for ``n`` choices is a group of
-``n`` rows sharing one prefill (:mod:`osd.spec.choices`); each choice's record is logged on its
+``n`` rows sharing one prefill (:mod:`osd.decode.choices`); each choice's record is logged on its
 own, under the request's id (so the trainer holds all choices of a prompt out, or none).
 """
 
@@ -22,14 +22,16 @@ from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from osd.buffer.record import Record
 from osd.config import OSDConfig
+from osd.decode.choices import choice_requests
+from osd.decode.engine import SpeculativeDecoder
+from osd.decode.generation import GenerationResult, StreamChunk
+from osd.decode.grammar import Grammar
+from osd.decode.loop import BatchedEngine, EngineFull
+from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
-from osd.spec.choices import choice_requests
-from osd.spec.engine import SpeculativeDecoder
-from osd.spec.generation import GenerationResult, StreamChunk
-from osd.spec.grammar import Grammar
-from osd.spec.loop import BatchedEngine, EngineFull, single_threaded_torch
-from osd.spec.request import DecodeRequest
+from osd.threads import single_threaded_torch
 from serving.adapter_slots import AdapterLease, AdapterSlots
 from serving.jobs import Job, stream_choices
 from serving.live_monitor import LiveMonitor
@@ -333,7 +335,8 @@ class ReplicaRuntime:
             return
         # Records name the logical adapter ("code"), not the loaded version ("code@3").
         self.log_writer.log(
-            log.to_record(
+            Record.from_generation(
+                log,
                 request_id=job.request_id,
                 domain=domain,
                 adapter_name=lease.adapter,

@@ -1,4 +1,4 @@
-"""Structured output over HTTP: which request field asks for which grammar (osd.spec.grammar).
+"""Structured output over HTTP: which request field asks for which grammar (osd.decode.grammar).
 
 Three spellings, one per request at most:
 
@@ -26,7 +26,7 @@ from osd.errors import ParamError
 
 __all__ = ["GrammarAsk", "JSONSchemaFormat", "ResponseFormat", "StructuredOutputs", "grammar_ask"]
 
-GrammarAsk = tuple[str, str, Any]  # (request field, osd.spec.grammar kind, spec)
+GrammarAsk = tuple[str, str, Any]  # (request field, osd.decode.grammar kind, spec)
 
 
 class JSONSchemaFormat(BaseModel):
@@ -91,7 +91,7 @@ class StructuredOutputs(BaseModel):
         return (f"structured_outputs.{name}", kind, None if kind == "json_object" else value)
 
 
-# vLLM's older fields: (field, osd.spec.grammar kind)
+# vLLM's older fields: (field, osd.decode.grammar kind)
 GUIDED_FIELDS: tuple[tuple[str, str], ...] = (
     ("guided_json", "json_schema"),
     ("guided_regex", "regex"),

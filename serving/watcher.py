@@ -30,7 +30,7 @@ from osd.adapters.manifest import (
 )
 from osd.adapters.retention import make_replica_id
 from osd.adapters.store import AdapterStore
-from osd.spec.loop import single_threaded_torch
+from osd.threads import single_threaded_torch
 from serving.adapter_slots import AdapterSlots, peft_adapter_name
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
@@ -198,7 +198,7 @@ class AdapterWatcher:
         logger.info("adapter %s", event)
 
     def _run(self) -> None:
-        single_threaded_torch()  # loads adapters beside the decode loop (see osd.spec.loop)
+        single_threaded_torch()  # loads adapters beside the decode loop (see osd.threads)
         subscription = None
         last = time.monotonic()
         while not self._stop.is_set():

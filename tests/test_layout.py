@@ -3,12 +3,13 @@
 Every ``import`` and ``from ... import`` of every module of ``osd``, ``serving``, ``trainer`` and
 ``launcher`` is read from its source (function-level imports included), and:
 
-* the pure core (``osd.spec``, ``osd.distill``, the record schema and its wire format, errors)
+* the pure core (``osd.decode``, ``osd.distill``, the record schema and its wire format, errors)
   imports no I/O backend (redis, ray, fastapi, subprocess, wandb ...) and none of osd's I/O
   modules, and importing all of it loads none of them either (checked in a fresh interpreter,
   so imports of imports count);
-* the decode path (``osd.spec``) and the stores (``osd.buffer``, ``osd.adapters``) stay apart:
-  the decode path imports only the record schema from the buffer;
+* the decode core (``osd.decode``) and the stores (``osd.buffer``, ``osd.adapters``) stay apart:
+  the decode core imports none of them, and they import only its names and its log type;
+* no import cycle, between files or between folders;
 * nothing in ``osd`` imports ``serving``, ``trainer`` or ``launcher``;
 * ``serving`` and ``trainer`` never import each other, and nothing but ``launcher`` imports
   ``launcher`` (the app layer is the top);
@@ -30,7 +31,7 @@ PACKAGES = ("osd", "serving", "trainer", "launcher")
 
 # The pure core: computation on tensors and plain values; I/O lives at the edges.
 CORE = (
-    "osd.spec",
+    "osd.decode",
     "osd.distill",
     "osd.buffer.record",
     "osd.buffer.wire",
@@ -91,7 +92,7 @@ def within(name: str, prefixes) -> bool:
 
 
 def test_every_package_is_read():
-    assert {"osd.spec.sampling", "osd.spec.step", "serving.runtime", "trainer.worker"} <= set(
+    assert {"osd.decode.sampling", "osd.decode.step", "serving.runtime", "trainer.worker"} <= set(
         MODULES
     )
     assert {"launcher.cli", "osd.buffer.record", "osd.adapters.store"} <= set(MODULES)
@@ -145,16 +146,77 @@ def test_the_record_schema_loads_without_torch():
     assert result.stdout.strip() == "[]"
 
 
-def test_the_decode_path_and_the_stores_stay_apart():
-    assert not offenders(("osd.spec",), ("osd.adapters", "osd.demo")), "the decode path"
-    schema = ("osd.buffer.record", "osd.buffer.wire")
-    beyond_schema = {
-        module: [i for i in names if not within(i, schema)]
-        for module, names in offenders(("osd.spec",), ("osd.buffer",)).items()
+def test_the_decode_core_and_the_stores_stay_apart():
+    """The decode core (``osd.decode``) imports none of the stores, the demo or the config; the
+    stores import from it only the names it owns (``osd.decode.methods``) and, the record, the
+    type of a finished generation's log it is built from."""
+    beside = ("osd.adapters", "osd.buffer", "osd.routing", "osd.demo", "osd.config")
+    assert not offenders(("osd.decode",), beside), "the decode core"
+    allowed = ("osd.decode.methods", "osd.decode.generation")
+    beyond = {
+        module: [i for i in names if not within(i, allowed)]
+        for module, names in offenders(("osd.buffer", "osd.adapters"), ("osd.decode",)).items()
     }
-    assert not {m: i for m, i in beyond_schema.items() if i}, "the decode path, beyond the schema"
-    assert not offenders(("osd.buffer", "osd.adapters"), ("osd.spec", "osd.demo")), "the stores"
+    assert not {m: i for m, i in beyond.items() if i}, "the stores, beyond the decode's names"
+    assert not offenders(("osd.buffer", "osd.adapters"), ("osd.demo",)), "the stores"
     assert not offenders(("osd.buffer",), ("osd.adapters",)), "the log buffer"
+
+
+def _own_modules(names: set[str]) -> set[str]:
+    """The modules of ours among ``names`` (``from a.b import c`` names ``a.b`` too)."""
+    return {n for n in names if n in MODULES}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of ``graph`` (a path back to its start), or [] when it has none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return []
+
+
+def test_no_import_cycle_between_files():
+    """No module imports itself through others (``TYPE_CHECKING`` and function-level imports
+    count: a cycle there is still two files that cannot be read apart)."""
+    graph = {m: _own_modules(names) - {m} for m, names in MODULES.items()}
+    assert _cycle(graph) == []
+
+
+def test_no_import_cycle_between_folders():
+    """The folders (``osd/decode``, ``osd/buffer``, ... and the app layer's packages) import each
+    other along a DAG; ``osd``'s own top-level modules are shared helpers, covered file by file."""
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        if parts[0] != "osd":
+            return parts[0]
+        is_package = (ROOT / Path(*parts)).is_dir()
+        return ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and is_package) else None
+
+    graph: dict[str, set[str]] = {}
+    for module, names in MODULES.items():
+        here = folder(module)
+        for other in _own_modules(names):
+            there = folder(other)
+            if here and there and there != here:
+                graph.setdefault(here, set()).add(there)
+    assert "osd.decode" in graph["osd.buffer"] and "osd.decode" in graph["serving"]
+    assert _cycle(graph) == []
 
 
 def test_osd_imports_neither_serving_trainer_nor_launcher():

@@ -13,8 +13,9 @@ Pure (numpy and the standard library only). The binary format lives in `osd.buff
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +28,10 @@ from osd.buffer.wire import (
     pack_fields,
     unpack_fields,
 )
+from osd.decode.methods import BASE_DRAFT_NAME
+
+if TYPE_CHECKING:  # the decode core's output, read by attribute (no torch import here)
+    from osd.decode.generation import GenerationLog
 
 __all__ = ["MAX_ID_BYTES", "METHODS", "SCHEMA_VERSION", "Method", "Record", "RecordVersionError"]
 
@@ -259,6 +264,46 @@ class Record:
     def pack(self) -> bytes:
         """Packs the record into versioned binary (see `osd.buffer.wire` for the layout)."""
         return pack_fields({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @classmethod
+    def from_generation(
+        cls,
+        log: GenerationLog,
+        *,
+        request_id: str,
+        domain: str = "",
+        adapter_name: str | None = None,
+        adapter_version: int = 0,
+        created_at: float | None = None,
+    ) -> Record:
+        """The record of a finished generation's log (what a replica stores; no text).
+
+        ``adapter_name`` defaults to the adapter the request used (``base`` for none). The
+        settings come from the request's one options value (``log.request``), unchanged.
+        """
+        request, params = log.request, log.request.params
+        return cls(
+            request_id=request_id,
+            created_at=time.time() if created_at is None else created_at,
+            domain=domain,
+            adapter_name=adapter_name or request.adapter or BASE_DRAFT_NAME,
+            adapter_version=adapter_version,
+            method=request.method,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=request.max_new_tokens,
+            seed=request.seed,
+            num_spec_tokens=request.num_spec_tokens,
+            num_drafts=request.num_drafts,
+            prompt_len=log.prompt_len,
+            token_ids=log.token_ids.numpy(),
+            num_drafted=log.num_drafted.numpy(),
+            num_accepted=log.num_accepted.numpy(),
+            draft_token_probs=log.draft_token_probs.numpy(),
+            target_top_ids=log.target_top_ids.numpy(),
+            target_top_probs=log.target_top_probs.numpy(),
+        )
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> Record:

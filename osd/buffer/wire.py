@@ -26,10 +26,13 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+# The method's index in METHODS is on the wire (append only: osd.decode.methods).
+from osd.decode.methods import METHODS, Method
 
 __all__ = [
     "MAGIC",
@@ -43,11 +46,6 @@ __all__ = [
 
 MAGIC = b"OSDR"
 SCHEMA_VERSION = 1
-# "none": plain target decoding (speculation off). Append only: the index is on the wire.
-# The verification methods, named here once: a record stores the index in METHODS, so the
-# order is part of the wire format (append only). The engine, config and HTTP API import them.
-Method = Literal["token", "block", "spectr", "none"]
-METHODS: tuple[Method, ...] = get_args(Method)
 
 _PREFIX = struct.Struct("<4sH")
 _HEADER = struct.Struct("<4sHHdqddqiiiiiIII4B")

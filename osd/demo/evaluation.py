@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from osd.models import CausalLM
-from osd.spec.engine import SpeculativeDecoder
+from osd.decode.engine import SpeculativeDecoder
+from osd.decode.models import CausalLM
 
 __all__ = [
     "AcceptanceResult",
@@ -70,7 +70,7 @@ def decode_step_ms(
 ) -> float:
     """Milliseconds of one 1-token decode step with a KV cache (min over repeats of the mean).
 
-    Calls the model exactly as the engine does (:class:`osd.models.CausalLM`).
+    Calls the model exactly as the engine does (:class:`osd.decode.models.CausalLM`).
     """
     lm = CausalLM(model, model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)

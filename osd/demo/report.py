@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from osd.decode.engine import SpeculativeDecoder
 from osd.demo.build import STAGES, DemoModelPaths, read_manifest
 from osd.demo.corpus import load_corpus_split
 from osd.demo.evaluation import (
@@ -28,7 +29,6 @@ from osd.demo.evaluation import (
     perplexity,
 )
 from osd.demo.recipe import DOMAINS
-from osd.spec.engine import SpeculativeDecoder
 
 __all__ = ["REPORT_FILE", "format_report", "load_pair", "machine_info", "measure_report"]
 

@@ -7,8 +7,8 @@ import threading
 
 import torch
 
-from osd.models import CausalLM
-from osd.spec.kv_cache import ForwardPlan, SlotKVCache
+from osd.decode.kv_cache import ForwardPlan, SlotKVCache
+from osd.decode.models import CausalLM
 from osd.testing import tiny_llama, with_lora_adapters
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from osd.buffer.reader import LogReader
-from osd.spec.choices import choice_seed
+from osd.decode.choices import choice_seed
 from tests.reliability.conftest import Replica, running_replica, toy_config
 
 PROMPT = "the cat sat"

@@ -210,9 +210,9 @@ def test_max_tokens_0_with_echo_scores_the_prompt(replica, client):
 
 def test_special_tokens_take_no_text_offset():
     """An echoed prompt's BOS is among the tokens but not in the text: it takes no offset."""
+    from osd.decode.generation import TokenLogprob
     from osd.demo.recipe import TokenizerRecipe
     from osd.demo.vocab import train_tokenizer
-    from osd.spec.generation import TokenLogprob
     from serving.logprobs import LogprobFormatter
 
     tokenizer = train_tokenizer(["hello world the cat"] * 20, TokenizerRecipe(vocab_size=300))

@@ -48,7 +48,9 @@ def generate_records(
             prompt, max_tokens=24, temperature=1.0, seed=seed * 100_000 + i, num_spec_tokens=4
         )
         assert result.log is not None
-        records.append(result.log.to_record(request_id=f"{prefix}-{seed}-{i}", domain=domain))
+        records.append(
+            Record.from_generation(result.log, request_id=f"{prefix}-{seed}-{i}", domain=domain)
+        )
     return records
 
 

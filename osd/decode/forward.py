@@ -1,0 +1,134 @@
+"""The model pair of a batched engine and one ragged forward of either model over rows.
+
+Rows are laid out left-padded to one width (:func:`left_padded`) and run through
+:func:`run_model` with their KV slots (:mod:`osd.decode.kv_cache`); the step
+(:mod:`osd.decode.step`) and the drafting (:mod:`osd.decode.drafting`) build on these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from osd.decode.goodput import GoodputController
+from osd.decode.history import TokenHistory
+from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.models import CausalLM
+from osd.decode.prefix_history import History
+from osd.decode.rows import Row
+from osd.decode.sampling import RowSampling
+from osd.devices import to_device
+
+__all__ = [
+    "ModelPair",
+    "as_tensor",
+    "history_rows",
+    "left_padded",
+    "run_model",
+    "top_m_distribution",
+]
+
+
+@dataclass
+class ModelPair:
+    """The target and draft with their slot caches."""
+
+    target: CausalLM
+    draft: CausalLM
+    target_cache: SlotKVCache
+    draft_cache: SlotKVCache
+    vocab_size: int
+    log_top_m: int
+    controller: GoodputController | None = None  # chooses k for rows that ask for "auto"
+    history: TokenHistory = field(init=False)  # token counts of rows with a penalty
+
+    def __post_init__(self) -> None:
+        self.history = TokenHistory(self.target_cache.num_slots, self.vocab_size, self.device)
+
+    def sampling(self, rows: list[Row]) -> tuple[RowSampling, History | None]:
+        """The rows' sampling parameters, and their histories when a penalty needs them."""
+        sampling = RowSampling.of([r.request.params for r in rows], self.device, self.vocab_size)
+        return sampling, self.history.of(rows) if sampling.any_history else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.target.model.parameters()).dtype
+
+
+def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target's top-m at temperature 1: (..., V) logits -> (..., m) ids and probs."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, m, dim=-1)
+    return top.indices, top.values
+
+
+def as_tensor(
+    values: Sequence[int] | Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """int64 values on ``device``."""
+    return to_device(torch.tensor(values, dtype=torch.int64), device)
+
+
+def left_padded(
+    token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Rows of tokens, left-padded to one width: (B, T) ids, each row's padding and length."""
+    width = max(len(tokens) for tokens in token_lists)
+    lengths = [len(tokens) for tokens in token_lists]
+    rows = [[0] * (width - len(tokens)) + tokens for tokens in token_lists]
+    return as_tensor(rows, device), [width - n for n in lengths], lengths
+
+
+def run_model(
+    pair: ModelPair,
+    model: CausalLM,
+    cache: SlotKVCache,
+    input_ids: torch.Tensor,
+    *,
+    start: list[int],
+    left: list[int],
+    num_real: list[int],
+    own: list[int],
+    base: list[int],
+    prefix: list[int],
+    num_logits: int,
+    adapters: list[str | None] | None = None,
+) -> torch.Tensor:
+    """One forward of ``model`` over rows laid out as ``left`` padding, ``num_real`` tokens
+    written from position ``start`` to slot ``own`` (reading ``prefix`` positions from ``base``),
+    then right padding."""
+    device = input_ids.device
+    # Rows in consecutive slots, each reading only its own, read their keys in place.
+    first = own[0] if own else 0
+    consecutive = bool(own) and all(
+        o == first + b and (p == 0 or s == o)
+        for b, (o, s, p) in enumerate(zip(own, base, prefix, strict=True))
+    )
+    # One host-to-device copy for the six per-row columns of the plan.
+    columns = as_tensor([start, left, num_real, own, base, prefix], device)
+    plan = plan_forward(
+        input_ids=input_ids,
+        start=columns[0],
+        left=columns[1],
+        real=columns[2],
+        own_slot=columns[3],
+        base_slot=columns[4],
+        prefix_len=columns[5],
+        trash_slot=cache.trash_slot,
+        dtype=pair.dtype,
+        kv_len=max(s + n for s, n in zip(start, num_real, strict=True)),
+        layout=model.attention,
+        max_real=max(num_real),
+        first_slot=first if consecutive else None,
+    )
+    return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
+
+
+def history_rows(history: History | None, index: torch.Tensor) -> History | None:
+    return None if history is None else History(history.counts[index], history.seen[index])

@@ -1,0 +1,367 @@
+"""KV memory per row: a slot cache with per-row lengths, read and written through a plan.
+
+Why not transformers' ``PagedAttentionCache``: it is driven by its own continuous-batching
+manager (flattened varlen batches, its own scheduler and block allocator) and has no call to
+cut one sequence back to a shorter prefix, which speculative decoding needs after every
+rejection. Here a row's cache is a *slot*: a row of one preallocated tensor per layer, shape
+``(num_slots + 1, capacity, kv_heads, head_dim)``, plus a length the engine keeps. Rolling a row
+back to its kept prefix costs nothing (its length shrinks; stale positions are overwritten by
+the next forward and masked until then). Any subset of rows can run a forward: a
+:class:`ForwardPlan` says, for each input position, which slot and position its key/value is
+written to, and for each row which slots its keys are read from (a SpecTr branch reads the
+shared prefix from its request's slot and its own tokens from a scratch slot, so the prefix is
+never copied). Padding writes go to one trash slot (the last).
+
+The plan's 4-D additive mask goes to the model as is (transformers 5 passes a 4-D mask through),
+with explicit position ids, so any attention implementation that takes a mask works (eager,
+sdpa); a model with sliding-window or chunked layers gets them in its masks
+(:mod:`osd.decode.attention`), one mask per layer kind where it mixes kinds. Rows in consecutive
+slots that read only their own (the decode loop keeps its rows in slot order) read their keys
+in place, as one strided view of the storage; other forwards (SpecTr branches reading a shared
+prefix, rows in scattered slots, a wrapped ring) gather the rows' keys per layer, a copy a
+paged-attention kernel would avoid on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from osd.decode.attention import AttentionLayout, layout_masks
+
+__all__ = ["ForwardPlan", "SlotKVCache", "kept_positions", "plan_forward", "plan_one_row"]
+
+_MIN_CAPACITY = 64
+
+
+@dataclass
+class ForwardPlan:
+    """Where one batched forward reads and writes KV, and what each query may see.
+
+    Attributes:
+        input_ids: (B, T) tokens; padding columns hold 0.
+        position_ids: (B, T) absolute positions (0 for left padding).
+        write_slot: (B, T) slot each column's key/value goes to (the trash slot for padding).
+        write_pos: (B, T) position within that slot.
+        read_slot: (B, S) slot each row reads key position s from.
+        attention_mask: (B, 1, T, S) additive mask (0 or the dtype's minimum), or one per
+            layer kind for a model that mixes kinds (:mod:`osd.decode.attention`).
+        max_real: most real tokens of one row (host int).
+        first_slot: when row b reads only slot ``first_slot + b`` (no shared prefix from
+            another slot), that first slot: the rows' keys are then one strided view of the
+            storage and are read in place, without a gather (host int; None: gather).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    write_slot: torch.Tensor
+    write_pos: torch.Tensor
+    read_slot: torch.Tensor
+    attention_mask: torch.Tensor | dict[str, torch.Tensor]
+    max_real: int
+    first_slot: int | None = None
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.read_slot.shape[1])
+
+    @staticmethod
+    def make_dummy(
+        batch: int = 2, length: int = 3, trash: int = 8, device: str = "cpu"
+    ) -> ForwardPlan:
+        """A plan for ``batch`` fresh rows in slots 0..batch-1 with ``length`` tokens each."""
+        return plan_forward(
+            input_ids=torch.ones(batch, length, dtype=torch.int64, device=device),
+            start=torch.zeros(batch, dtype=torch.int64, device=device),
+            left=torch.zeros(batch, dtype=torch.int64, device=device),
+            real=torch.full((batch,), length, dtype=torch.int64, device=device),
+            own_slot=torch.arange(batch, device=device),
+            base_slot=torch.arange(batch, device=device),
+            prefix_len=torch.zeros(batch, dtype=torch.int64, device=device),
+            trash_slot=trash,
+            dtype=torch.float32,
+        )
+
+
+def plan_forward(
+    *,
+    input_ids: torch.Tensor,
+    start: torch.Tensor,
+    left: torch.Tensor,
+    real: torch.Tensor,
+    own_slot: torch.Tensor,
+    base_slot: torch.Tensor,
+    prefix_len: torch.Tensor,
+    trash_slot: int,
+    dtype: torch.dtype,
+    kv_len: int | None = None,
+    layout: AttentionLayout | None = None,
+    max_real: int | None = None,
+    first_slot: int | None = None,
+) -> ForwardPlan:
+    """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
+
+    Args:
+        input_ids: (B, T) tokens laid out with left padding, real tokens, right padding.
+        start: (B,) absolute position of row b's first real token (its cached length).
+        left: (B,) left padding columns.
+        real: (B,) real tokens (written to the cache); later columns are right padding.
+        own_slot: (B,) slot the row's tokens are written to and its positions >= prefix_len
+            are read from.
+        base_slot: (B,) slot positions < prefix_len are read from (own_slot for plain rows).
+        prefix_len: (B,) shared-prefix length read from base_slot.
+        trash_slot: index of the slot that takes padding writes.
+        dtype: the model's dtype, for the additive mask.
+        kv_len: ``max(start + real)`` when the caller knows it on the host (saves a device
+            sync); computed otherwise.
+        layout: the model's attention pattern (sliding windows, chunks); None: every layer
+            attends to all earlier positions.
+        max_real: ``max(real)`` when the caller knows it on the host; computed otherwise.
+        first_slot: set when row b reads only slot ``first_slot + b`` (the caller knows it on
+            the host: :attr:`ForwardPlan.first_slot`).
+    """
+    batch, width = input_ids.shape
+    device = input_ids.device
+    columns = torch.arange(width, device=device)  # (T,)
+    offset = columns.unsqueeze(0) - left.unsqueeze(1)  # (B, T)
+    positions = start.unsqueeze(1) + offset  # (B, T)
+    valid = (offset >= 0) & (offset < real.unsqueeze(1))
+    # Padding queries sit at position 0: a position past a row's real end could exceed the
+    # model's context (learned position embeddings) or rescale RoPE for the whole forward.
+    query_pos = torch.where(valid, positions, 0)
+    if kv_len is None:
+        kv_len = int((start + real).max()) if batch else 0
+    if max_real is None:
+        max_real = int(real.max()) if batch else 0
+    keys = torch.arange(kv_len, device=device)  # (S,)
+    read_slot = torch.where(
+        keys.unsqueeze(0) < prefix_len.unsqueeze(1), base_slot.unsqueeze(1), own_slot.unsqueeze(1)
+    )  # (B, S)
+    visible = keys.view(1, 1, -1) <= query_pos.unsqueeze(-1)  # (B, T, S)
+    return ForwardPlan(
+        input_ids=input_ids,
+        position_ids=query_pos,
+        write_slot=torch.where(valid, own_slot.unsqueeze(1), trash_slot),
+        write_pos=torch.where(valid, positions, 0),
+        read_slot=read_slot,
+        attention_mask=layout_masks(layout or AttentionLayout.full(), query_pos, visible, dtype),
+        max_real=max_real,
+        first_slot=first_slot,
+    )
+
+
+def plan_one_row(
+    num_tokens: int,
+    trash_slot: int,
+    dtype: torch.dtype,
+    layout: AttentionLayout | None,
+    device: torch.device | str,
+) -> ForwardPlan:
+    """A plan for one fresh row of ``num_tokens`` zeros in slot 0 (sizing and profiling)."""
+    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    return plan_forward(
+        input_ids=torch.zeros(1, num_tokens, dtype=torch.int64, device=device),
+        start=zeros,
+        left=zeros,
+        real=torch.full((1,), num_tokens, dtype=torch.int64, device=device),
+        own_slot=zeros,
+        base_slot=zeros,
+        prefix_len=zeros,
+        trash_slot=trash_slot,
+        dtype=dtype,
+        kv_len=num_tokens,
+        layout=layout,
+        max_real=num_tokens,
+        first_slot=0,
+    )
+
+
+class SlotKVCache:
+    """Per-slot keys and values of every layer of one model (see the module docstring).
+
+    Passed to a Hugging Face model as its cache: the model calls :meth:`update` once per layer
+    with the new keys and values, and gets back the keys and values its rows may attend to.
+    Storage is allocated on first use (shapes and dtype come from the model) and grows along
+    the position dimension up to ``max_len``.
+
+    A layer whose queries reach back at most ``span`` positions (a sliding window or an
+    attention chunk) keeps only a ring of ``span + max_forward - 1`` positions per slot when
+    that is below ``max_len``: position p lives at p mod the ring. A forward writes at most
+    ``max_forward`` positions per row, so the keys each of its queries may see (the span
+    before it) are never overwritten by the same forward, and a rolled-back position is
+    written again before any query sees it; older positions are masked anyway.
+
+    Args:
+        num_slots: rows of KV memory (a spectr request takes one per draft sequence).
+        max_len: most positions one slot holds.
+        spans: per layer, how far back its queries reach (None: every earlier position); empty:
+            every layer full.
+        max_forward: most tokens one row writes in one forward; None: ``max_len`` (no rings).
+    """
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_len: int,
+        spans: Sequence[int | None] = (),
+        max_forward: int | None = None,
+    ) -> None:
+        if num_slots < 1 or max_len < 1:
+            raise ValueError(f"need num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
+        if max_forward is not None and max_forward < 1:
+            raise ValueError(f"max_forward must be >= 1, got {max_forward}")
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.max_forward = max_forward or max_len
+        # Positions each layer keeps per slot (a ring when below max_len).
+        self.kept = kept_positions(spans, max_len, self.max_forward)
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        # Storage grows per group of layers keeping the same number of positions.
+        self._capacity = {kept: min(_MIN_CAPACITY, kept) for kept in {max_len, *self.kept}}
+        self._plan: ForwardPlan | None = None
+        # The bound plan's reads and writes as row indices of the (slot x position) flattened
+        # storage, per group: index_select/index_copy_ on them cost a fifth of 2-D indexing.
+        self._read_index: dict[int, torch.Tensor] = {}
+        self._write_index: dict[int, torch.Tensor] = {}
+
+    @property
+    def trash_slot(self) -> int:
+        return self.num_slots
+
+    def _kept(self, layer_idx: int) -> int:
+        return self.kept[layer_idx] if layer_idx < len(self.kept) else self.max_len
+
+    def bind(self, plan: ForwardPlan) -> None:
+        """Sets the plan the next forward follows; grows the storage if it needs more room."""
+        needed = plan.kv_len  # real tokens are written below it (padding goes to the trash)
+        if needed > self.max_len:
+            raise ValueError(f"forward needs {needed} positions; slots hold {self.max_len}")
+        if plan.max_real > self.max_forward and min(self.kept, default=self.max_len) < self.max_len:
+            raise ValueError(
+                f"a row writes {plan.max_real} positions in one forward; this cache's rings "
+                f"take at most {self.max_forward}"
+            )
+        grown = {
+            kept: min(_doubled(capacity, min(needed, kept)), kept)
+            for kept, capacity in self._capacity.items()
+            if capacity < min(needed, kept)
+        }
+        if grown:
+            self._grow(grown)
+        self._plan = plan
+        positions = torch.arange(plan.kv_len, device=plan.read_slot.device)
+        for kept, capacity in self._capacity.items():
+            ring = kept < self.max_len  # positions wrap (else they are below capacity)
+            write_pos = plan.write_pos % kept if ring else plan.write_pos
+            self._write_index[kept] = (plan.write_slot * capacity + write_pos).reshape(-1)
+            if not self._reads_in_place(kept):
+                read_pos = positions % kept if ring else positions
+                self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
+
+    def _reads_in_place(self, kept: int) -> bool:
+        """Whether the bound plan's rows read this group's keys as a view (consecutive slots,
+        and positions in order: no ring, or one that has not wrapped)."""
+        plan = self._plan
+        return (
+            plan is not None
+            and plan.first_slot is not None
+            and (kept == self.max_len or plan.kv_len <= kept)
+        )
+
+    def _grow(self, grown: dict[int, int]) -> None:
+        # All new tensors first: a failed allocation leaves every layer as it was.
+        news = [
+            [
+                old.new_zeros((old.shape[0], grown[self._kept(i)], *old.shape[2:]))
+                if self._kept(i) in grown
+                else old
+                for i, old in enumerate(store)
+            ]
+            for store in (self._keys, self._values)
+        ]
+        for store, layers in zip((self._keys, self._values), news, strict=True):
+            for i, new in enumerate(layers):
+                if new is not store[i]:
+                    new[:, : store[i].shape[1]] = store[i]
+                    store[i] = new
+        self._capacity.update(grown)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones."""
+        plan = self._plan
+        assert plan is not None, "bind() a plan before the forward"
+        kept = self._kept(layer_idx)
+        if layer_idx == len(self._keys):
+            capacity = self._capacity[kept]
+            shape = (self.num_slots + 1, capacity, key_states.shape[1], key_states.shape[3])
+            self._keys.append(key_states.new_zeros(shape))
+            self._values.append(value_states.new_zeros(shape))
+        batch, heads, _, head_dim = key_states.shape
+        # Rows in consecutive slots read their keys in place (a strided view), unless this
+        # layer's ring has wrapped (positions no longer in order).
+        first = plan.first_slot
+        in_place = self._reads_in_place(kept)
+        out = []
+        for store, states in (
+            (self._keys[layer_idx], key_states),
+            (self._values[layer_idx], value_states),
+        ):
+            flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
+            new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
+            flat.index_copy_(0, self._write_index[kept], new)
+            if in_place and first is not None:
+                rows = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view
+            else:
+                rows = flat.index_select(0, self._read_index[kept]).view(
+                    batch, plan.kv_len, heads, head_dim
+                )
+            out.append(rows.transpose(1, 2))
+        return out[0], out[1]
+
+    def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:
+        """Copies position ``pos[i]`` of slot ``src[i]`` to slot ``dst[i]``, in every layer.
+
+        Args:
+            src, dst, pos: (N,) int64; e.g. a chosen SpecTr branch's kept tokens moving into
+                its request's slot.
+        """
+        if pos.numel() == 0:
+            return
+        for i, store in enumerate((*self._keys, *self._values)):
+            kept = self._kept(i % len(self._keys))
+            capacity = self._capacity[kept]
+            flat = store.view(-1, *store.shape[2:])
+            at = pos % kept
+            flat.index_copy_(0, dst * capacity + at, flat[src * capacity + at])
+
+    def bytes_per_layer_position(self) -> list[int]:
+        """Bytes one position of one slot takes in each layer's keys and values (empty before
+        the first forward, which sizes the storage)."""
+        return [
+            k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel()
+            for k, v in zip(self._keys, self._values, strict=True)
+        ]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Unused with explicit position ids; present for models that ask."""
+        return 0
+
+
+def kept_positions(spans: Sequence[int | None], max_len: int, max_forward: int) -> list[int]:
+    """Positions each layer keeps per slot: ``max_len``, or its span and one forward's tokens
+    (a ring) when that is less (:class:`SlotKVCache`)."""
+    return [max_len if span is None else min(max_len, span + max_forward - 1) for span in spans]
+
+
+def _doubled(capacity: int, needed: int) -> int:
+    """``capacity`` doubled until it holds ``needed`` (which is within the layer's limit)."""
+    while capacity < needed:
+        capacity *= 2
+    return capacity

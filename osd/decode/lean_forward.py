@@ -1,0 +1,235 @@
+"""A lean forward for Llama-shaped decoders over the slot cache: the same arithmetic as
+transformers' modules, without their per-call overhead.
+
+At serving sizes a decode step's forward is mostly fixed cost per operation, not FLOPs: on the
+demo target (12 layers, hidden 128) transformers' forward takes about 9 ms a token on one CPU thread
+running modules, hooks, keyword plumbing, mask checks and dtype round trips around ~85 small
+matmuls (``docs/batched_engine.md``, "The lean forward"). This forward runs the same weights
+through the same operations in the same order (RMSNorm in float32, rotary embeddings from the
+model's own ``rotary_emb`` so every RoPE scaling type is honoured, SDPA with the plan's
+additive masks, SiLU-gated MLP), layer by layer in one Python function, and reads and writes
+the slot cache exactly as the transformers path does.
+
+Which models: the decoder families whose layers are exactly Llama's shape (``_FAMILIES``:
+Llama, Mistral, Qwen2, Qwen3 with its per-head q/k norms), with SiLU MLPs and RMSNorm, whatever
+their attention layout (full, sliding windows, mixed: the plan's mask of each layer's kind).
+Anything else (Gemma's offset norms and soft-caps, Phi-3's fused projections, MoE, a model with
+an unexpected module) keeps transformers' forward: :func:`lean_forward_for` returns None. LoRA
+layers (a peft-wrapped draft) are called as modules, so their per-row adapter groups
+(:mod:`osd.decode.models`) apply unchanged; plain linear layers are called as ``F.linear`` on their
+weights.
+
+Exactness does not rest on this module matching transformers bit for bit: verification is
+exact for whatever distribution the target's forward computes, and every sampled token comes
+from this same forward. The load check (:mod:`osd.decode.attention_probe`) still compares the
+cached forward with the model's own plain forward at load, so a lean forward that drifted from
+transformers is refused before it serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from osd.decode.attention import FULL
+
+__all__ = ["LeanForward", "lean_forward_for"]
+
+# model_type -> has per-head q/k RMSNorm (Qwen3).
+_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
+
+_Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _linear(module: Any, relayout: bool = True) -> _Linear:
+    """``F.linear`` on a plain linear layer's weights (laid out column-major on the CPU unless
+    ``relayout`` is False: a head tied to the embedding, which reads it by rows); the module
+    itself otherwise (LoRA)."""
+    if type(module) is torch.nn.Linear:
+        if relayout:
+            _column_major_on_cpu(module.weight)
+        weight, bias = module.weight, module.bias
+        return lambda x: F.linear(x, weight, bias)
+    return module
+
+
+def _embedding(module: Any) -> _Linear:
+    """``F.embedding`` on a plain embedding's weights; the module itself otherwise (a LoRA
+    embedding: the distilled demo adapters train the embeddings too)."""
+    if type(module) is torch.nn.Embedding:
+        weight = module.weight
+        return lambda ids: F.embedding(ids, weight)
+    return module
+
+
+def _column_major_on_cpu(weight: torch.Tensor) -> None:
+    """Stores a CPU linear layer's (out, in) weight as the transpose of a contiguous (in, out)
+    matrix, in place: same values, same parameter object, no extra memory.
+
+    A decode step's matmuls on the CPU stream every weight from memory once per forward (the
+    demo target's 85 weights are 11.7 MB, out of cache by the next forward); with the weight
+    laid out (in, out) the BLAS reads it in the order it multiplies. Measured on those weights,
+    one thread: 0.87 -> 0.65 ms a forward's matmuls at batch 1, 3.64 -> 2.90 ms at batch 16
+    (``docs/batched_engine.md``). Sums come out in another order, so results may differ from
+    the (out, in) layout in the last bits, for transformers' forward of the model as well (it
+    reads the same parameter), and ``save_pretrained`` saves the same values. CUDA's GEMMs take
+    either layout at the same speed: nothing changes there.
+    """
+    data = weight.data
+    if data.device.type != "cpu" or data.dim() != 2 or data.stride() == (1, data.shape[0]):
+        return
+    weight.data = data.t().contiguous().t()
+
+
+def _is_rms_norm(module: Any) -> bool:
+    return (
+        type(module).__name__.endswith("RMSNorm")
+        and hasattr(module, "variance_epsilon")
+        and getattr(module, "weight", None) is not None
+        and not hasattr(module, "with_scale")  # Gemma-style offset norms
+    )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation (the casts only where the model is
+    not float32: each is a dispatch even when it does nothing)."""
+    dtype = x.dtype
+    if dtype != torch.float32:
+        x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with the sign of rotate_half's negated half folded
+    into ``signed_sin`` (sign flips are exact): a roll instead of two slices, a negation and a
+    concatenation."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class _Layer:
+    """One decoder layer's weights and callables, looked up once."""
+
+    def __init__(self, layer: Any, kind: str) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.kind = kind
+        self.q, self.k, self.v, self.o = (
+            _linear(attn.q_proj),
+            _linear(attn.k_proj),
+            _linear(attn.v_proj),
+            _linear(attn.o_proj),
+        )
+        self.gate, self.up, self.down = (
+            _linear(mlp.gate_proj),
+            _linear(mlp.up_proj),
+            _linear(mlp.down_proj),
+        )
+        self.norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.norm2 = (
+            layer.post_attention_layernorm.weight,
+            layer.post_attention_layernorm.variance_epsilon,
+        )
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        self.q_norm = None if q_norm is None else (q_norm.weight, q_norm.variance_epsilon)
+        self.k_norm = None if k_norm is None else (k_norm.weight, k_norm.variance_epsilon)
+        self.head_dim = int(attn.head_dim)
+        self.groups = int(attn.num_key_value_groups)
+        self.scaling = float(attn.scaling)
+
+
+class LeanForward:
+    """The lean forward of one Llama-shaped model (see the module docstring)."""
+
+    def __init__(self, model: Any, layer_kinds: list[str]) -> None:
+        inner = model.model
+        self.embed = _embedding(inner.embed_tokens)
+        self.rotary = inner.rotary_emb
+        self.layers = [
+            _Layer(layer, kind) for layer, kind in zip(inner.layers, layer_kinds, strict=True)
+        ]
+        self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
+        head = model.lm_head
+        tied = head.weight is getattr(inner.embed_tokens, "weight", None)
+        self.head = _linear(head, relayout=not tied)  # a LoRA head is called as its module
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        masks: torch.Tensor | dict[str, torch.Tensor],
+        cache: Any,
+        num_logits: int,
+    ) -> torch.Tensor:
+        """(B, T) ids -> (B, num_logits, V) logits of the last ``num_logits`` columns; keys and
+        values go through ``cache.update`` (a bound :class:`osd.decode.kv_cache.SlotKVCache`)."""
+        hidden = self.embed(input_ids)
+        batch, width = input_ids.shape
+        cos, sin = self.rotary(hidden, position_ids)  # (B, T, D)
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+        for index, layer in enumerate(self.layers):
+            mask = masks[layer.kind] if isinstance(masks, dict) else masks
+            residual = hidden
+            x = _rms_norm(hidden, *layer.norm1)
+            shape = (batch, width, -1, layer.head_dim)
+            q = layer.q(x).view(shape)
+            k = layer.k(x).view(shape)
+            v = layer.v(x).view(shape).transpose(1, 2)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = _rms_norm(q, *layer.q_norm), _rms_norm(k, *layer.k_norm)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            keys, values = cache.update(k, v, index)  # (B, H_kv, S, D)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.groups > 1
+            )
+            out = out.transpose(1, 2).reshape(batch, width, -1)
+            hidden = residual + layer.o(out)
+            residual = hidden
+            x = _rms_norm(hidden, *layer.norm2)
+            hidden = residual + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+        hidden = _rms_norm(hidden[:, -num_logits:], *self.norm)
+        return self.head(hidden)
+
+
+def lean_forward_for(model: Any) -> LeanForward | None:
+    """The lean forward of a loaded (unwrapped) Hugging Face causal LM, or None when its
+    architecture is not one this module runs exactly like transformers does."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in _FAMILIES:
+        return None
+    if getattr(config, "hidden_act", None) != "silu":
+        return None
+    if getattr(config, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
+        return None
+    inner = getattr(model, "model", None)
+    if inner is None or not all(
+        hasattr(inner, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+    ):
+        return None
+    if not hasattr(model, "lm_head") or not _is_rms_norm(inner.norm):
+        return None
+    has_qk_norm = _FAMILIES[config.model_type]
+    for layer in inner.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attn is None or mlp is None:
+            return None
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(hasattr(attn, n) for n in names) or not all(
+            hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
+        ):
+            return None
+        if not all(
+            _is_rms_norm(getattr(layer, n, None))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ):
+            return None
+        if has_qk_norm and not (_is_rms_norm(attn.q_norm) and _is_rms_norm(attn.k_norm)):
+            return None
+    kinds = list(getattr(config, "layer_types", None) or [FULL] * len(inner.layers))
+    return LeanForward(model, kinds)

@@ -1,0 +1,355 @@
+"""Loading Hugging Face causal LMs and running them one step at a time with a KV cache.
+
+This is the only module of the engine that knows transformers' and peft's calling conventions
+(the ``cache`` keyword of transformers >= 5.2x, ``past_key_values`` before it; peft's per-call
+``adapter_names``), so the decode loop stays readable.
+
+peft's own per-call ``adapter_names`` is not thread-safe: for each call it registers forward
+pre-hooks on the shared LoRA layers, so two threads decoding with different adapters at once
+each run with whichever hook came last (measured: 64 of 180 concurrent calls used another
+thread's adapter). Outputs stay exact (verification), but acceptance falls. Here every LoRA
+layer gets one permanent pre-hook that reads the adapters from a thread-local, set around each
+call.
+
+Mixed-adapter batches (each row its own adapter, as S-LoRA and punica serve them): plain LoRA
+linear layers compute ``base(x) + scale * B(A(x))`` per group of rows sharing an adapter with
+the groups' index tensors made once per forward, instead of peft's mixed-batch path, which
+rebuilds the groups in Python in every layer (measured on the demo draft: the LoRA adapter cost
+0.76 ms of a 1.54 ms forward through peft). Layers peft treats specially (merged, DoRA and
+other variants, fan-in-fan-out, embeddings) keep peft's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+
+from osd.decode.attention import AttentionLayout, attention_layout
+from osd.decode.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
+from osd.decode.lean_forward import LeanForward, lean_forward_for
+from osd.devices import to_device
+from osd.threads import torch_single_threaded
+
+__all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
+
+# peft's name for "no adapter" in a mixed-adapter batch.
+BASE_ADAPTER = "__base__"
+
+# This thread's adapters for the current call: .adapter_names (one per row) and .groups
+# ((adapter, rows or None for every row) per adapter other than the base).
+_selected = threading.local()
+
+
+def _row_groups(names: list[str], device: torch.device) -> list[tuple[str, torch.Tensor | None]]:
+    rows: dict[str, list[int]] = {}
+    for position, name in enumerate(names):
+        rows.setdefault(name, []).append(position)
+    groups: list[tuple[str, torch.Tensor | None]] = []
+    for name, members in rows.items():
+        if name == BASE_ADAPTER:
+            continue
+        index = None if len(members) == len(names) else to_device(torch.tensor(members), device)
+        groups.append((name, index))
+    return groups
+
+
+def _grouped_lora_forward(layer: Any) -> Callable[..., torch.Tensor]:
+    """A forward for one peft ``lora.Linear`` that applies each row group's adapter directly."""
+    peft_forward = layer.forward
+
+    def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        groups = getattr(_selected, "groups", None)
+        if (
+            groups is None
+            or args
+            or layer.merged
+            or layer.disable_adapters
+            or getattr(layer, "fan_in_fan_out", False)
+            or any(name in getattr(layer, "lora_variant", {}) for name, _ in groups)
+        ):
+            return peft_forward(x, *args, **kwargs)
+        kwargs.pop("adapter_names", None)
+        result = layer.base_layer(x, **kwargs)
+        for name, rows in groups:
+            if name not in layer.lora_A:
+                continue
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            inputs = x if rows is None else x.index_select(0, rows)
+            delta = torch.nn.functional.linear(inputs.to(lora_a.weight.dtype), lora_a.weight)
+            delta = torch.nn.functional.linear(delta, lora_b.weight, lora_b.bias)
+            delta = (delta * layer.scaling[name]).to(result.dtype)
+            result = result + delta if rows is None else result.index_add(0, rows, delta)
+        return result
+
+    return forward
+
+
+def _inject_adapter_names(
+    module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    names = getattr(_selected, "adapter_names", None)
+    if names is not None:
+        kwargs["adapter_names"] = names
+    return args, kwargs
+
+
+def _hook_lora_layers(model: Any) -> None:
+    """Gives every LoRA layer of a peft model the thread-local adapter pre-hook, once."""
+    if getattr(model, "_osd_adapter_hooks", False):  # another CausalLM wraps it already
+        return
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and isinstance(module, torch.nn.Module):
+            module.register_forward_pre_hook(_inject_adapter_names, with_kwargs=True)
+            if type(module) is LoraLinear:
+                module.forward = _grouped_lora_forward(module)  # type: ignore[method-assign]
+    model._osd_adapter_hooks = True
+
+
+@contextlib.contextmanager
+def _adapters_for_this_thread(names: list[str], device: torch.device) -> Iterator[None]:
+    previous = getattr(_selected, "adapter_names", None), getattr(_selected, "groups", None)
+    _selected.adapter_names = names
+    _selected.groups = _row_groups(names, device)
+    try:
+        yield
+    finally:
+        _selected.adapter_names, _selected.groups = previous
+
+
+def load_causal_lm(
+    model: PreTrainedModel | str, *, device: str | None = None, dtype: str | None = None
+) -> PreTrainedModel:
+    """Returns a model in eval mode, loading it from a local path or hub id if given a string.
+
+    Args:
+        model: a loaded model (used as is, moved only if ``device`` is given) or a path/hub id.
+        device: e.g. ``"cuda"`` or ``"cpu"``; ``None`` keeps a loaded model where it is and
+            loads a path on CUDA when available.
+        dtype: e.g. ``"bfloat16"``; ``None`` keeps the checkpoint's dtype.
+    """
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    if isinstance(model, str):
+        kwargs: dict[str, Any] = {"dtype": torch_dtype} if torch_dtype else {}
+        loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        loaded = model.to(torch_dtype) if torch_dtype is not None else model
+    if device is not None:
+        loaded = loaded.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
+    return loaded.eval()
+
+
+def load_tokenizer(source: Any) -> Any:
+    """Loads the tokenizer saved beside a model path or hub id; None if there is none."""
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError):
+        return None
+
+
+def _base_model(model: PreTrainedModel) -> PreTrainedModel:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+@dataclass
+class CausalLM:
+    """A causal LM called with explicit KV caches, optional LoRA adapter and logits slicing.
+
+    Attributes:
+        model: the Hugging Face model (or a peft model wrapping one).
+        vocab_size: logits columns used (may be below the padded embedding size).
+        attention: which keys each layer attends to (sliding windows, chunks); a model the
+            engine cannot serve exactly is refused here
+            (:class:`osd.decode.attention.UnsupportedModel`).
+        lean: run slot-cache forwards through :mod:`osd.decode.lean_forward` where the model's
+            family has one (False: transformers' own forward, for debugging).
+    """
+
+    model: PreTrainedModel
+    vocab_size: int
+    # Entered around every forward; a server that adds and removes LoRA adapters while
+    # decoding makes it a shared (read) lock so module dicts never change mid-forward.
+    guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    lean: bool = True
+
+    attention: AttentionLayout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.attention = attention_layout(_base_model(self.model))
+        params = inspect.signature(_base_model(self.model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._slices_logits = "logits_to_keep" in params
+        self._has_lora = hasattr(self.model, "peft_config")
+        if self._has_lora:
+            _hook_lora_layers(self.model)
+        # The lean forward looks its layers up once; a peft model's LoRA layers appear when an
+        # adapter is added, so it is looked up again whenever the adapters change.
+        self._lean: tuple[tuple[str, ...], LeanForward | None] | None = None
+
+    @property
+    def uses_lean_forward(self) -> bool:
+        """Whether slot-cache forwards run through the lean forward (module docstring of
+        :mod:`osd.decode.lean_forward`)."""
+        return self._lean_forward() is not None
+
+    def _lean_forward(self) -> LeanForward | None:
+        if not self.lean:
+            return None
+        names = self.adapter_names
+        if self._lean is None or self._lean[0] != names:
+            self._lean = (names, lean_forward_for(_base_model(self.model)))
+        return self._lean[1]
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """LoRA adapters loaded now (a replica adds and removes versions while serving)."""
+        return tuple(getattr(self.model, "peft_config", {}) or ())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=_base_model(self.model).config)
+
+    def check_adapter(self, adapter: str | None) -> None:
+        """Raises ValueError if ``adapter`` is not a LoRA adapter of this model."""
+        if adapter is not None and adapter not in self.adapter_names:
+            raise ValueError(
+                f"unknown adapter {adapter!r}; this draft has {list(self.adapter_names) or 'none'}"
+            )
+
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        cache: DynamicCache,
+        *,
+        num_logits: int,
+        adapter: str | None = None,
+    ) -> torch.Tensor:
+        """Runs new tokens through the model, appending them to ``cache``.
+
+        Args:
+            input_ids: (B, T) tokens after those already in the cache.
+            cache: the KV cache, extended in place by T positions.
+            num_logits: logits wanted for the last ``num_logits`` positions.
+            adapter: LoRA adapter name for a peft model; None is the base model.
+
+        Returns:
+            (B, num_logits, vocab_size) logits.
+        """
+        adapters = [adapter] * input_ids.shape[0]
+        return self._forward(input_ids, cache, num_logits, adapters)
+
+    def run(
+        self,
+        plan: ForwardPlan,
+        cache: SlotKVCache,
+        *,
+        num_logits: int,
+        adapters: list[str | None] | None = None,
+    ) -> torch.Tensor:
+        """One batched forward over ragged rows, reading and writing KV per ``plan``.
+
+        Args:
+            plan: inputs, positions, KV slots and mask of every row (:mod:`osd.decode.kv_cache`).
+            cache: the model's slot cache.
+            num_logits: logits wanted for the last ``num_logits`` columns.
+            adapters: LoRA adapter per row (None: the base model) for a peft model; rows with
+                different adapters share the forward (grouped per adapter, module docstring).
+
+        Returns:
+            (B, num_logits, vocab_size) logits.
+        """
+        cache.bind(plan)
+        if self.lean:
+            with self.guard(), self._selection(adapters, plan.input_ids):
+                lean = self._lean_forward()  # under the guard: adapters change between forwards
+                if lean is not None:
+                    logits = lean(
+                        plan.input_ids, plan.position_ids, plan.attention_mask, cache, num_logits
+                    )
+                    return logits[..., : self.vocab_size]
+        return self._forward(
+            plan.input_ids,
+            cache,
+            num_logits,
+            adapters or [None] * plan.input_ids.shape[0],
+            attention_mask=plan.attention_mask,
+            position_ids=plan.position_ids,
+        )
+
+    def kv_bytes_per_slot(self, max_len: int, max_forward: int | None = None) -> int:
+        """Bytes of KV cache one sequence of ``max_len`` positions takes in this model, all
+        layers, windowed layers keeping their window and ``max_forward`` positions when given
+        (:class:`osd.decode.kv_cache.SlotKVCache`); measured with a one-token forward, so any
+        layer shapes and dtypes count as they are."""
+        cache = SlotKVCache(num_slots=1, max_len=1)
+        dtype = next(self.model.parameters()).dtype
+        plan = plan_one_row(1, cache.trash_slot, dtype, self.attention, self.device)
+        with torch.no_grad(), torch_single_threaded():  # beside the decode loop (osd.threads)
+            self.run(plan, cache, num_logits=1)
+        per_layer = cache.bytes_per_layer_position()
+        kept = kept_positions(self.attention.spans, max_len, max_forward or max_len)
+        kept += [max_len] * (len(per_layer) - len(kept))
+        return sum(b * n for b, n in zip(per_layer, kept, strict=False))
+
+    def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The base model's (no adapter) own forward, with transformers' masks and no cache.
+
+        Args:
+            input_ids: (B, T) tokens.
+
+        Returns:
+            (B, T, vocab_size) logits.
+        """
+        disabled: AbstractContextManager[Any] = contextlib.nullcontext()
+        if self._has_lora:
+            disabled = self.model.disable_adapter()  # type: ignore[operator]  # peft's
+        with self.guard(), disabled:
+            logits = _base_model(self.model)(input_ids=input_ids, use_cache=False).logits
+        return logits[..., : self.vocab_size]
+
+    def _selection(
+        self, adapters: list[str | None] | None, input_ids: torch.Tensor
+    ) -> AbstractContextManager[Any]:
+        """Selects each row's LoRA adapter for this thread's next forward (a no-op without
+        LoRA)."""
+        if not self._has_lora:
+            return contextlib.nullcontext()
+        names = [name or BASE_ADAPTER for name in adapters or [None] * input_ids.shape[0]]
+        return _adapters_for_this_thread(names, input_ids.device)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        num_logits: int,
+        adapters: list[str | None],
+        **extra: Any,
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {self._cache_kwarg: cache, "use_cache": True, **extra}
+        if self._slices_logits:
+            kwargs["logits_to_keep"] = num_logits
+        with self.guard(), self._selection(adapters, input_ids):
+            # The wrapped HF model runs the LoRA layers (their hooks choose the adapters); peft's
+            # own forward would also look up its "active adapter", which a replica deletes and
+            # replaces while serving, so it is left out of the decode path.
+            logits = _base_model(self.model)(input_ids=input_ids, **kwargs).logits
+        return logits[:, -num_logits:, : self.vocab_size]

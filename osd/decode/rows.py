@@ -1,0 +1,206 @@
+"""One request in the batch: its settings (osd.decode.request), slots, sequence and log data.
+
+Per-row state lives here as plain Python (the sequence, the text assembler, the counters); the
+step turns the rows of one step into flat tensors once, and writes back what it emitted once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from osd.decode import rng
+from osd.decode.generation import (
+    FinishReason,
+    GenerationLog,
+    GenerationResult,
+    GenerationStats,
+    StreamChunk,
+    TextAssembler,
+    TokenLogprob,
+)
+from osd.decode.goodput import GoodputController
+from osd.decode.logprobs import PromptLogprobs
+from osd.decode.request import DecodeRequest
+
+__all__ = ["Row"]
+
+
+@dataclass(eq=False)
+class Row:
+    """A request being decoded: settings, KV slots, sequence, counters and outputs.
+
+    Attributes:
+        request: the validated settings.
+        slots: its KV slots in both caches; ``slots[0]`` holds the sequence, the others are
+            SpecTr branches' scratch rows for one step.
+        seq: prompt and generated tokens.
+        target_len, draft_len: positions of ``seq`` in each model's cache.
+        step: steps taken (addresses this row's random draws, so they do not depend on the batch).
+        on_chunk: called with each step's :class:`StreamChunk` (from the decoding thread).
+        followers: the other choices of its prompt, until its prefill is shared with them.
+    """
+
+    request: DecodeRequest
+    tokenizer: object
+    slots: list[int] = field(default_factory=list)
+    seq: list[int] = field(default_factory=list)
+    target_len: int = 0
+    draft_len: int = 0
+    step: int = 0
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    draft_token_probs: list[torch.Tensor] = field(default_factory=list)
+    log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    on_chunk: Callable[[StreamChunk], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    first_token_at: float = 0.0  # perf_counter() of the first emitted token (0: none yet)
+    # Rows of the same prompt that get this row's prefill when its prompt is complete
+    # (osd.decode.choices: OpenAI's n); emptied once shared.
+    followers: list[Row] = field(default_factory=list)
+    # What failed this request alone during a step (e.g. its grammar); the loop ends it with it.
+    error: BaseException | None = None
+    # The prompt's logprobs, chunk by chunk, when the request asks (osd.decode.logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        self.seq = list(self.request.prompt_ids)
+        self.assembler = TextAssembler(self.tokenizer, self.request.stop)
+        self.draft_key = rng.stream_key(self.request.seed, rng.DRAFT_STREAM)
+        self.verify_key = rng.stream_key(self.request.seed, rng.VERIFY_STREAM)
+        # The grammar's parser state after the tokens emitted so far (osd.decode.grammar_masks).
+        self.matcher: Any = None if self.request.grammar is None else self.request.grammar.matcher()
+
+    @property
+    def prefill_left(self) -> int:
+        """Prompt tokens still to run through the models before the row can decode."""
+        return max(0, len(self.request.prompt_ids) - self.target_len)
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_new_tokens - self.stats.num_generated
+
+    def spec_tokens(self, controller: GoodputController | None = None, batch: int = 1) -> int:
+        """Tokens to draft this step: k, less near the budget; 0 with speculation off; with
+        ``auto_spec``, what the controller chooses (0 included)."""
+        request = self.request
+        if request.method == "none":
+            return 0
+        limit = min(request.num_spec_tokens, self.remaining - 1)
+        if request.auto_spec and controller is not None:
+            return controller.choose(self.stats_key, request.route, batch, limit)
+        return max(1, limit)
+
+    @property
+    def stats_key(self) -> str:
+        """The draft whose acceptance this row measures (adapter version, or the base)."""
+        return self.request.adapter or "base"
+
+    def emit(
+        self,
+        drafted: list[int],
+        num_accepted: int,
+        next_token: int,
+        num_drafted: int,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StreamChunk:
+        """Takes a verified step: the kept drafts and the next token; returns its chunk.
+
+        ``logprobs`` (rows that asked) has an entry per position of the step's tokens; those
+        of the tokens kept go with them.
+        """
+        self.step += 1
+        token_ids, finish = _truncate(
+            [*drafted[:num_accepted], next_token], self.remaining, self.request.stop_token_ids
+        )
+        text, num_kept = self.assembler.add(token_ids)
+        if self.assembler.stopped:
+            # Tokens past a stop string leave the answer, its usage and the record alike.
+            token_ids, finish = token_ids[:num_kept], "stop"
+        self.seq.extend(token_ids)
+        stats = self.stats
+        stats.steps += 1
+        stats.drafted += num_drafted
+        stats.accepted += num_accepted
+        stats.num_generated += len(token_ids)
+        stats.draft_lengths.append(num_drafted)
+        stats.accepted_lengths.append(num_accepted)
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        stats.decode_seconds = now - self.first_token_at
+        if finish is None and stats.num_generated >= self.request.max_new_tokens:
+            finish = "length"
+        if finish is not None:
+            text += self.assembler.flush()
+            self.finish_reason = finish
+        kept = None if logprobs is None else logprobs[: len(token_ids)]
+        prompt = self.prompt_logprobs.resolve() if self.prompt_logprobs and self.step == 1 else None
+        return self._chunk(StreamChunk(token_ids, text, finish, kept, prompt))
+
+    def _chunk(self, chunk: StreamChunk) -> StreamChunk:
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs or [])
+        self.text.append(chunk.text)
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+        return chunk
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.cancelled.is_set()
+
+    def result(self) -> GenerationResult:
+        """The generation so far (all of it once :attr:`done`)."""
+        return GenerationResult(
+            token_ids=list(self.token_ids),
+            text="".join(self.text),
+            finish_reason=self.finish_reason or "length",
+            stats=self.stats,
+            log=self._log() if self.request.log_top_m else None,
+            logprobs=None if self.request.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.entries,
+        )
+
+    def _log(self) -> GenerationLog:
+        """Moves the log data to the CPU once, at the end (no per-step syncs).
+
+        The record holds the answer's tokens and one target distribution per token: what a
+        step verified past a stop string, a stop token or the budget is left out of both, so
+        they stay aligned. Keeping those positions would make the training data depend on
+        the method, and favour positions where the draft agreed (only a step that accepted
+        past the stop reaches them). The steps' drafted and accepted counts and draft
+        probabilities stay whole: they describe verification that happened, and the trainer
+        skips positions past the last token (``trainer.examples.rejected_positions``).
+        """
+        request, num_generated = self.request, self.stats.num_generated
+        ids = [i for i, _ in self.log_rows] or [torch.zeros(0, 1, dtype=torch.int64)]
+        probs = [p for _, p in self.log_rows] or [torch.zeros(0, 1)]
+        draft_probs = self.draft_token_probs or [torch.zeros(0)]
+        return GenerationLog(
+            request=request,
+            prompt_len=len(request.prompt_ids),
+            token_ids=torch.tensor(self.seq, dtype=torch.int32),
+            num_drafted=torch.tensor(self.stats.draft_lengths, dtype=torch.int32),
+            num_accepted=torch.tensor(self.stats.accepted_lengths, dtype=torch.int32),
+            draft_token_probs=torch.cat(draft_probs).cpu().half(),
+            target_top_ids=torch.cat(ids)[:num_generated].cpu().int(),
+            target_top_probs=torch.cat(probs)[:num_generated].cpu().half(),
+        )
+
+
+def _truncate(
+    token_ids: list[int], remaining: int, stop_token_ids: frozenset[int]
+) -> tuple[list[int], Literal["stop", "length"] | None]:
+    """Cuts a step's tokens at the budget and after the first stop token."""
+    for i, token in enumerate(token_ids[:remaining]):
+        if token in stop_token_ids:
+            return token_ids[: i + 1], "stop"
+    return token_ids[:remaining], ("length" if len(token_ids) >= remaining else None)

@@ -1,0 +1,353 @@
+"""One batched speculative step over every active row, and the chunked prefill that precedes it.
+
+A step, for all rows together: the draft's forwards (the first over each row's pending tokens,
+then one per drafted position, every row with its own LoRA adapter in the same forward; SpecTr
+rows fan out into K branch rows after the first), one target forward verifying every row's
+pending and drafted tokens (ragged: rows differ in pending length, k and K), the verifiers
+over each verifier's rows at once, then one host sync that brings back what each row emitted.
+Random draws are addressed by (row seed, row step, branch, position) (:mod:`osd.decode.rng`), so a
+row's output does not depend on what shares its batch. Paper references in
+:mod:`osd.decode.verification`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from osd.decode import rng
+from osd.decode.choices import share_prompt
+from osd.decode.drafting import Drafts, propose
+from osd.decode.forward import (
+    ModelPair,
+    as_tensor,
+    history_rows,
+    left_padded,
+    run_model,
+    top_m_distribution,
+)
+from osd.decode.generation import StreamChunk
+from osd.decode.grammar_masks import GrammarMasks
+from osd.decode.logprobs import PendingLogprobs, gather_logprobs
+from osd.decode.prefix_history import block_history
+from osd.decode.prompt_logprobs import prefill_target
+from osd.decode.rows import Row
+from osd.decode.sampling import rows_to_probs, sample_from_probs
+from osd.decode.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+
+__all__ = ["VERIFIERS", "prefill", "run_step"]
+
+VERIFIERS: dict[str, Callable[..., VerifyOutput]] = {
+    "token": token_verify,
+    "block": block_verify,
+    "spectr": spectr_verify,
+}
+
+# Counter position of the recovered/bonus token's draw (drafted positions use 0..k-1).
+_SAMPLE_POSITION = 1023
+
+
+@torch.inference_mode()
+def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
+    """Runs up to ``budget`` prompt tokens of ``rows`` through both models (chunked prefill).
+
+    A row whose prompt is now complete gets its first token sampled from the target's
+    distribution after the prompt (exactly the target alone's first token: no draft is needed
+    for it), so its first chunk comes with its prefill. Its ``followers`` (other choices of
+    the prompt) get its KV and sample their first tokens from the same logits.
+
+    Returns:
+        The first chunk of each row that completed its prompt, in order, then its followers'.
+    """
+    pieces: list[tuple[Row, int]] = []
+    for row in rows:
+        size = min(row.prefill_left, budget)
+        if size > 0:
+            pieces.append((row, size))
+            budget -= size
+    if not pieces:
+        return []
+    # (P, V) after each piece's last token; rows asking for prompt logprobs get them too.
+    target_logits = prefill_target(pieces, lambda some, n: _prefill_forward(pair, False, some, n))
+    # A row that generates nothing (max_tokens 0: prompt scoring) never needs the draft's KV.
+    drafting = [p for p in pieces if p[0].request.method != "none" and p[0].remaining > 0]
+    if drafting:
+        _prefill_forward(pair, True, drafting, 1)
+    for row, size in pieces:
+        row.target_len += size
+        if row.request.method != "none":
+            row.draft_len = row.target_len
+    complete = [i for i, (row, _) in enumerate(pieces) if row.prefill_left == 0]
+    if not complete:
+        return []
+    # Other choices of a completed prompt get its KV and logits (osd.decode.choices).
+    done, logits = share_prompt(pair, [pieces[i][0] for i in complete], target_logits[complete])
+    return _first_tokens(pair, done, logits)
+
+
+def _prefill_forward(
+    pair: ModelPair, draft: bool, members: list[tuple[Row, int]], num_logits: int
+) -> torch.Tensor:
+    """One model's forward over prefill pieces: (len(members), num_logits, V) last logits."""
+    tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
+    ids, left, num_real = left_padded(tokens, pair.device)
+    return run_model(
+        pair,
+        pair.draft if draft else pair.target,
+        pair.draft_cache if draft else pair.target_cache,
+        ids,
+        start=[row.target_len for row, _ in members],
+        left=left,
+        num_real=num_real,
+        own=[row.slots[0] for row, _ in members],
+        base=[row.slots[0] for row, _ in members],
+        prefix=[0] * len(members),
+        num_logits=num_logits,
+        adapters=[row.request.adapter for row, _ in members] if draft else None,
+    )
+
+
+def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> list[StreamChunk]:
+    """Samples each row's first token from the target (a step with nothing drafted)."""
+    device = logits.device
+    masks = None
+    if GrammarMasks.needed(rows):
+        masks = GrammarMasks(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
+    allowed = None if masks is None else masks.target_allowed(1)[:, 0]
+    probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
+    tokens = sample_from_probs(probs, _verify_draws(rows, device)[2])
+    if any(row.request.log_top_m for row in rows):
+        top_ids, top_probs = top_m_distribution(logits.unsqueeze(1), pair.log_top_m)  # (P, 1, m)
+    zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
+    on_way = _start_logprobs(  # no drafts: the first token is position 0
+        rows,
+        logits.unsqueeze(1),
+        torch.arange(len(rows), device=device),
+        zeros[:, None][:, :0],
+        zeros,
+        tokens,
+    )
+    token_list = tokens.tolist()  # the host sync
+    if masks is not None:
+        masks.commit([[token] for token in token_list])
+    logprobs = {} if on_way is None else on_way.rows()
+    chunks = []
+    for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
+        if row.request.log_top_m:
+            row.log_rows.append((top_ids[i], top_probs[i]))
+        chunks.append(row.emit([], 0, token, 0, logprobs.get(i)))
+    return chunks
+
+
+def _start_logprobs(
+    rows: list[Row],
+    logits: torch.Tensor,
+    logits_row: torch.Tensor,
+    accepted_ids: torch.Tensor,
+    num_accepted: torch.Tensor,
+    next_ids: torch.Tensor,
+) -> PendingLogprobs | None:
+    """Starts the logprobs of the rows that ask for them; None (and no work) when none does.
+
+    Args:
+        logits: (R, T, V) the target's logits; position i after a row's i-th emitted token.
+        logits_row: (B,) each row's row of ``logits`` (its chosen branch).
+        accepted_ids, num_accepted, next_ids: (B, T - 1), (B,), (B,) the step's tokens: the
+            first ``num_accepted`` drafts, then the next token.
+    """
+    members = [b for b, row in enumerate(rows) if row.request.logprobs is not None]
+    if not members:
+        return None
+    emitted = torch.cat([accepted_ids, next_ids.unsqueeze(1)], dim=1)  # (B, T)
+    emitted.scatter_(1, num_accepted.unsqueeze(1), next_ids.unsqueeze(1))
+    num_top = [rows[b].request.logprobs or 0 for b in members]
+    return gather_logprobs(logits, logits_row, emitted, members, num_top)
+
+
+def _verify_draws(
+    rows: list[Row], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's verify-stream key and step (B,), and its (B,) draw for the token it samples
+    from the target: the recovered or bonus token, or the first token after its prompt."""
+    keys = as_tensor([row.verify_key for row in rows], device)
+    steps = as_tensor([row.step for row in rows], device)
+    return keys, steps, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION))
+
+
+@dataclass
+class _Verified:
+    num_accepted: torch.Tensor  # (B,)
+    next_token_ids: torch.Tensor  # (B,)
+    draft_index: torch.Tensor  # (B,) the branch whose prefix was kept
+
+
+def _verify(
+    rows: list[Row],
+    drafts: Drafts,
+    target_probs: torch.Tensor,
+    first_row: torch.Tensor,
+    branches: list[int],
+    width: int,
+) -> _Verified:
+    """Runs each verifier once over its rows; draws come from each row's verify stream."""
+    device, num_rows = target_probs.device, len(rows)
+    keys, steps, sample_draws = _verify_draws(rows, device)
+    zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
+    if width == 0:  # speculation off for every row: sample from the target
+        next_ids = sample_from_probs(target_probs[first_row, 0], sample_draws)
+        return _Verified(zeros, next_ids, zeros.clone())
+    num_drafts = drafts.ids.shape[1]
+    accept_draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
+    result = _Verified(zeros.clone(), zeros.clone(), zeros.clone())
+    num_branches = as_tensor(branches, device)  # (B,) K per row, 1 for one draft
+    # (B, K) each draft's target row; drafts beyond a row's own K repeat its last (unread).
+    draft = torch.arange(num_drafts, device=device)
+    target_rows = first_row.unsqueeze(1) + torch.minimum(draft, num_branches.unsqueeze(1) - 1)
+    for name, verify in VERIFIERS.items():
+        members = [b for b, row in enumerate(rows) if row.request.verifier == name]
+        if not members:
+            continue
+        group = as_tensor(members, device)
+        # SpecTr verifies each row's K drafts, (G, K, ...); token and block its one, (G, ...).
+        lane = slice(None) if name == "spectr" else 0
+        out = verify(
+            drafts.ids[group, lane],
+            drafts.probs[group, lane],
+            target_probs[target_rows[group, lane]],
+            accept_draws[group, lane],
+            sample_draws[group],
+            num_draft_tokens=drafts.num_drafted[group],
+            **({"num_drafts": num_branches[group]} if name == "spectr" else {}),
+        )
+        result.num_accepted[group] = out.num_accepted
+        result.next_token_ids[group] = out.next_token_ids
+        result.draft_index[group] = out.draft_index
+    return result
+
+
+@torch.inference_mode()
+def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
+    """One speculative step for every row (all prefilled); returns each row's chunk."""
+    started = time.perf_counter()
+    device, num_rows = pair.device, len(rows)
+    spec_k = [row.spec_tokens(pair.controller, num_rows) for row in rows]
+    branches = [row.request.num_slots for row in rows]
+    width = max(spec_k)
+    sampling, history = pair.sampling(rows)
+    masks = None
+    if GrammarMasks.needed(rows):
+        masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
+    drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1), masks)
+    if masks is not None:  # the drafts to the host while the target's forward runs
+        masks.prefetch(width, drafts.ids)
+
+    # One target forward: each branch row holds its pending tokens, then its drafts.
+    fan_out = [(b, j) for b in range(num_rows) for j in range(branches[b])]
+    first_row = as_tensor([sum(branches[:b]) for b in range(num_rows)], device)
+    row_of = as_tensor([b for b, _ in fan_out], device)
+    pending, left, num_real = left_padded(
+        [rows[b].seq[rows[b].target_len :] for b, _ in fan_out], device
+    )
+    input_ids = pending
+    spec = torch.zeros(len(fan_out), 0, dtype=torch.int64, device=device)
+    if width > 0:  # drafts after the pending tokens; rows that drafted less are right-padded
+        spec = drafts.ids[row_of, as_tensor([j for _, j in fan_out], device), :width]  # (R, k)
+        k_of = as_tensor([spec_k[b] for b, _ in fan_out], device)
+        spec = spec.masked_fill(torch.arange(width, device=device) >= k_of.unsqueeze(1), 0)
+        input_ids = torch.cat([pending, spec], dim=1)
+        num_real = [n + spec_k[b] for n, (b, _) in zip(num_real, fan_out, strict=True)]
+    logits = run_model(
+        pair,
+        pair.target,
+        pair.target_cache,
+        input_ids,
+        start=[rows[b].target_len for b, _ in fan_out],
+        left=left,
+        num_real=num_real,
+        own=[rows[b].slots[j] for b, j in fan_out],
+        base=[rows[b].slots[0] for b, _ in fan_out],
+        prefix=[rows[b].target_len for b, _ in fan_out],
+        num_logits=width + 1,
+    )  # (R, k + 1, V)
+    if masks is not None:  # the bonus position's masks, after each row's last drafted token
+        masks.advance(width, drafts.ids)
+    # Position i of a branch row sees that branch's drafts before it (its padding only past
+    # its own k, where nothing is read).
+    seen = history_rows(history, row_of)
+    target_probs = rows_to_probs(
+        logits,
+        sampling.select(row_of),
+        None if seen is None else block_history(seen, spec),
+        None if masks is None else masks.target_allowed(width + 1),
+    )
+    verified = _verify(rows, drafts, target_probs, first_row, branches, width)
+
+    everyone = torch.arange(num_rows, device=device)
+    chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
+    if any(row.request.log_top_m for row in rows):
+        top_ids, top_probs = top_m_distribution(
+            logits[first_row + verified.draft_index], pair.log_top_m
+        )  # (B, k + 1, m)
+        chosen_q = drafts.probs[everyone, verified.draft_index, :width]  # (B, k, V)
+        draft_token_probs = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+    on_way = _start_logprobs(
+        rows,
+        logits,
+        first_row + verified.draft_index,
+        chosen_ids,
+        verified.num_accepted,
+        verified.next_token_ids,
+    )
+    # The one host sync of the step.
+    packed = torch.cat(
+        [
+            torch.stack(
+                [
+                    verified.num_accepted,
+                    verified.next_token_ids,
+                    verified.draft_index,
+                    drafts.num_drafted,
+                ],
+                dim=1,
+            ),
+            chosen_ids,
+        ],
+        dim=1,
+    ).tolist()
+    logprobs = {} if on_way is None else on_way.rows()
+    if masks is not None:
+        masks.commit([row[4 : 4 + row[0]] + [row[1]] for row in packed])
+    copies: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
+    chunks = []
+    for b, row in enumerate(rows):
+        num_accepted, next_token, branch, num_drafted = packed[b][:4]
+        length = len(row.seq)
+        # The draft cache holds the pending tokens and the drafts fed back (all but the last).
+        draft_len = min(length + spec_k[b] - 1, length + num_accepted)
+        if branch > 0:  # a SpecTr branch won: its kept tokens move to the request's slot
+            src, dst = row.slots[branch], row.slots[0]
+            copies["target"] += [
+                (src, dst, p) for p in range(row.target_len, length + num_accepted)
+            ]
+            copies["draft"] += [(src, dst, p) for p in range(length, draft_len)]
+        row.target_len = length + num_accepted
+        if spec_k[b] > 0:
+            row.draft_len = draft_len
+        if row.request.log_top_m:
+            row.log_rows.append((top_ids[b, : num_accepted + 1], top_probs[b, : num_accepted + 1]))
+            row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
+        if pair.controller is not None:
+            pair.controller.observe_row(row.stats_key, row.request.route, num_drafted, num_accepted)
+        chunks.append(
+            row.emit(packed[b][4:], num_accepted, next_token, num_drafted, logprobs.get(b))
+        )
+    for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):
+        if copies[name]:
+            moves = as_tensor(copies[name], device)  # (N, 3): src, dst, position
+            cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
+    if pair.controller is not None:  # after the step's sync: host time is the step's time
+        pair.controller.observe_step(num_rows, width, time.perf_counter() - started)
+    return chunks

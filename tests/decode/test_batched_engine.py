@@ -1,0 +1,285 @@
+"""The batched decode loop: exact in mixed batches, batch-invariant, joins, leaves, cancels."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from osd import SpeculativeDecoder
+from osd.buffer.record import Record
+from osd.decode.loop import BatchedEngine, EngineFull
+from osd.decode.scheduler import BatchLimits
+
+PROMPTS = [
+    [3, 5, 7, 9],
+    [10, 11, 12, 13, 14, 15, 16, 17],
+    [42],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+]
+
+
+@pytest.fixture(scope="module")
+def decoder(target_model, lora_draft, tokenizer):
+    return SpeculativeDecoder(target_model, lora_draft, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def batched(decoder):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8, kv_slots=14))
+    yield engine
+    engine.close()
+
+
+def target_greedy(target_model, prompt, length):
+    out = target_model.generate(
+        torch.tensor([prompt]), max_new_tokens=length, do_sample=False, min_new_tokens=length
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# (method, adapter, k, max_tokens): every verifier, adapters, lengths and k differ per row.
+MIXED = [
+    ("block", "code", 4, 40),
+    ("token", None, 2, 25),
+    ("spectr", "sql", 3, 33),
+    ("none", None, 4, 12),
+    ("block", "sql", 6, 50),
+    ("token", "code", 1, 7),
+    ("spectr", None, 4, 45),
+    ("block", None, 3, 20),
+    ("none", "code", 4, 30),
+    ("token", "sql", 5, 38),
+    ("block", "code", "auto", 44),
+    ("spectr", "sql", "auto", 36),
+]
+
+
+def test_greedy_rows_of_a_mixed_batch_equal_target_greedy(decoder, batched, target_model):
+    handles = []
+    for i, (method, adapter, k, max_tokens) in enumerate(MIXED):
+        request = decoder.prepare(
+            PROMPTS[i % len(PROMPTS)],
+            max_tokens=max_tokens,
+            temperature=0,
+            method=method,
+            adapter=adapter,
+            num_spec_tokens=k,
+            stop_token_ids=[],
+            num_drafts=3,
+        )
+        handles.append(batched.submit(request))
+    # 12 requests and 8 rows: some wait, then join as others leave mid-run.
+    results = [h.result() for h in handles]
+    for i, ((method, _, _, max_tokens), result) in enumerate(zip(MIXED, results, strict=True)):
+        assert result.token_ids == target_greedy(target_model, PROMPTS[i % 4], max_tokens), method
+    assert sum(r.stats.accepted for r in results) > 0
+    assert batched.stats.mean_batch > 2  # rows really shared steps
+
+
+@pytest.mark.parametrize("method", ["token", "block", "spectr"])
+def test_seeded_request_gives_the_same_tokens_alone_and_batched(decoder, batched, method):
+    kwargs = dict(
+        max_tokens=30,
+        temperature=0.9,
+        top_p=0.95,
+        seed=7,
+        method=method,
+        num_spec_tokens=4,  # fixed: with "auto" the k of each step depends on earlier traffic
+        num_drafts=2,
+    )
+    alone = decoder.generate(PROMPTS[1], adapter="code", **kwargs)
+    neighbours = [
+        batched.submit(
+            decoder.prepare(p, max_tokens=25, temperature=t, seed=s, adapter=a, method="block")
+        )
+        for p, t, s, a in [(PROMPTS[0], 1.0, 1, "sql"), (PROMPTS[2], 0.0, 2, None)]
+    ]
+    batched_result = batched.submit(decoder.prepare(PROMPTS[1], adapter="code", **kwargs)).result()
+    for handle in neighbours:
+        handle.result()
+    assert batched_result.token_ids == alone.token_ids
+    assert batched_result.log.num_accepted.tolist() == alone.log.num_accepted.tolist()
+    torch.testing.assert_close(
+        batched_result.log.target_top_probs.float(),
+        alone.log.target_top_probs.float(),
+        atol=1e-3,
+        rtol=0,
+    )
+
+
+def test_log_data_matches_batch_of_one(decoder, batched):
+    kwargs = dict(
+        max_tokens=20,
+        temperature=0,
+        method="block",
+        num_spec_tokens=4,
+        adapter="sql",
+        stop_token_ids=[],
+    )
+    alone = decoder.generate(PROMPTS[0], **kwargs).log
+    others = [batched.submit(decoder.prepare(p, max_tokens=15, seed=3)) for p in PROMPTS[1:]]
+    together = batched.submit(decoder.prepare(PROMPTS[0], **kwargs)).result().log
+    for handle in others:
+        handle.result()
+    assert together.token_ids.tolist() == alone.token_ids.tolist()
+    assert together.num_drafted.tolist() == alone.num_drafted.tolist()
+    assert together.target_top_ids.shape == alone.target_top_ids.shape
+    torch.testing.assert_close(
+        together.draft_token_probs, alone.draft_token_probs, atol=1e-3, rtol=0
+    )
+
+
+def test_stream_chunks_arrive_per_step_and_cancel_frees_the_row(decoder, batched):
+    long = batched.submit(decoder.prepare(PROMPTS[0], max_tokens=400, seed=1, stop_token_ids=[]))
+    first = next(long)
+    assert first.token_ids
+    long.cancel()
+    result = long.result()
+    assert 0 < len(result.token_ids) < 400
+    # Its slot is free again: a full batch still runs.
+    handles = [batched.submit(decoder.prepare(p, max_tokens=5, seed=2)) for p in PROMPTS * 2]
+    assert all(len(h.result().token_ids) >= 1 for h in handles)
+
+
+def test_cancel_from_another_thread_while_waiting_or_decoding(decoder):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=1))
+    try:
+        running = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=300, stop_token_ids=[]))
+        waiting = engine.submit(decoder.prepare(PROMPTS[1], max_tokens=300, stop_token_ids=[]))
+        threading.Thread(target=waiting.cancel).start()
+        assert waiting.result().token_ids == []
+        next(running)
+        running.cancel()
+        assert len(running.result().token_ids) < 300
+    finally:
+        engine.close()
+
+
+def test_full_queue_refuses_at_once_and_oversized_requests_are_value_errors(decoder):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=1, max_waiting=2, kv_slots=2))
+    try:
+        handles = [
+            engine.submit(decoder.prepare(PROMPTS[0], max_tokens=200, stop_token_ids=[]))
+            for _ in range(2)
+        ]
+        with pytest.raises(EngineFull):
+            for _ in range(3):  # the loop may have admitted one already
+                handles.append(engine.submit(decoder.prepare(PROMPTS[0], max_tokens=200)))
+        with pytest.raises(ValueError, match="KV slots"):
+            engine.submit(decoder.prepare(PROMPTS[0], method="spectr", num_drafts=3))
+        for handle in handles:
+            handle.cancel()
+    finally:
+        engine.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, monkeypatch):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    try:
+        from osd.decode import loop
+
+        real = loop.run_step
+        calls = {"n": 0}
+
+        def flaky(pair, rows):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected")
+            return real(pair, rows)
+
+        monkeypatch.setattr(loop, "run_step", flaky)
+        doomed = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=5))
+        with pytest.raises(RuntimeError, match="injected"):
+            doomed.result()
+        fine = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=5, temperature=0))
+        assert len(fine.result().token_ids) == 5 or fine.result().finish_reason == "stop"
+    finally:
+        engine.close()
+
+
+def test_rows_near_the_context_limit_share_a_step_with_long_drafts():
+    """Padding of a row that drafts little beside one that drafts much stays within the context
+    (learned position embeddings index past it otherwise)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+    target, draft = GPT2LMHeadModel(config).eval(), GPT2LMHeadModel(config).eval()
+    decoder = SpeculativeDecoder(target, draft)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=2))
+    try:
+        near = list(range(2, 30))
+        handles = [
+            engine.submit(decoder.prepare(prompt, max_tokens=n, temperature=0, num_spec_tokens=k))
+            for prompt, n, k in [(near, 4, 2), ([5, 6], 20, 8)]
+        ]
+        for handle, (prompt, n) in zip(handles, [(near, 4), ([5, 6], 20)], strict=True):
+            assert handle.result().token_ids == target_greedy(target, prompt, n)
+    finally:
+        engine.close()
+
+
+def test_submit_after_close_is_refused_not_left_hanging(decoder):
+    engine = BatchedEngine(decoder)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(decoder.prepare(PROMPTS[0], max_tokens=3))
+
+
+def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, unrelated_draft):
+    """With k "auto", a draft whose tokens are always rejected soon drafts nothing but its
+    probes, and the output is still the target's."""
+    decoder = SpeculativeDecoder(target_model, unrelated_draft, max_spec_tokens=4)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    # Probe steps every 4 engine steps (backing off to one in 32), so the run shows them.
+    engine.controller.probe_every = 4
+    try:
+        handles = [
+            engine.submit(decoder.prepare(p, max_tokens=60, temperature=0, num_spec_tokens="auto"))
+            for p in PROMPTS
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert result.token_ids == target_greedy(target_model, prompt, 60)
+    late = [k for r in results for k in r.stats.draft_lengths[30:]]
+    assert late.count(0) > 0.8 * len(late), late  # drafting is off but for probes
+    assert sum(late) > 0  # ... and the probes still run
+    for result in results:  # steps without drafting still log the target's top-m rows
+        record = Record.from_generation(result.log, request_id="r", domain="sql")
+        assert record.num_drafted.tolist() == result.stats.draft_lengths  # k of every step
+        assert record.target_top_ids.shape[0] == len(result.token_ids) == 60
+        assert record.num_generated == 60
+
+
+class CheapDraftCosts:
+    """Step costs of a pair whose draft costs 5 % of the target (the tiny test pair's draft
+    costs about as much as its target, so there speculation rightly never pays)."""
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        pass
+
+    def seconds(self, batch: int, max_k: int) -> list[float]:
+        return [1.0 + 0.05 * k for k in range(max_k + 1)]
+
+
+def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    engine.controller.costs = CheapDraftCosts()  # type: ignore[assignment]
+    try:
+        handles = [
+            engine.submit(
+                decoder.prepare(
+                    p, max_tokens=60, temperature=0, num_spec_tokens="auto", stop_token_ids=[]
+                )
+            )
+            for p in PROMPTS
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    late = [k for r in results for k in r.stats.draft_lengths[20:]]
+    assert sum(1 for k in late if k > 0) > 0.8 * len(late), late

@@ -1,0 +1,156 @@
+"""The goodput controller: pure decisions from acceptance counts and step costs, by tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from osd.decode.goodput import (
+    AcceptanceCurve,
+    GoodputController,
+    StepCosts,
+    best_k,
+    expected_tokens,
+)
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "k", "expected"),
+    [
+        ([0.5, 0.5, 0.5], 0, 1.0),
+        ([0.5, 0.5, 0.5], 1, 1.5),
+        ([0.5, 0.5, 0.5], 3, 1.875),
+        ([1.0, 1.0], 2, 3.0),
+        ([0.9, 0.0, 1.0], 3, 1.9),  # nothing survives position 2
+    ],
+)
+def test_expected_tokens_is_one_plus_the_surviving_prefix_mass(acceptance, k, expected):
+    assert expected_tokens(acceptance, k) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("rate", "draft_share", "chosen"),
+    [
+        (0.01, 0.2, 0),  # a draft that never fits: the target alone
+        (0.10, 0.2, 0),
+        (0.70, 0.2, 3),
+        (0.95, 0.05, 8),  # cheap, excellent draft: draft the most
+    ],
+)
+def test_best_k_maximises_tokens_per_second(rate, draft_share, chosen):
+    seconds = [1.0 + draft_share * k for k in range(9)]
+    assert best_k([rate] * 8, seconds) == chosen
+
+
+def test_ties_go_to_the_shorter_draft():
+    assert best_k([0.0] * 4, [1.0] * 5) == 0
+
+
+def test_a_tolerance_prefers_the_shortest_near_best_draft():
+    seconds = [1.0 + 0.2 * k for k in range(9)]  # rates 1, 1.417, 1.564, 1.583, 1.541, ...
+    assert best_k([0.7] * 8, seconds, tolerance=0.0) == 3
+    assert best_k([0.7] * 8, seconds, tolerance=0.03) == 2  # 1.564 >= 0.97 * 1.583
+    assert best_k([0.7] * 8, seconds, tolerance=0.5) == 0  # the target alone wins near-ties
+
+
+def test_curve_counts_positions_reached_and_accepted_with_forgetting():
+    curve = AcceptanceCurve(max_k=4)
+    curve.observe(num_drafted=4, num_accepted=2, decay=1.0)  # positions 1, 2 kept, 3 rejected
+    curve.observe(num_drafted=4, num_accepted=4, decay=1.0)
+    curve.observe(num_drafted=0, num_accepted=0, decay=1.0)  # the target alone: no evidence
+    assert curve.reached == [2, 2, 2, 1]
+    assert curve.accepted == [2, 2, 1, 1]
+    assert curve.rates(prior=0.5, prior_weight=0.0) == [1.0, 1.0, 0.5, 1.0]
+    curve.observe(num_drafted=1, num_accepted=0, decay=0.5)
+    assert curve.reached[0] == pytest.approx(2 * 0.5 + 1)
+
+
+def test_positions_without_evidence_are_assumed_as_good_as_the_one_before():
+    curve = AcceptanceCurve(max_k=4)
+    for _ in range(40):  # position 1 fails every time: positions 2..4 are never reached
+        curve.observe(num_drafted=4, num_accepted=0, decay=1.0)
+    rates = curve.rates(prior=0.9, prior_weight=4.0)
+    assert rates[0] == pytest.approx(3.6 / 44)
+    assert rates[1:] == pytest.approx([rates[0]] * 3)  # not the optimistic 0.9
+    assert AcceptanceCurve(max_k=3).rates(prior=0.9, prior_weight=4.0) == [0.9] * 3
+
+
+def test_step_costs_keep_steps_without_drafting_apart_and_fit_a_line_to_the_others():
+    costs = StepCosts(prior_ratio=0.5, decay=1.0)
+    assert costs.seconds(batch=4, max_k=2) == pytest.approx([1.0, 1.5, 2.0])  # the prior alone
+    costs.observe(batch=4, k=0, seconds=2.0)
+    assert costs.seconds(batch=4, max_k=2) == pytest.approx([2.0, 3.0, 4.0])  # prior slope
+    costs.observe(batch=3, k=4, seconds=6.0)  # same bucket (3-4 rows), one width: prior slope
+    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 3.0, 4.0, 5.0, 6.0])
+    costs.observe(batch=4, k=2, seconds=4.0)  # two widths: a fitted line; k = 0 stays apart
+    assert costs.seconds(batch=4, max_k=4) == pytest.approx([2.0, 3.0, 4.0, 5.0, 6.0])
+    costs.observe(batch=4, k=1, seconds=4.0)  # drafting at all has a fixed cost
+    fitted = costs.seconds(batch=4, max_k=4)
+    assert fitted[0] == pytest.approx(2.0) and fitted[1] > 3.0
+    # An unmeasured bucket borrows the nearest measured one (ties: the larger batch).
+    assert costs.seconds(batch=16, max_k=4) == pytest.approx(fitted)
+    costs.observe(batch=16, k=0, seconds=8.0)
+    assert costs.seconds(batch=16, max_k=1) == pytest.approx([8.0, 12.0])
+    assert costs.seconds(batch=2, max_k=1)[0] == pytest.approx(2.0)  # nearer to 3-4 rows
+    assert costs.seconds(batch=6, max_k=1)[0] == pytest.approx(8.0)  # 5-8: a tie, the larger
+
+
+def run_steps(controller, adapter, route, count):
+    """``count`` engine steps of one row; each step costs 1 + 0.1 k. Returns the k chosen."""
+    chosen = []
+    for _ in range(count):
+        chosen.append(controller.choose(adapter, route, batch=1, limit=4))
+        controller.observe_step(batch=1, k=chosen[-1], seconds=1.0 + 0.1 * chosen[-1])
+    return chosen
+
+
+def test_controller_stops_drafting_for_a_bad_draft_and_probes():
+    controller = GoodputController(
+        max_k=4, prior=0.6, prior_weight=4.0, probe_every=8, zero_probe_every=32
+    )
+    for k in (0, 2, 4):
+        controller.observe_step(batch=1, k=k, seconds=1.0 + 0.1 * k)
+    assert controller.choose("v1", "sql", batch=1, limit=4) > 0  # optimistic prior
+    for _ in range(200):
+        controller.observe_row("v1", "sql", num_drafted=4, num_accepted=0)
+    chosen = run_steps(controller, "v1", "sql", 128)  # engine steps 3..130
+    # Probe steps are 3, 11, 19, ... (one in 8); each probe that finds the draft still bad
+    # doubles the wait, up to one probe step in 2 ** max_backoff = 8.
+    assert [i + 3 for i, k in enumerate(chosen) if k] == [3, 19, 35, 67]
+    assert set(chosen) == {0, 1}
+    for _ in range(200):  # the draft got better on this route (its traffic changed)
+        controller.observe_row("v1", "sql", num_drafted=4, num_accepted=4)
+    assert controller.choose("v1", "sql", batch=1, limit=4) == 4
+    assert controller.curve("v1", "sql").backoff == 0  # probing starts over if it fails again
+    assert controller.choose("v2", "sql", batch=1, limit=4) > 0  # a new version is tried
+    for _ in range(200):
+        controller.observe_row("v1", "code", num_drafted=4, num_accepted=4)
+    drafting = run_steps(controller, "v1", "code", 32)  # engine steps 131..162
+    # Step 135: the target alone, measured (one in 32; step 135 is also a width probe's, which
+    # yields); step 151: one token less, a width probe (one in 16, alternately wider: step 167).
+    assert drafting[4] == 0 and drafting[20] == 3
+    assert drafting.count(4) == 30
+
+
+def test_controller_respects_the_limit_and_starts_from_its_priors():
+    controller = GoodputController(max_k=8, prior=0.9, costs=StepCosts(prior_ratio=0.25))
+    # Nothing measured: acceptance 0.9 and a drafted token costing a quarter of a step; rates
+    # 2.05 / 2.08 / 2.09 at k = 4 / 5 / 6, and 4 is within 3 % of the best.
+    assert controller.choose("v", "", batch=2, limit=8) == 4
+    assert controller.choose("v", "", batch=2, limit=1) == 1
+    assert controller.choose("v", "", batch=2, limit=0) == 0
+    controller.observe_step(batch=2, k=2, seconds=1.0)
+    assert controller.choose("v", "", batch=2, limit=3) <= 3
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"probe_every": 1, "zero_probe_every": 8},
+        {"probe_every": 16, "zero_probe_every": 8},
+        {"probe_every": 7},
+        {"width_probe_every": 2},
+    ],
+)
+def test_controller_refuses_a_probe_schedule_that_collides(schedule):
+    with pytest.raises(ValueError, match="probe_every"):
+        GoodputController(**schedule)

@@ -1,0 +1,100 @@
+"""Grammar compilation (osd.decode.grammar): every kind compiles or fails with a clear error, the
+cache, the packed masks, and both ways of reading a vocabulary (a byte-level BPE tokenizer that
+llguidance reads itself, a character tokenizer it reads token by token)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from osd import SpeculativeDecoder
+from osd.decode.grammar import MAX_GRAMMAR_CHARS, GrammarCompiler, unpack_bitmask
+from osd.testing import char_tokenizer, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(char_tokenizer(), vocab_size=64)
+
+
+def allowed_after(compiler: GrammarCompiler, grammar, text: str) -> set[str]:
+    tokenizer = char_tokenizer()
+    matcher = grammar.matcher()
+    assert matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+    bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+    mask = unpack_bitmask(bits, 64)
+    return {tokenizer.convert_ids_to_tokens(i) for i in mask.nonzero().flatten().tolist()}
+
+
+def test_masks_follow_the_grammar(compiler):
+    grammar = compiler.compile("regex", "[ab]c|d")
+    assert allowed_after(compiler, grammar, "") == {"a", "b", "d"}
+    assert allowed_after(compiler, grammar, "a") == {"c"}
+    assert allowed_after(compiler, grammar, "ac") == {"<eos>"}
+    choice = compiler.compile("choice", ["yes", "no"])
+    assert allowed_after(compiler, choice, "") == {"y", "n"}
+
+
+def test_matchers_are_independent_and_grammars_cached(compiler):
+    grammar = compiler.compile("json_object")
+    assert compiler.compile("json_object") is grammar
+    first, second = grammar.matcher(), grammar.matcher()
+    assert first.consume_token(char_tokenizer().convert_tokens_to_ids("{"))
+    assert allowed_after(compiler, grammar, "") == {"{"}  # the prototype never moves
+    assert second.is_accepting() is False
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "words"),
+    [
+        ("regex", "[ab", "does not compile"),
+        ("lark", "start: missing", "does not compile"),
+        ("json_schema", "{not json", "not valid JSON"),
+        ("json_schema", ["a list"], "JSON object"),
+        ("choice", [], "non-empty list"),
+        ("choice", "yes", "non-empty list"),
+        ("regex", "", "non-empty string"),
+        ("regex", "a" * (MAX_GRAMMAR_CHARS + 1), "at most"),
+        ("xml", None, "must be one of"),
+    ],
+)
+def test_bad_grammars_are_clear_errors(compiler, kind, spec, words):
+    with pytest.raises(ValueError, match=words):
+        compiler.compile(kind, spec)
+
+
+def test_unpack_bitmask_bit_order():
+    bits = torch.tensor([[1 - 2**31, 0b10]], dtype=torch.int32)  # bits 0 and 31 of word 0
+    mask = unpack_bitmask(bits, 40)
+    assert mask.shape == (1, 40)
+    assert mask[0].nonzero().flatten().tolist() == [0, 31, 33]
+
+
+def test_byte_level_bpe_tokenizer(tmp_path):
+    """A byte-level BPE vocabulary (as the demo's and most real models'): JSON under a schema
+    parses when tokens span several characters."""
+    from osd.demo.recipe import TokenizerRecipe
+    from osd.demo.vocab import train_tokenizer
+
+    texts = ['{"name": "alpha", "size": 12}', '{"name": "beta", "size": 7}'] * 50
+    tokenizer = train_tokenizer(texts, TokenizerRecipe(vocab_size=300, min_frequency=2))
+    vocab = len(tokenizer)
+    target = tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=1, logit_scale=2.0)
+    draft = tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=2, logit_scale=2.0)
+    decoder = SpeculativeDecoder(target, draft, tokenizer)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"enum": ["alpha", "beta"]}, "size": {"type": "boolean"}},
+        "required": ["name", "size"],
+        "additionalProperties": False,
+    }
+    grammar = decoder.grammars.compile("json_schema", schema)
+    for seed in range(3):
+        result = decoder.generate(
+            '{"', max_tokens=40, seed=seed, grammar=grammar, method="block", log=False
+        )
+        assert result.finish_reason == "stop", result.text
+        value = json.loads(result.text)
+        assert value["name"] in ("alpha", "beta") and isinstance(value["size"], bool)

@@ -1,0 +1,153 @@
+"""The lean forward (osd.decode.lean_forward): which families take it, and that it computes what
+transformers' forward computes over the same slot cache, for ragged rows, shared prefixes,
+in-place and gathered reads, windows, GQA, Qwen3's q/k norms and per-row LoRA adapters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from osd import SpeculativeDecoder
+from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.lean_forward import lean_forward_for
+from osd.decode.models import CausalLM
+from tests.families import FAMILIES, build_family, family_pair
+
+LEAN = ["llama3", "qwen2", "qwen2-sliding", "qwen3", "mistral-sliding"]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_exactly_the_llama_shaped_families_take_the_lean_forward(name):
+    model = build_family(name, 0)
+    assert (lean_forward_for(model) is not None) == (name in LEAN)
+    assert CausalLM(model, 64).uses_lean_forward == (name in LEAN)
+    assert not CausalLM(model, 64, lean=False).uses_lean_forward
+
+
+def _plan(lm, ids, start, left, real, own, base, prefix, first_slot=None):
+    column = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    return plan_forward(
+        input_ids=torch.tensor(ids),
+        start=column(start),
+        left=column(left),
+        real=column(real),
+        own_slot=column(own),
+        base_slot=column(base),
+        prefix_len=column(prefix),
+        trash_slot=4,
+        dtype=torch.float32,
+        layout=lm.attention,
+        first_slot=first_slot,
+    )
+
+
+def _steps(lm):
+    """A prefill of two ragged rows, a decode step read in place, a verify-shaped step with
+    right padding, and a branch reading its prefix from another slot (SpecTr), past the
+    windows (8)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(1, 60, (n,), generator=gen).tolist()  # noqa: E731
+    a, b = tokens(14), tokens(9)
+    yield _plan(lm, [a, [0] * 5 + b], [0, 0], [0, 5], [14, 9], [0, 1], [0, 1], [0, 0], 0)
+    yield _plan(lm, [tokens(1), tokens(1)], [14, 9], [0, 0], [1, 1], [0, 1], [0, 1], [0, 0], 0)
+    yield _plan(
+        lm, [tokens(4), tokens(2) + [0, 0]], [15, 10], [0, 0], [4, 2], [0, 1], [0, 1], [0, 0]
+    )
+    yield _plan(lm, [tokens(3)], [19], [0], [3], [2], [0], [19])
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_lean_forward_equals_transformers_over_the_slot_cache(name):
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    caches = [SlotKVCache(4, 64, lean.attention.spans, 16) for _ in range(2)]
+    with torch.inference_mode():
+        for plan in _steps(lean):
+            got = lean.run(plan, caches[0], num_logits=plan.input_ids.shape[1])
+            want = plain.run(plan, caches[1], num_logits=plan.input_ids.shape[1])
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_in_place_reads_equal_gathered_reads():
+    model = build_family("qwen2", 2)
+    lm = CausalLM(model, 64)
+    caches = [SlotKVCache(4, 64) for _ in range(2)]
+    ids, start, real = [[5, 6, 7], [8, 9, 10]], [0, 0], [3, 3]
+    with torch.inference_mode():
+        for first_slot, cache in zip((1, None), caches, strict=True):
+            lm.run(
+                _plan(lm, ids, start, [0, 0], real, [1, 2], [1, 2], [0, 0], first_slot),
+                cache,
+                num_logits=1,
+            )
+        outs = [
+            lm.run(
+                _plan(lm, [[11], [12]], [3, 3], [0, 0], [1, 1], [1, 2], [1, 2], [0, 0], first),
+                cache,
+                num_logits=1,
+            )
+            for first, cache in zip((1, None), caches, strict=True)
+        ]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_per_row_lora_adapters_and_an_adapter_added_while_serving_take_effect():
+    target, draft = family_pair("llama3", 3)
+    lean, plain = CausalLM(draft, 64), CausalLM(draft, 64, lean=False)
+
+    def compare(adapters):
+        caches = [SlotKVCache(4, 64) for _ in range(2)]
+        ids = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+        plan = _plan(lean, ids, [0] * 3, [0] * 3, [4] * 3, [0, 1, 2], [0, 1, 2], [0] * 3, 0)
+        with torch.inference_mode():
+            got = lean.run(plan, caches[0], num_logits=4, adapters=adapters)
+            want = plain.run(plan, caches[1], num_logits=4, adapters=adapters)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return got
+
+    before = compare(["code", "sql", None])
+    # A replica adds a new version of an adapter while serving (same target modules).
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    draft.add_adapter("sql-v2", config)
+    after = compare(["code", "sql-v2", None])
+    assert not torch.allclose(before[1], after[1])  # the new version changed its row
+    torch.testing.assert_close(before[0], after[0])  # and nothing else
+    torch.testing.assert_close(before[2], after[2])
+
+
+def test_lora_on_embeddings_mlp_and_head_as_the_demo_distils_them():
+    """The demo's adapters train the embeddings, every projection and the head: each row's
+    adapter must reach every one of them (a lean forward that read the embedding's base weights
+    ran the distilled SQL adapter at acceptance 0.01 instead of 0.45)."""
+    from peft import get_peft_model
+
+    draft = build_family("llama3", 5)
+    targets = ["embed_tokens", "q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"]
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    draft = get_peft_model(draft, config, adapter_name="a")
+    draft.add_adapter("b", config)
+    lean, plain = CausalLM(draft, 64), CausalLM(draft, 64, lean=False)
+    caches = [SlotKVCache(4, 64) for _ in range(2)]
+    ids = [[3, 4, 5, 6], [7, 8, 9, 10], [11, 12, 13, 14]]
+    plan = _plan(lean, ids, [0] * 3, [0] * 3, [4] * 3, [0, 1, 2], [0, 1, 2], [0] * 3, 0)
+    with torch.inference_mode():
+        got = lean.run(plan, caches[0], num_logits=4, adapters=["a", "b", None])
+        want = plain.run(plan, caches[1], num_logits=4, adapters=["a", "b", None])
+        base = CausalLM(build_family("llama3", 5), 64).run(plan, SlotKVCache(4, 64), num_logits=4)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[0], base[0]) and not torch.allclose(got[1], got[0])
+    torch.testing.assert_close(got[2], base[2], rtol=1e-5, atol=1e-5)
+
+
+def test_the_switch_gives_the_same_output():
+    target, draft = family_pair("qwen3", 4)
+    outputs = []
+    for lean in (True, False):
+        decoder = SpeculativeDecoder(target, draft, lean_forward=lean)
+        assert decoder.target.uses_lean_forward == lean
+        result = decoder.generate(
+            [3, 5, 7, 9], max_tokens=16, temperature=0, method="block", stop_token_ids=[]
+        )
+        outputs.append(result.token_ids)
+    assert outputs[0] == outputs[1]
