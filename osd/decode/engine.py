@@ -29,8 +29,9 @@ from osd.decode.goodput import GoodputController
 from osd.decode.grammar import Grammar, GrammarCompiler
 from osd.decode.kv_cache import SlotKVCache
 from osd.decode.limits import MAX_SPEC_TOKENS
-from osd.decode.methods import Method
+from osd.decode.methods import Method, ProposerChoice
 from osd.decode.models import CausalLM, load_causal_lm, load_tokenizer
+from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.request import DecodeRequest
 from osd.decode.request_checks import check_bias, check_options, prompt_ids
 from osd.decode.rows import Row
@@ -65,6 +66,7 @@ class RequestOptions(TypedDict, total=False):
     logprobs: int | None
     prompt_logprobs: int | None
     grammar: Grammar | None
+    proposer: ProposerChoice
 
 
 class SpeculativeDecoder:
@@ -81,6 +83,11 @@ class SpeculativeDecoder:
         max_spec_tokens: the largest k the goodput controller may choose (``"auto"``).
         adaptive_threshold: stop drafting after a token whose draft probability is below this
             (0 disables); the decision depends only on the draft, so outputs stay exact.
+        suffix_budget: tokens of finished requests the ``suffix`` proposer keeps to look
+            continuations up in (oldest forgotten first); 0 keeps none (it still looks in each
+            request's own tokens, as ``ngram`` does).
+        suffix_scope: ``global``: one store for all requests; ``route``: one per route.
+        proposers: False: the draft model drafts every row (no model-free proposers at all).
     """
 
     def __init__(
@@ -97,6 +104,9 @@ class SpeculativeDecoder:
         draft_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         check_models: bool = True,
         lean_forward: bool = True,
+        suffix_budget: int = 500_000,
+        suffix_scope: SuffixScope = "global",
+        proposers: bool = True,
     ) -> None:
         """``draft_guard`` is entered around every draft forward: a server that adds and removes
         LoRA adapters while decoding passes its adapters' read lock (serving.adapter_slots).
@@ -140,6 +150,9 @@ class SpeculativeDecoder:
         self.max_spec_tokens = max_spec_tokens
         # Statistics of this decoder's own generate/stream calls (a batched engine keeps its own).
         self.controller = GoodputController(max_k=max_spec_tokens)
+        # Shared by its calls and its batched engines: what one request said, the next may reuse.
+        settings = LookupSettings(suffix_budget, suffix_scope) if proposers else None
+        self.proposers = Proposers(settings)
         positions = [m for m in (self.target.max_positions, self.draft.max_positions) if m]
         self.max_context = min(positions) if positions else None
         self._grammars: GrammarCompiler | None = None
@@ -229,6 +242,7 @@ class SpeculativeDecoder:
             vocab_size=self.vocab_size,
             log_top_m=self.log_top_m,
             controller=controller or self.controller,
+            proposers=self.proposers,
         )
 
     def prepare(
@@ -256,6 +270,7 @@ class SpeculativeDecoder:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        proposer: ProposerChoice = "auto",
     ) -> DecodeRequest:
         """Validates one request's arguments; raises :class:`osd.errors.ParamError` naming the
         bad one (its ``param``).
@@ -291,6 +306,12 @@ class SpeculativeDecoder:
                 restricted to what this grammar allows next (``decoder.grammars.compile(...)``,
                 :mod:`osd.decode.grammar`); generation ends with end-of-sequence once it is
                 complete.
+            proposer: who drafts (:mod:`osd.decode.proposers`): ``"auto"`` (default: the
+                goodput controller picks the draft model or a continuation looked up in text
+                already seen, per step), ``"draft"`` (the draft model only), ``"suffix"``
+                (suffix decoding over this request and recent ones) or ``"ngram"`` (prompt
+                lookup over this request's own tokens). Grammar and SpecTr (K > 1) rows always
+                use the draft model.
 
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
@@ -306,6 +327,7 @@ class SpeculativeDecoder:
             max_tokens=max_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            proposer=proposer,
         )
         assert isinstance(num_spec_tokens, int)  # checked above
         params = SamplingParams(
@@ -352,6 +374,7 @@ class SpeculativeDecoder:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            proposer=proposer,
         )
 
 

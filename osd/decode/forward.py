@@ -17,6 +17,7 @@ from osd.decode.history import TokenHistory
 from osd.decode.kv_cache import SlotKVCache, plan_forward
 from osd.decode.models import CausalLM
 from osd.decode.prefix_history import History
+from osd.decode.proposers import Proposers
 from osd.decode.rows import Row
 from osd.decode.sampling import RowSampling
 from osd.devices import to_device
@@ -42,6 +43,8 @@ class ModelPair:
     vocab_size: int
     log_top_m: int
     controller: GoodputController | None = None  # chooses k for rows that ask for "auto"
+    # Who drafts each row (osd.decode.proposers); the default: the draft model alone.
+    proposers: Proposers = field(default_factory=Proposers)
     history: TokenHistory = field(init=False)  # token counts of rows with a penalty
 
     def __post_init__(self) -> None:

@@ -42,6 +42,8 @@ class GenerationStats:
         accepted_lengths: drafted tokens kept at each step.
         decode_seconds: wall seconds from the first token to the last (the decode part of the
             latency: what speculation changes; queueing and prefill come before it).
+        by_proposer: per proposer that drafted (``draft``, ``suffix``, ``ngram``): steps,
+            tokens drafted, tokens accepted (osd.decode.proposers).
     """
 
     steps: int = 0
@@ -51,6 +53,22 @@ class GenerationStats:
     draft_lengths: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_step(self, proposer: str, num_drafted: int, num_accepted: int) -> None:
+        """One step's draft under its proposer (a step that drafted nothing is not counted)."""
+        if num_drafted:
+            counts = self.by_proposer.setdefault(proposer, [0, 0, 0])
+            counts[0] += 1
+            counts[1] += num_drafted
+            counts[2] += num_accepted
+
+    def proposer_mix(self) -> dict[str, dict[str, int]]:
+        """``by_proposer`` as named counts (the response's ``osd`` block)."""
+        return {
+            name: {"steps": c[0], "drafted": c[1], "accepted": c[2]}
+            for name, c in sorted(self.by_proposer.items())
+        }
 
     @property
     def acceptance_rate(self) -> float:

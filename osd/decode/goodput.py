@@ -25,6 +25,7 @@ chosen from live statistics a seed fixes a request's output distribution, not it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["AcceptanceCurve", "GoodputController", "StepCosts", "best_k", "expected_tokens"]
@@ -107,22 +108,28 @@ class StepCosts:
     """
 
     prior_ratio: float = 0.25
+    # A token proposed without a model (osd.decode.proposers) costs only its place in the
+    # target's forward: a few % of a step on the demo pair, until measured.
+    free_prior_ratio: float = 0.03
     decay: float = 0.98
     _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
     _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
+    _free: dict[int, list[float]] = field(default_factory=dict)  # the same, no draft forward
 
     @staticmethod
     def bucket(batch: int) -> int:
         """Batch sizes 1, 2, 3-4, 5-8, 9-16, ...: one bucket per power of two."""
         return max(batch - 1, 0).bit_length()
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
+    def observe(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
+        """One step of width k; ``model``: the draft model ran (else the drafts were looked up)."""
         if k == 0:
             values = [1.0, seconds]
             sums = self._zero.setdefault(self.bucket(batch), [0.0] * 2)
         else:
             values = [1.0, k, k * k, seconds, k * seconds]
-            sums = self._line.setdefault(self.bucket(batch), [0.0] * 5)
+            lines = self._line if model else self._free
+            sums = lines.setdefault(self.bucket(batch), [0.0] * 5)
         for i, value in enumerate(values):
             sums[i] = sums[i] * self.decay + value
 
@@ -149,7 +156,28 @@ class StepCosts:
             base = intercept / (1 + self.prior_ratio)
         return [base] + [intercept + slope * k for k in range(1, max_k + 1)]
 
-    def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
+    def free_seconds(self, batch: int, max_k: int) -> list[float]:
+        """Estimated step seconds for k = 0..max_k when the k tokens come without a model.
+
+        Fitted like the draft model's line from steps in which no draft forward ran; until
+        such steps are measured in the nearest bucket, a step without drafting plus
+        ``free_prior_ratio`` of it per token.
+        """
+        model = self.seconds(batch, max_k)
+        base = model[0]
+        measured = self._free.keys()
+        if not measured:
+            return [base] + [base * (1 + self.free_prior_ratio * k) for k in range(1, max_k + 1)]
+        wanted = self.bucket(batch)
+        bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
+        fitted = self._fit(self._free[bucket], base, self.free_prior_ratio)
+        assert fitted is not None
+        intercept, slope = fitted
+        return [base] + [max(intercept + slope * k, base) for k in range(1, max_k + 1)]
+
+    def _fit(
+        self, sums: list[float] | None, base: float | None, ratio: float | None = None
+    ) -> tuple[float, float] | None:
         if not sums:
             return None
         weight, k_sum, kk_sum, t_sum, kt_sum = sums
@@ -158,9 +186,10 @@ class StepCosts:
         if variance > 1e-6:
             slope = max((kt_sum / weight - mean_k * mean_t) / variance, 0.0)
         else:  # one width seen: the prior's share per token, of a step without drafting
+            ratio = self.prior_ratio if ratio is None else ratio
             if base is None:
-                base = mean_t / (1 + self.prior_ratio * (1 + mean_k))
-            slope = self.prior_ratio * base
+                base = mean_t / (1 + ratio * (1 + mean_k))
+            slope = ratio * base
         return max(mean_t - slope * mean_k, 1e-9), slope
 
 
@@ -201,6 +230,9 @@ class GoodputController:
     tolerance: float = 0.03
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
+    # Per (model-free proposer, route): [tokens accepted, tokens its probabilities predicted],
+    # decayed like the curves: how far to trust a lookup's empirical probabilities.
+    calibration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
 
@@ -259,11 +291,67 @@ class GoodputController:
             return 1
         return 0
 
+    def choose_proposer(
+        self,
+        adapter: str,
+        route: str,
+        batch: int,
+        limit: int,
+        offers: list[tuple[str, tuple[float, ...]]],
+    ) -> tuple[str, int]:
+        """The proposer and k for one row: the draft model (``"draft"``, k from :meth:`choose`)
+        or one of the model-free ``offers`` (name, cumulative probability of each proposed
+        prefix), whichever maximises expected tokens per second.
+
+        A model-free proposal of m tokens is expected to yield ``1 + sum_i min(1, f * c_i)``
+        tokens, with c_i its prefix probabilities and f this route's calibration of them
+        (accepted over predicted, prior 1); it costs a step without a draft forward plus its
+        m positions in the target's forward (:meth:`StepCosts.free_seconds`). On one step in
+        ``probe_every`` (a phase of its own) a row with an offer takes it, so a calibration
+        that fell is measured again.
+        """
+        k = self.choose(adapter, route, batch, limit)
+        if not offers:
+            return "draft", k
+        model_seconds = self.costs.seconds(batch, min(limit, self.max_k))
+        rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
+        best = ("draft", k, expected_tokens(rates, k) / max(model_seconds[k], 1e-9))
+        free_seconds = self.costs.free_seconds(batch, min(limit, self.max_k))
+        probing = self.steps % self.probe_every == self.probe_every - 3
+        for name, probs in offers:
+            m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
+            if m and (rate >= best[2] or probing):
+                best = (name, m, math.inf if probing else rate)
+        return best[0], best[1]
+
+    def _free_choice(
+        self, name: str, route: str, probs: tuple[float, ...], seconds: list[float]
+    ) -> tuple[int, float]:
+        """(m, tokens per second) of the best prefix of a model-free proposal."""
+        accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
+        factor = (accepted + self.prior_weight) / (predicted + self.prior_weight)
+        calibrated = [min(1.0, factor * p) for p in probs[: len(seconds) - 1]]
+        rates = [
+            (1 + sum(calibrated[:m])) / max(seconds[m], 1e-9) for m in range(len(calibrated) + 1)
+        ]
+        good_enough = max(rates) * (1 - self.tolerance)
+        m = next(m for m, rate in enumerate(rates) if rate >= good_enough)
+        return m, rates[m]
+
+    def observe_free(self, name: str, route: str, predicted: float, num_accepted: int) -> None:
+        """One step of a model-free proposal: the probabilities it drafted with summed, and
+        the tokens kept."""
+        sums = self.calibration.setdefault((name, route), [0.0, 0.0])
+        sums[0] = sums[0] * self.decay + num_accepted
+        sums[1] = sums[1] * self.decay + predicted
+        self._chosen.clear()
+
     def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
         self._chosen.clear()
 
-    def observe_step(self, batch: int, k: int, seconds: float) -> None:
-        self.costs.observe(batch, k, seconds)
+    def observe_step(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
+        """A step of width k took ``seconds``; ``model``: the draft model ran in it."""
+        self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._chosen.clear()

@@ -10,10 +10,15 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["BASE_DRAFT_NAME", "METHODS", "Method"]
+__all__ = ["BASE_DRAFT_NAME", "METHODS", "PROPOSER_CHOICES", "Method", "ProposerChoice"]
 
 Method = Literal["token", "block", "spectr", "none"]
 METHODS: tuple[Method, ...] = get_args(Method)
 
 # The name a request drafted by the base draft (no adapter) is counted and logged under.
 BASE_DRAFT_NAME = "base"
+
+# Who drafts a request's tokens (osd.decode.proposers): the goodput controller's choice per
+# step, or one proposer pinned: the draft model, suffix decoding or prompt lookup.
+ProposerChoice = Literal["auto", "draft", "suffix", "ngram"]
+PROPOSER_CHOICES: tuple[ProposerChoice, ...] = get_args(ProposerChoice)

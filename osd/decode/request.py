@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from osd.decode.grammar import Grammar
-from osd.decode.methods import Method
+from osd.decode.methods import Method, ProposerChoice
 from osd.decode.sampling import SamplingParams
 
 __all__ = ["DecodeRequest"]
@@ -44,6 +44,8 @@ class DecodeRequest:
     grammar: Grammar | None = None
     # The same for each prompt token (OpenAI's echo with logprobs); None: none.
     prompt_logprobs: int | None = None
+    # Who drafts (osd.decode.proposers): the controller's choice per step, or one pinned.
+    proposer: ProposerChoice = "auto"
 
     @property
     def num_slots(self) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from osd.decode.limits import MAX_DRAFTS, MAX_LOGPROBS, MAX_SPEC_TOKENS
-from osd.decode.methods import METHODS
+from osd.decode.methods import METHODS, PROPOSER_CHOICES
 from osd.decode.sampling import SamplingParams
 from osd.errors import ParamError
 
@@ -30,10 +30,16 @@ def check_options(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None,
+    proposer: str = "auto",
 ) -> None:
-    """Raises :class:`ParamError` for a method, k, K, token budget or logprobs out of range."""
+    """Raises :class:`ParamError` for a method, proposer, k, K, token budget or logprobs out of
+    range."""
     if method not in METHODS:
         raise ParamError("method", f"method must be one of {list(METHODS)}, got {method!r}")
+    if proposer not in PROPOSER_CHOICES:
+        raise ParamError(
+            "proposer", f"proposer must be one of {list(PROPOSER_CHOICES)}, got {proposer!r}"
+        )
     if not isinstance(num_spec_tokens, int) or not 1 <= num_spec_tokens <= MAX_SPEC_TOKENS:
         raise ParamError(
             "num_spec_tokens",

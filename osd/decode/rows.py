@@ -70,6 +70,8 @@ class Row:
     error: BaseException | None = None
     # The prompt's logprobs, chunk by chunk, when the request asks (osd.decode.logprobs).
     prompt_logprobs: PromptLogprobs | None = None
+    # State the proposers keep per row (osd.decode.proposers: e.g. the index of its tokens).
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.seq = list(self.request.prompt_ids)
@@ -111,6 +113,7 @@ class Row:
         next_token: int,
         num_drafted: int,
         logprobs: list[TokenLogprob] | None = None,
+        proposer: str = "draft",
     ) -> StreamChunk:
         """Takes a verified step: the kept drafts and the next token; returns its chunk.
 
@@ -131,6 +134,7 @@ class Row:
         stats.drafted += num_drafted
         stats.accepted += num_accepted
         stats.num_generated += len(token_ids)
+        stats.count_step(proposer, num_drafted, num_accepted)
         stats.draft_lengths.append(num_drafted)
         stats.accepted_lengths.append(num_accepted)
         now = time.perf_counter()

@@ -233,14 +233,19 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     """One speculative step for every row (all prefilled); returns each row's chunk."""
     started = time.perf_counter()
     device, num_rows = pair.device, len(rows)
-    spec_k = [row.spec_tokens(pair.controller, num_rows) for row in rows]
+    # Who drafts what (osd.decode.proposers): the draft model's rows, and rows whose drafts
+    # were looked up (grammar and SpecTr rows always take the model's).
+    plan = pair.proposers.plan(rows, pair.controller)
+    spec_k = plan.spec_k
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
     sampling, history = pair.sampling(rows)
     masks = None
     if GrammarMasks.needed(rows):
         masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
-    drafts = propose(pair, rows, sampling, history, spec_k, branches, max(width, 1), masks)
+    # No row of the draft model: no draft forward this step.
+    drafts = propose(pair, rows, sampling, history, plan.model_k, branches, max(width, 1), masks)
+    pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)
     if masks is not None:  # the drafts to the host while the target's forward runs
         masks.prefetch(width, drafts.ids)
 
@@ -334,20 +339,38 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             ]
             copies["draft"] += [(src, dst, p) for p in range(length, draft_len)]
         row.target_len = length + num_accepted
-        if spec_k[b] > 0:
+        if plan.model_k[b] > 0:  # the draft's cache moved; looked-up rows catch it up later
             row.draft_len = draft_len
         if row.request.log_top_m:
             row.log_rows.append((top_ids[b, : num_accepted + 1], top_probs[b, : num_accepted + 1]))
             row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
+        looked_up = plan.lookups.get(b)
         if pair.controller is not None:
-            pair.controller.observe_row(row.stats_key, row.request.route, num_drafted, num_accepted)
+            if looked_up is None:
+                pair.controller.observe_row(
+                    row.stats_key, row.request.route, num_drafted, num_accepted
+                )
+            else:
+                pair.controller.observe_free(
+                    plan.names[b], row.request.route, sum(looked_up.probs), num_accepted
+                )
         chunks.append(
-            row.emit(packed[b][4:], num_accepted, next_token, num_drafted, logprobs.get(b))
+            row.emit(
+                packed[b][4:],
+                num_accepted,
+                next_token,
+                num_drafted,
+                logprobs.get(b),
+                plan.names[b],
+            )
         )
+        if row.finish_reason is not None:  # what it said is there to be looked up next time
+            pair.proposers.learn(row)
     for name, cache in (("target", pair.target_cache), ("draft", pair.draft_cache)):
         if copies[name]:
             moves = as_tensor(copies[name], device)  # (N, 3): src, dst, position
             cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
     if pair.controller is not None:  # after the step's sync: host time is the step's time
-        pair.controller.observe_step(num_rows, width, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        pair.controller.observe_step(num_rows, width, seconds, plan.model_runs)
     return chunks

@@ -1,0 +1,161 @@
+"""Who drafts each row's tokens at a step: the proposers behind one seam.
+
+A proposer, given a row and its budget k, offers drafted tokens with q per position. The draft
+model (``draft``: LoRA adapters per row, :mod:`osd.decode.drafting`) samples its tokens and
+gives its own q; the model-free proposers (``suffix`` and ``ngram``, :mod:`.lookup`) look their
+tokens up in text already seen and give q one-hot, which the verifiers accept as they accept any
+q (docs/algorithms.md, "Deterministic drafts"). For each row at each step the goodput controller
+picks the proposer and k (:meth:`osd.decode.goodput.GoodputController.choose_proposer`); a step
+in which no row uses the draft model runs no draft forward. :class:`Proposers` is the set an
+engine holds: it plans a step (:meth:`Proposers.plan`), writes the looked-up drafts into the
+step's draft tensors (:meth:`Proposers.fill`) and learns finished requests.
+
+A new model-free proposer is one module with ``offer(row, limit)`` and ``learn(tokens, route)``
+and one entry in :data:`LOOKUPS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from osd.decode.goodput import GoodputController
+from osd.decode.methods import PROPOSER_CHOICES, ProposerChoice
+from osd.decode.proposers.lookup import LookupProposer, SuffixScope
+from osd.decode.proposers.token_index import Continuation
+from osd.decode.rows import Row
+from osd.devices import to_device
+
+__all__ = [
+    "LOOKUPS",
+    "LookupSettings",
+    "PROPOSER_CHOICES",
+    "ProposerChoice",
+    "Proposers",
+    "StepPlan",
+    "SuffixScope",
+]
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """Settings of the model-free proposers (config ``spec.suffix_*``)."""
+
+    budget: int = 500_000
+    scope: SuffixScope = "global"
+
+
+# The model-free proposers by name. ``suffix`` looks in the row's own tokens too, so it finds
+# whatever ``ngram`` finds: ``auto`` consults ``suffix`` only (AUTO_LOOKUPS).
+LOOKUPS: dict[str, Callable[[LookupSettings], LookupProposer]] = {
+    "suffix": lambda s: LookupProposer("suffix", shared=True, budget=s.budget, scope=s.scope),
+    "ngram": lambda s: LookupProposer("ngram", shared=False),
+}
+AUTO_LOOKUPS = ("suffix",)
+
+
+@dataclass
+class StepPlan:
+    """Who drafts what for each row of one step.
+
+    Attributes:
+        spec_k: tokens each row drafts (by any proposer; 0: none).
+        model_k: k of the rows the draft model drafts (0 for the others).
+        names: each row's proposer (``draft`` where it drafts nothing).
+        lookups: rows whose drafts were looked up: their continuation, cut to their k.
+    """
+
+    spec_k: list[int]
+    model_k: list[int]
+    names: list[str]
+    lookups: dict[int, Continuation] = field(default_factory=dict)
+
+    @property
+    def model_runs(self) -> bool:
+        return any(self.model_k)
+
+
+class Proposers:
+    """The draft model and the model-free proposers of one decoder.
+
+    Args:
+        settings: the model-free proposers' settings; None: the draft model alone.
+    """
+
+    def __init__(self, settings: LookupSettings | None = None) -> None:
+        self.settings = settings
+        self.lookups: dict[str, LookupProposer] = (
+            {} if settings is None else {name: make(settings) for name, make in LOOKUPS.items()}
+        )
+
+    def plan(self, rows: list[Row], controller: GoodputController | None) -> StepPlan:
+        """Chooses each row's proposer and k (see the module docstring)."""
+        batch = len(rows)
+        plan = StepPlan([0] * batch, [0] * batch, ["draft"] * batch)
+        for b, row in enumerate(rows):
+            request = row.request
+            if request.method == "none":
+                continue
+            limit = min(request.num_spec_tokens, row.remaining - 1)
+            choice = request.proposer
+            # Grammars mask the draft's q as it drafts; SpecTr's K drafts come from the model.
+            model_only = request.grammar is not None or request.num_slots > 1
+            if limit <= 0 or choice == "draft" or model_only or not self.lookups:
+                plan.model_k[b] = plan.spec_k[b] = row.spec_tokens(controller, batch)
+                continue
+            if choice != "auto":  # one model-free proposer pinned
+                self._take(plan, b, choice, self.lookups[choice].offer(row, limit))
+                continue
+            offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
+            found = [(name, c) for name, c in offers.items() if c is not None]
+            if request.auto_spec and controller is not None:
+                name, k = controller.choose_proposer(
+                    row.stats_key, request.route, batch, limit, [(n, c.probs) for n, c in found]
+                )
+            elif found and found[0][1].score >= 1.0:  # a fixed k: a likely lookup wins
+                name, k = found[0][0], limit
+            else:
+                name, k = "draft", row.spec_tokens(controller, batch)
+            if name == "draft":
+                plan.model_k[b] = plan.spec_k[b] = k
+            else:
+                self._take(plan, b, name, offers[name], k)
+        return plan
+
+    @staticmethod
+    def _take(
+        plan: StepPlan, b: int, name: str, found: Continuation | None, k: int | None = None
+    ) -> None:
+        plan.names[b] = name
+        if found is None:
+            return
+        k = len(found.tokens) if k is None else min(k, len(found.tokens))
+        if k > 0:
+            plan.spec_k[b] = k
+            plan.lookups[b] = Continuation(
+                found.tokens[:k], found.probs[:k], found.match, found.support
+            )
+
+    @staticmethod
+    def fill(plan: StepPlan, ids: torch.Tensor, probs: torch.Tensor, drafted: torch.Tensor) -> None:
+        """Writes the looked-up drafts into a step's draft tensors: tokens into ``ids``
+        (B, K, k), q one-hot into ``probs`` (B, K, k, V), their counts into ``drafted`` (B,)."""
+        if not plan.lookups:
+            return
+        members = [(b, i, t) for b, c in plan.lookups.items() for i, t in enumerate(c.tokens)]
+        where = to_device(torch.tensor(members, dtype=torch.int64), ids.device)  # (N, 3)
+        b, i, t = where[:, 0], where[:, 1], where[:, 2]
+        ids[b, 0, i] = t
+        probs[b, 0, i] = 0
+        probs[b, 0, i, t] = 1
+        counts = to_device(
+            torch.tensor([[b, len(c.tokens)] for b, c in plan.lookups.items()]), ids.device
+        )
+        drafted[counts[:, 0]] = counts[:, 1]
+
+    def learn(self, row: Row) -> None:
+        """Takes a finished request's prompt and output into the shared stores."""
+        for lookup in self.lookups.values():
+            lookup.learn(row.seq, row.request.route)
