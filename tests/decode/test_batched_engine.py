@@ -230,14 +230,19 @@ def test_submit_after_close_is_refused_not_left_hanging(decoder):
 
 def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, unrelated_draft):
     """With k "auto", a draft whose tokens are always rejected soon drafts nothing but its
-    probes, and the output is still the target's."""
+    probes, and the output is still the target's (the draft model pinned: this tiny target
+    repeats itself, and lookups would draft its loops)."""
     decoder = SpeculativeDecoder(target_model, unrelated_draft, max_spec_tokens=4)
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
     # Probe steps every 4 engine steps (backing off to one in 32), so the run shows them.
     engine.controller.probe_every = 4
     try:
         handles = [
-            engine.submit(decoder.prepare(p, max_tokens=60, temperature=0, num_spec_tokens="auto"))
+            engine.submit(
+                decoder.prepare(
+                    p, max_tokens=60, temperature=0, num_spec_tokens="auto", proposer="draft"
+                )
+            )
             for p in PROMPTS
         ]
         results = [h.result() for h in handles]
@@ -259,21 +264,31 @@ class CheapDraftCosts:
     """Step costs of a pair whose draft costs 5 % of the target (the tiny test pair's draft
     costs about as much as its target, so there speculation rightly never pays)."""
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
+    def observe(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
         pass
 
     def seconds(self, batch: int, max_k: int) -> list[float]:
         return [1.0 + 0.05 * k for k in range(max_k + 1)]
 
+    def free_seconds(self, batch: int, max_k: int) -> list[float]:
+        return [1.0 + 0.01 * k for k in range(max_k + 1)]
+
 
 def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
+    """The draft model pinned: with lookups, the earlier tests' identical outputs let suffix
+    decoding draft 8 tokens a step (tests/decode/test_proposers.py covers that)."""
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
     engine.controller.costs = CheapDraftCosts()  # type: ignore[assignment]
     try:
         handles = [
             engine.submit(
                 decoder.prepare(
-                    p, max_tokens=60, temperature=0, num_spec_tokens="auto", stop_token_ids=[]
+                    p,
+                    max_tokens=60,
+                    temperature=0,
+                    num_spec_tokens="auto",
+                    stop_token_ids=[],
+                    proposer="draft",
                 )
             )
             for p in PROMPTS

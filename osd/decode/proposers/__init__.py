@@ -102,22 +102,24 @@ class Proposers:
             choice = request.proposer
             # Grammars mask the draft's q as it drafts; SpecTr's K drafts come from the model.
             model_only = request.grammar is not None or request.num_slots > 1
-            if limit <= 0 or choice == "draft" or model_only or not self.lookups:
+            # "auto" is the controller's choice; with a fixed k (no controller) the draft
+            # model drafts, so a seeded request's tokens do not depend on other traffic.
+            choose = choice == "auto" and request.auto_spec and controller is not None
+            if (
+                limit <= 0
+                or model_only
+                or not self.lookups
+                or not (choose or choice in self.lookups)
+            ):
                 plan.model_k[b] = plan.spec_k[b] = row.spec_tokens(controller, batch)
                 continue
             if choice != "auto":  # one model-free proposer pinned
                 self._take(plan, b, choice, self.lookups[choice].offer(row, limit))
                 continue
+            assert controller is not None
             offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
-            found = [(name, c) for name, c in offers.items() if c is not None]
-            if request.auto_spec and controller is not None:
-                name, k = controller.choose_proposer(
-                    row.stats_key, request.route, batch, limit, [(n, c.probs) for n, c in found]
-                )
-            elif found and found[0][1].score >= 1.0:  # a fixed k: a likely lookup wins
-                name, k = found[0][0], limit
-            else:
-                name, k = "draft", row.spec_tokens(controller, batch)
+            found = [(name, c.probs) for name, c in offers.items() if c is not None]
+            name, k = controller.choose_proposer(row.stats_key, request.route, batch, limit, found)
             if name == "draft":
                 plan.model_k[b] = plan.spec_k[b] = k
             else:

@@ -1,0 +1,210 @@
+"""The proposers through the real engine: looked-up drafts keep every method exact, in batches
+beside the draft model's rows; a step without a draft-model row runs no draft forward; the
+controller picks a lookup where it pays; requests pin a proposer.
+
+The Monte Carlo follows ``tests/decode/test_monte_carlo.py``: every sequence's exact probability
+by enumeration, a chi-square over samples, and a negative control that must fail: a verifier
+told the looked-up tokens were drawn from a uniform q instead of chosen (q one-hot).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from osd import SamplingParams, SpeculativeDecoder
+from osd.decode import step as step_module
+from osd.decode.goodput import GoodputController
+from osd.decode.loop import BatchedEngine
+from osd.decode.scheduler import BatchLimits
+from osd.errors import ParamError
+from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
+from tests.decode.test_batched_engine import CheapDraftCosts
+from tests.decode.test_monte_carlo import LENGTH, VOCAB, chi_square, exact_sequence_probs
+
+# A prompt that repeats itself, so the row's own tokens (ngram) propose from the first step.
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+NUM_SAMPLES = 2400
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=11, logit_scale=4.0)
+    draft = tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=13, logit_scale=4.0)
+    return target, with_lora_adapters(draft, ["a"], seed=5)
+
+
+@pytest.fixture(scope="module")
+def mc(pair):
+    decoder = SpeculativeDecoder(*pair, suffix_budget=4096)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=16, kv_slots=40))
+    engine.controller.costs = CheapDraftCosts()  # type: ignore[assignment]
+    yield decoder, engine
+    engine.close()
+
+
+def sample(decoder, engine, **kwargs) -> tuple[Counter, Counter]:
+    """NUM_SAMPLES sequences of PROMPT, with draft-model rows (other prompts, adapters,
+    temperatures) sharing the steps; returns the sequences and the drafted/accepted counts
+    per proposer."""
+    handles, neighbours = [], []
+    for seed in range(NUM_SAMPLES):
+        request = decoder.prepare(PROMPT, max_tokens=LENGTH, seed=seed, log=False, **kwargs)
+        handles.append(engine.submit(request))
+        if seed % 4 == 0:
+            neighbour = decoder.prepare(
+                [seed % VOCAB, 1],
+                seed=seed,
+                max_tokens=5,
+                method="block",
+                adapter="a",
+                proposer="draft",
+                temperature=0.7,
+            )
+            neighbours.append(engine.submit(neighbour))
+        if len(handles) % 32 == 0:
+            handles[-16].result()
+    counts: Counter = Counter()
+    mix: Counter = Counter()
+    for handle in handles:
+        result = handle.result()
+        counts[tuple(result.token_ids)] += 1
+        for name, (_, drafted, accepted) in result.stats.by_proposer.items():
+            mix[name, "drafted"] += drafted
+            mix[name, "accepted"] += accepted
+    drafted_by_model = sum(h.result().stats.by_proposer.get("draft", [0, 0])[1] for h in neighbours)
+    assert drafted_by_model > 0  # the model's rows drafted beside the lookups
+    return counts, mix
+
+
+CASES = [
+    pytest.param(
+        {"proposer": "suffix", "method": "token", "num_spec_tokens": 3}, id="suffix-token"
+    ),
+    pytest.param(
+        {"proposer": "suffix", "method": "block", "num_spec_tokens": 3}, id="suffix-block"
+    ),
+    pytest.param({"proposer": "ngram", "method": "block", "num_spec_tokens": 3}, id="ngram-block"),
+    pytest.param({"proposer": "auto", "method": "token", "num_spec_tokens": "auto"}, id="auto"),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_looked_up_drafts_keep_the_target_distribution(mc, case):
+    decoder, engine = mc
+    counts, mix = sample(decoder, engine, temperature=0.9, **case)
+    expected = exact_sequence_probs(decoder.target.model, SamplingParams(0.9), prompt=PROMPT)
+    stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
+    name = "ngram" if case["proposer"] == "ngram" else "suffix"
+    drafted, accepted = mix[name, "drafted"], mix[name, "accepted"]
+    print(f"chi2={stat:.1f} threshold={threshold:.1f} {name}: {accepted}/{drafted} {dict(mix)}")
+    # Pinned, the lookups draft most steps; under "auto" the controller rightly prefers this
+    # pair's draft (it accepts 0.7, the lookups 0.25) and the lookups draft some steps.
+    assert drafted > (100 if case["proposer"] == "auto" else NUM_SAMPLES // 2), mix
+    assert 0.1 < accepted / drafted < 0.95, mix  # both branches of the verifier ran
+    assert stat < threshold, (stat, threshold)
+
+
+def with_uniform_q(real_verify):
+    """The negative control: one-hot q (a looked-up draft) replaced by a uniform one."""
+
+    def verify(draft_ids, draft_probs, *args, **kwargs):
+        one_hot = draft_probs.amax(-1, keepdim=True) >= 1
+        uniform = torch.full_like(draft_probs, 1.0 / draft_probs.shape[-1])
+        return real_verify(draft_ids, torch.where(one_hot, uniform, draft_probs), *args, **kwargs)
+
+    return verify
+
+
+@pytest.mark.parametrize("case", CASES[:2])
+def test_negative_control_fails(mc, case, monkeypatch):
+    decoder, engine = mc
+    name = case["method"]
+    monkeypatch.setitem(step_module.VERIFIERS, name, with_uniform_q(step_module.VERIFIERS[name]))
+    counts, _ = sample(decoder, engine, temperature=0.9, **case)
+    expected = exact_sequence_probs(decoder.target.model, SamplingParams(0.9), prompt=PROMPT)
+    stat, threshold = chi_square(counts, expected, NUM_SAMPLES)
+    print(f"negative control chi2={stat:.1f} threshold={threshold:.1f}")
+    assert stat > threshold, (stat, threshold)
+
+
+@pytest.fixture(scope="module")
+def text_decoder():
+    target = tiny_llama(vocab_size=64, hidden_size=64, num_layers=2, seed=0, logit_scale=4.0)
+    draft = with_lora_adapters(noisy_copy(target, 0.3, seed=1), ["code"], seed=2)
+    return SpeculativeDecoder(target, draft, char_tokenizer(), suffix_budget=10_000)
+
+
+@pytest.mark.parametrize("proposer", ["auto", "draft", "suffix", "ngram"])
+@pytest.mark.parametrize("method", ["token", "block", "spectr"])
+def test_greedy_output_is_the_targets_with_every_proposer(text_decoder, proposer, method):
+    prompt = "select a, b from t where a = 1; select a, b from t where"
+    alone = text_decoder.generate(prompt, max_tokens=30, temperature=0, method="none")
+    for _ in range(2):  # the second time, suffix finds the first answer
+        result = text_decoder.generate(
+            prompt, max_tokens=30, temperature=0, method=method, proposer=proposer
+        )
+        assert result.token_ids == alone.token_ids
+    looked_up = "suffix" if proposer == "auto" else proposer
+    assert set(result.stats.by_proposer) <= {"draft", looked_up}
+
+
+def test_a_batch_of_lookups_runs_no_draft_forward(text_decoder, monkeypatch):
+    engine = BatchedEngine(text_decoder, BatchLimits(max_num_seqs=8))
+    calls = []
+    real_propose = step_module.propose
+
+    def counting(pair, rows, sampling, history, spec_k, *args, **kwargs):
+        calls.append(list(spec_k))
+        return real_propose(pair, rows, sampling, history, spec_k, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "propose", counting)
+    forwards = []
+    real_run = step_module.run_model  # the draft's forwards go through drafting's run_model
+    monkeypatch.setattr(
+        "osd.decode.drafting.run_model",
+        lambda pair, model, *a, **k: forwards.append(model) or real_run(pair, model, *a, **k),
+    )
+    try:
+        prompt = "abc abc abc abc abc abc abc"
+        handles = [
+            engine.submit(
+                text_decoder.prepare(prompt, max_tokens=12, temperature=0, proposer="ngram")
+            )
+            for _ in range(4)
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    assert all(r.stats.by_proposer.get("ngram", [0, 0])[1] > 0 for r in results)
+    assert all(not any(k) for k in calls)  # the draft model had no row at any step
+    assert forwards == []
+
+
+def test_the_controller_takes_a_likely_lookup_and_leaves_an_unlikely_one():
+    controller = GoodputController(max_k=4)
+    controller.costs = CheapDraftCosts()  # type: ignore[assignment]
+    likely = ("suffix", (1.0, 1.0, 0.9, 0.9))
+    assert controller.choose_proposer("base", "", 1, 4, [likely]) == ("suffix", 4)
+    for _ in range(50):  # the draft accepts everything: four tokens for 1.2 steps
+        controller.observe_row("base", "", 4, 4)
+    unlikely = ("suffix", (0.15,))
+    name, k = controller.choose_proposer("base", "", 1, 4, [unlikely])
+    assert name == "draft" and k >= 3
+    for _ in range(50):  # the lookups' probabilities turn out too high: calibrated down
+        controller.observe_free("suffix", "", 2.0, 0)
+    assert controller.choose_proposer("base", "", 1, 4, [likely])[0] == "draft"
+    assert controller.choose_proposer("base", "", 1, 4, []) == ("draft", k)
+
+
+def test_a_pinned_proposer_is_checked_and_reported(text_decoder):
+    with pytest.raises(ParamError) as raised:
+        text_decoder.prepare("abc", proposer="eagle")
+    assert raised.value.param == "proposer"
+    plain = SpeculativeDecoder(
+        text_decoder.target.model, text_decoder.draft.model, char_tokenizer(), proposers=False
+    )
+    result = plain.generate("abc abc abc abc", max_tokens=8, temperature=0, proposer="suffix")
+    assert set(result.stats.by_proposer) <= {"draft"}  # no lookups: the model drafts

@@ -1,0 +1,101 @@
+"""The token index the model-free proposers look continuations up in (pure: no models)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from osd.decode.proposers.token_index import SuffixStore, TokenIndex, continuations
+
+
+def index_of(*documents: list[int], anchor: int = 3) -> TokenIndex:
+    index = TokenIndex(anchor)
+    for document in documents:
+        index.add_document(document)
+    return index
+
+
+def test_the_most_frequent_continuation_of_the_longest_match_is_proposed():
+    index = index_of([1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 7, 8], [0, 2, 3, 4, 7, 8])
+    found = continuations([5, 2, 3, 4], [index], 4)  # matches 3 tokens in all three
+    assert found is not None
+    assert found.tokens == (7, 8) and found.match == 3 and found.support == 3
+    assert found.probs == pytest.approx((2 / 3, 2 / 3))
+    longer = continuations([1, 2, 3, 4], [index], 4)  # 4 tokens match the first only
+    assert longer is not None
+    assert longer.tokens == (5, 6) and longer.match == 4 and longer.probs == (1.0, 1.0)
+
+
+def test_nothing_is_proposed_without_the_anchor_or_a_budget():
+    index = index_of([1, 2, 3, 4, 5])
+    assert continuations([7, 2, 3], [index], 4) is None  # (7, 2, 3) never seen
+    assert continuations([2, 3], [index], 4) is None  # shorter than the anchor
+    assert continuations([1, 2, 3], [index], 0) is None
+    assert continuations([1, 2, 3], [], 4) is None
+
+
+def test_a_continuation_stops_at_a_document_end_and_at_min_prob():
+    index = index_of([1, 2, 3, 4])
+    assert continuations([1, 2, 3], [index], 8).tokens == (4,)  # the document ended
+    split = index_of([1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 3, 6], [1, 2, 3, 7])
+    assert continuations([1, 2, 3], [split], 8, min_prob=0.3) is None  # 1/4 each
+    assert continuations([1, 2, 3], [split], 8, min_prob=0.2).tokens in {(4,), (5,), (6,), (7,)}
+
+
+def test_the_rows_own_tokens_propose_their_repetition_but_not_their_end():
+    own = TokenIndex(3)
+    own.extend([5, 6, 7, 8, 5, 6, 7])
+    found = continuations(own.tokens.tolist(), [own], 4)
+    # (5, 6, 7) occurred once before: 8 then 5, 6, 7 (the run ends where the row ends).
+    assert found is not None and found.tokens == (8, 5, 6, 7)
+    loop = TokenIndex(3)
+    loop.extend([9] + [4] * 6)
+    # A loop of one token: the longest match has one token after it, shorter ones go on (the
+    # earliest (4, 4, 4) ends three tokens before the row's end).
+    assert continuations(loop.tokens.tolist(), [loop], 5).tokens == (4, 4, 4)
+
+
+def test_later_indexes_are_searched_first_within_the_place_budget():
+    old = index_of([1, 2, 3, 4])
+    new = index_of([1, 2, 3, 5])
+    found = continuations([1, 2, 3], [old, new], 2, max_places=1)
+    assert found is not None and found.tokens == (5,)
+    both = continuations([1, 2, 3], [old, new], 2, max_places=8)
+    assert both is not None and both.support == 2
+
+
+def test_incremental_extension_indexes_what_a_whole_document_would():
+    rng = random.Random(0)
+    tokens = [rng.randrange(6) for _ in range(300)]
+    whole, pieces = TokenIndex(3), TokenIndex(3)
+    whole.extend(tokens)
+    start = 0
+    while start < len(tokens):
+        size = rng.randrange(1, 9)
+        pieces.extend(tokens[start : start + size])
+        start += size
+    assert whole.tokens.tolist() == pieces.tokens.tolist()
+    for _ in range(50):
+        end = rng.randrange(3, len(tokens))
+        gram = tokens[end - 3 : end]
+        assert whole.ends_of(gram, 1000) == pieces.ends_of(gram, 1000)
+
+
+def test_the_store_forgets_its_oldest_segment_past_the_budget():
+    store = SuffixStore(budget=100, anchor=3, segments=4)
+    for i in range(40):
+        store.add([100 + i, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert store.num_tokens <= 100
+    assert store.documents == 40
+    found = continuations([139, 1, 2], store.segments, 3)  # the newest is kept
+    assert found is not None and found.tokens == (3, 4, 5)
+    assert continuations([100, 1, 2], store.segments, 3) is None  # the oldest is gone
+    assert store.nbytes() > 0
+    empty = SuffixStore(budget=0)
+    empty.add([1, 2, 3, 4])
+    assert empty.num_tokens == 0
+    with pytest.raises(ValueError):
+        SuffixStore(budget=-1)
+    with pytest.raises(ValueError):
+        TokenIndex(anchor=0)
