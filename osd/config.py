@@ -18,7 +18,7 @@ import yaml
 
 from osd.config_convert import config_from_dict
 from osd.decode.limits import MAX_DRAFTS, MAX_SPEC_TOKENS
-from osd.decode.methods import Method
+from osd.decode.methods import PROPOSER_CHOICES, Method, ProposerChoice
 
 __all__ = [
     "BUILTIN_CONFIGS",
@@ -81,6 +81,16 @@ class SpecConfig:
     adaptive_threshold: float = 0.0
     log_top_m: int = 32
     max_spec_tokens: int = 8
+    # Who drafts for requests that name none (osd.decode.proposers): "auto" (the controller picks
+    # the draft model or a looked-up continuation per row and step), "draft", "suffix", "ngram".
+    proposer: ProposerChoice = "auto"
+    # Tokens of finished requests suffix decoding looks continuations up in, per replica
+    # (oldest forgotten first; ~100 bytes a token, docs/benchmarks.md); 0: none kept.
+    suffix_budget_tokens: int = 500_000
+    # "global": one store for all requests; "route": one per route (domain), each this budget.
+    suffix_scope: Literal["global", "route"] = "global"
+    # Warm the store at start from this many of the newest logged records (0: start cold).
+    suffix_warm_records: int = 2_000
 
     def __post_init__(self) -> None:
         _require(
@@ -106,6 +116,30 @@ class SpecConfig:
             "in [0, 1)",
         )
         _require(self.log_top_m >= 1, "spec.log_top_m", self.log_top_m, ">= 1")
+        _require(
+            self.proposer in PROPOSER_CHOICES,
+            "spec.proposer",
+            self.proposer,
+            f"one of {list(PROPOSER_CHOICES)}",
+        )
+        _require(
+            self.suffix_budget_tokens >= 0,
+            "spec.suffix_budget_tokens",
+            self.suffix_budget_tokens,
+            ">= 0",
+        )
+        _require(
+            self.suffix_scope in ("global", "route"),
+            "spec.suffix_scope",
+            self.suffix_scope,
+            '"global" or "route"',
+        )
+        _require(
+            self.suffix_warm_records >= 0,
+            "spec.suffix_warm_records",
+            self.suffix_warm_records,
+            ">= 0",
+        )
         _require(
             1 <= self.max_spec_tokens <= MAX_SPEC_TOKENS,
             "spec.max_spec_tokens",

@@ -199,6 +199,7 @@ def _osd_stats(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
         "adapter": job.lease.adapter,
         "adapter_version": job.lease.version,
         "method": job.stream.request.method,
+        "proposers": results[0].stats.proposer_mix(),
         "route": job.route.reason,
         "note": job.route.note,
     }

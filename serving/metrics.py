@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,19 @@ class ReplicaMetrics:
             registry=r,
         )
         self.steps = Counter("osd_steps", "Target verification calls", labels, registry=r)
+        # Per proposer (osd.decode.proposers): draft model, suffix decoding, prompt lookup.
+        self.proposer_steps = Counter(
+            "osd_proposer_steps", "Steps that drafted, by proposer", ["proposer"], registry=r
+        )
+        self.proposer_drafted = Counter(
+            "osd_proposer_drafted_tokens", "Drafted tokens by proposer", ["proposer"], registry=r
+        )
+        self.proposer_accepted = Counter(
+            "osd_proposer_accepted_tokens",
+            "Accepted drafted tokens by proposer",
+            ["proposer"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "osd_time_to_first_token_seconds",
             "Time to first token",
@@ -137,13 +151,19 @@ class ReplicaMetrics:
         num_generated: int,
         num_drafted: list[int],
         num_accepted: list[int],
+        by_proposer: Mapping[str, Sequence[int]] | None = None,
     ) -> None:
-        """Counts one finished request's tokens."""
+        """Counts one finished request's tokens (``by_proposer``: steps, drafted and accepted
+        per proposer, as ``GenerationStats.by_proposer``)."""
         labels = (adapter, str(version), domain or "none")
         self.tokens.labels(*labels).inc(num_generated)
         self.drafted.labels(*labels).inc(sum(num_drafted))
         self.accepted.labels(*labels).inc(sum(num_accepted))
         self.steps.labels(*labels).inc(len(num_drafted))
+        for name, (steps, drafted, accepted) in (by_proposer or {}).items():
+            self.proposer_steps.labels(name).inc(steps)
+            self.proposer_drafted.labels(name).inc(drafted)
+            self.proposer_accepted.labels(name).inc(accepted)
         for drafted in num_drafted:
             self.draft_length.observe(drafted)
         for accepted in num_accepted:

@@ -27,7 +27,7 @@ from pydantic import (
 
 from osd.buffer.record import MAX_ID_BYTES
 from osd.decode.limits import HTTP_MAX_DRAFTS, HTTP_MAX_SPEC_TOKENS, MAX_LOGPROBS
-from osd.decode.methods import Method
+from osd.decode.methods import Method, ProposerChoice
 from osd.decode.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
@@ -99,6 +99,8 @@ class SpecOptions(BaseModel):
     method: Method | None = None
     k: Annotated[int, Field(ge=1, le=HTTP_MAX_SPEC_TOKENS)] | Literal["auto"] | None = None
     K: int | None = Field(default=None, ge=1, le=HTTP_MAX_DRAFTS)
+    # Who drafts: "auto" (the controller), "draft" (the draft model), "suffix", "ngram".
+    proposer: ProposerChoice | None = None
 
 
 class StreamOptions(BaseModel):

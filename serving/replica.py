@@ -31,6 +31,7 @@ from serving.metrics import ReplicaMetrics
 from serving.router import AdapterRouter
 from serving.router_watcher import RouterWatcher
 from serving.runtime import ReplicaRuntime
+from serving.suffix_warmup import SuffixWarmup
 from serving.watcher import AdapterWatcher
 
 __all__ = ["WiredReplica", "build_runtime", "wire_replica"]
@@ -98,6 +99,8 @@ def build_runtime(
         adaptive_threshold=spec.adaptive_threshold,
         max_spec_tokens=spec.max_spec_tokens,
         lean_forward=config.model.lean_forward,
+        suffix_budget=spec.suffix_budget_tokens,
+        suffix_scope=spec.suffix_scope,
         # Adapters are added and removed between forwards, never during one.
         draft_guard=models.slots.model_lock.reading,
     )
@@ -139,6 +142,7 @@ class WiredReplica:
     watcher: AdapterWatcher | None
     health: LoopHealth
     router_watcher: RouterWatcher | None = None
+    suffix_warmup: SuffixWarmup | None = None
 
     def close(self) -> None:
         self.health.stop()
@@ -224,4 +228,9 @@ def wire_replica(
         )
         router_watcher.start()
     health.start()
-    return WiredReplica(runtime, watcher, health, router_watcher)
+    warmup = None
+    if redis_url and config.spec.suffix_warm_records:  # suffix decoding is not cold at start
+        warmup = SuffixWarmup(
+            runtime.engine.proposers, redis_url, config.log.stream, config.spec.suffix_warm_records
+        ).start()
+    return WiredReplica(runtime, watcher, health, router_watcher, warmup)

@@ -213,6 +213,7 @@ class ReplicaRuntime:
             method=(spec and spec.method) or defaults.method,
             num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
             num_drafts=(spec and spec.K) or defaults.num_drafts,
+            proposer=(spec and spec.proposer) or defaults.proposer,
             adapter=None,
             log=self.log_writer is not None and request.log,
             route=request.domain or "",
@@ -319,14 +320,17 @@ class ReplicaRuntime:
             stats.num_generated,
             stats.draft_lengths,
             stats.accepted_lengths,
+            stats.by_proposer,
         )
-        if stats.drafted:
-            self.router.record(job.route.route_key, lease.adapter, stats.acceptance_rate)
+        # The adapter is judged by the tokens it drafted, not by looked-up ones.
+        _, drafted, accepted = stats.by_proposer.get("draft", (0, 0, 0))
+        if drafted:
+            self.router.record(job.route.route_key, lease.adapter, accepted / drafted)
             if self.monitor is not None:
-                self.monitor.observe(lease.adapter, lease.version, stats.accepted, stats.drafted)
+                self.monitor.observe(lease.adapter, lease.version, accepted, drafted)
                 if job.route.router_version is not None:  # judges the routing model's versions
                     self.monitor.observe(
-                        ROUTER_MONITOR_KEY, job.route.router_version, stats.accepted, stats.drafted
+                        ROUTER_MONITOR_KEY, job.route.router_version, accepted, drafted
                     )
         if self.log_writer is None:
             return

@@ -101,7 +101,8 @@ def rejected_positions(record: Record) -> npt.NDArray[np.int64]:
     Step `s` emits its `num_accepted[s]` accepted tokens and then one more; if it accepted fewer
     than it drafted, that one more (at generated position `offset_s + num_accepted[s]`) is where
     the draft was wrong. A step that accepted everything ended in a bonus token instead, not a
-    rejection. Positions cut off by a stop token or the length budget are left out.
+    rejection. Positions cut off by a stop token or the length budget are left out, and so are
+    steps a model-free proposer drafted (a looked-up token rejected says nothing of the draft).
 
     Returns:
         (R,) ascending int64 generated positions, R <= number of steps.
@@ -110,7 +111,7 @@ def rejected_positions(record: Record) -> npt.NDArray[np.int64]:
     drafted = record.num_drafted.astype(np.int64)  # (S,)
     offsets = np.concatenate([[0], np.cumsum(accepted + 1)[:-1]])  # (S,) first position of step
     positions = offsets + accepted
-    keep = (accepted < drafted) & (positions < record.num_generated)
+    keep = (accepted < drafted) & (positions < record.num_generated) & record.model_steps
     return positions[keep]
 
 

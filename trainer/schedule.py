@@ -24,12 +24,14 @@ MIN_ROOM = 1e-3
 
 def expected_gain(fresh: Iterable[Example]) -> float:
     """Fresh records times the share of their drafted tokens the draft got wrong (1 when none
-    was drafted, e.g. requests served with speculation off: nothing says the draft was right)."""
+    was drafted, e.g. requests served with speculation off: nothing says the draft was right).
+    Only the draft model's steps count: looked-up drafts say nothing of the draft."""
     count = drafted = accepted = 0
     for example in fresh:
         count += 1
-        drafted += int(example.record.num_drafted.sum())
-        accepted += int(example.record.num_accepted.sum())
+        model = example.record.model_steps
+        drafted += int(example.record.num_drafted[model].sum())
+        accepted += int(example.record.num_accepted[model].sum())
     room = 1.0 - accepted / drafted if drafted else 1.0
     return count * max(room, MIN_ROOM)
 

@@ -28,7 +28,7 @@ from osd.buffer.wire import (
     pack_fields,
     unpack_fields,
 )
-from osd.decode.methods import BASE_DRAFT_NAME
+from osd.decode.methods import BASE_DRAFT_NAME, PROPOSERS
 
 if TYPE_CHECKING:  # the decode core's output, read by attribute (no torch import here)
     from osd.decode.generation import GenerationLog
@@ -186,6 +186,8 @@ class Record:
     draft_token_probs: npt.NDArray[np.float16] = field(repr=False)
     target_top_ids: npt.NDArray[np.int32] = field(repr=False)
     target_top_probs: npt.NDArray[np.float16] = field(repr=False)
+    # (S,) uint8: who drafted each step, its index in PROPOSERS; None: the draft model throughout.
+    step_proposers: npt.NDArray[np.uint8] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._check_scalars()
@@ -223,6 +225,16 @@ class Record:
         _check_consistent(self.prompt_len, **arrays)
         for name, arr in arrays.items():
             object.__setattr__(self, name, arr)
+        steps = len(arrays["num_drafted"])
+        if self.step_proposers is None:
+            codes = np.zeros(steps, dtype=np.uint8)
+        else:
+            codes = _as_ints("step_proposers", self.step_proposers, np.uint8, 1)
+        if codes.shape != (steps,) or np.any(codes >= len(PROPOSERS)):
+            raise ValueError(
+                f"step_proposers must hold one code below {len(PROPOSERS)} per step ({steps})"
+            )
+        object.__setattr__(self, "step_proposers", codes)
 
     @property
     def num_generated(self) -> int:
@@ -248,6 +260,12 @@ class Record:
     def generated_ids(self) -> npt.NDArray[np.int32]:
         """(G,) int32 generated token ids."""
         return self.token_ids[self.prompt_len :]
+
+    @property
+    def model_steps(self) -> npt.NDArray[np.bool_]:
+        """(S,) bool: the steps the draft model drafted (not a model-free proposer)."""
+        assert self.step_proposers is not None  # set by __post_init__
+        return self.step_proposers == PROPOSERS.index("draft")
 
     @property
     def cu_num_drafted(self) -> npt.NDArray[np.int64]:
@@ -303,6 +321,9 @@ class Record:
             draft_token_probs=log.draft_token_probs.numpy(),
             target_top_ids=log.target_top_ids.numpy(),
             target_top_probs=log.target_top_probs.numpy(),
+            step_proposers=np.array(
+                [PROPOSERS.index(name) for name in log.step_proposers], dtype=np.uint8
+            ),
         )
 
     @classmethod

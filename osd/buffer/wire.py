@@ -1,14 +1,17 @@
 """Binary wire format of `osd.buffer.record.Record`: versioned, compact, checksummed, never pickled.
 
-Pure (numpy and the standard library only). Layout of schema version 1, all little-endian::
+Pure (numpy and the standard library only). Layout of schema version 2, all little-endian::
 
     header  84 bytes: magic b"OSDR", uint16 version, uint16 flags, the scalar fields,
             counts (tokens, steps, m), method code and the byte lengths of the identifiers
     strings request_id, domain, adapter_name (utf-8), zero-padded to a multiple of 4 bytes
     arrays  token_ids int32 (T,) | target_top_ids int32 (G, m) | num_drafted int16 (S,) |
             num_accepted int16 (S,) | draft_token_probs float16 (D,) |
-            target_top_probs float16 (G, m)
+            target_top_probs float16 (G, m) | step_proposers uint8 (S,)
     trailer uint32 CRC-32 of everything before it
+
+Schema 1 is the same without ``step_proposers`` (each step's proposer as its index in
+``osd.decode.methods.PROPOSERS``); it is still read, as every step the draft model's.
 
 with T tokens, G = T - prompt_len generated positions, S steps and D = sum(num_drafted). The
 padding keeps every array naturally aligned for `np.frombuffer`.
@@ -32,11 +35,12 @@ import numpy as np
 import numpy.typing as npt
 
 # The method's index in METHODS is on the wire (append only: osd.decode.methods).
-from osd.decode.methods import METHODS, Method
+from osd.decode.methods import METHODS, PROPOSERS, Method
 
 __all__ = [
     "MAGIC",
     "METHODS",
+    "PROPOSERS",
     "Method",
     "SCHEMA_VERSION",
     "RecordVersionError",
@@ -45,7 +49,9 @@ __all__ = [
 ]
 
 MAGIC = b"OSDR"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Versions this reader reads: 1 has no per-step proposers (every step was the draft model's).
+READABLE_VERSIONS = (1, 2)
 
 _PREFIX = struct.Struct("<4sH")
 _HEADER = struct.Struct("<4sHHdqddqiiiiiIII4B")
@@ -129,7 +135,7 @@ def _pad4(data: bytes) -> bytes:
 
 def pack_fields(record: Mapping[str, Any]) -> bytes:
     """Packs a validated record's fields (name -> value, as `unpack_fields` returns them) into
-    schema version 1 bytes. Fields, not the `Record` itself: the record imports this module."""
+    schema version 2 bytes. Fields, not the `Record` itself: the record imports this module."""
     strings = [
         s.encode("utf-8") for s in (record["request_id"], record["domain"], record["adapter_name"])
     ]
@@ -163,6 +169,7 @@ def pack_fields(record: Mapping[str, Any]) -> bytes:
             record["num_accepted"].tobytes(),
             record["draft_token_probs"].tobytes(),
             record["target_top_probs"].tobytes(),
+            record["step_proposers"].tobytes(),
         ]
     )
     return body + _TRAILER.pack(zlib.crc32(body))
@@ -183,7 +190,7 @@ def unpack_fields(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     magic, version = _PREFIX.unpack_from(data)
     if magic != MAGIC:
         raise ValueError(f"not a record: magic {magic!r}, expected {MAGIC!r}")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise RecordVersionError(version)
     if len(data) < _HEADER.size + _TRAILER.size:
         raise ValueError(f"record truncated: {len(data)} bytes is shorter than the header")
@@ -214,6 +221,12 @@ def _decode_body(data: bytes) -> dict[str, Any]:
         raise ValueError("record has negative num_drafted")
     draft_token_probs = reader.take(np.float16, int(num_drafted.sum(dtype=np.int64)))
     top_probs = reader.take(np.float16, num_generated * h.m).reshape(num_generated, h.m)
+    if h.version >= 2:
+        step_proposers = reader.take(np.uint8, h.num_steps)
+        if np.any(step_proposers >= len(PROPOSERS)):
+            raise ValueError("record has an unknown proposer code")
+    else:  # schema 1: the draft model drafted every step
+        step_proposers = np.zeros(h.num_steps, dtype=np.uint8)
     reader.expect_end()
     return {
         "request_id": request_id,
@@ -236,4 +249,5 @@ def _decode_body(data: bytes) -> dict[str, Any]:
         "draft_token_probs": draft_token_probs,
         "target_top_ids": top_ids,
         "target_top_probs": top_probs,
+        "step_proposers": step_proposers,
     }

@@ -54,9 +54,11 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
+    step_proposers: list[str] = field(default_factory=list)
 
     def count_step(self, proposer: str, num_drafted: int, num_accepted: int) -> None:
-        """One step's draft under its proposer (a step that drafted nothing is not counted)."""
+        """One step's draft under its proposer (``by_proposer`` counts steps that drafted)."""
+        self.step_proposers.append(proposer)
         if num_drafted:
             counts = self.by_proposer.setdefault(proposer, [0, 0, 0])
             counts[0] += 1
@@ -112,6 +114,7 @@ class GenerationLog:
         draft_token_probs: (sum(num_drafted),) float16 draft probability of each drafted token.
         target_top_ids: (N, m) int32 target's top-m tokens at each generated position.
         target_top_probs: (N, m) float16 their probabilities at temperature 1.
+        step_proposers: (S,) who drafted each step (``draft``, ``suffix``, ``ngram``).
     """
 
     request: DecodeRequest
@@ -122,6 +125,8 @@ class GenerationLog:
     draft_token_probs: torch.Tensor
     target_top_ids: torch.Tensor
     target_top_probs: torch.Tensor
+    # Who drafted each step (osd.decode.methods.PROPOSERS).
+    step_proposers: tuple[str, ...] = ()
 
 
 @dataclass

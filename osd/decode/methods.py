@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["BASE_DRAFT_NAME", "METHODS", "PROPOSER_CHOICES", "Method", "ProposerChoice"]
+__all__ = [
+    "BASE_DRAFT_NAME",
+    "METHODS",
+    "PROPOSERS",
+    "PROPOSER_CHOICES",
+    "Method",
+    "ProposerChoice",
+]
 
 Method = Literal["token", "block", "spectr", "none"]
 METHODS: tuple[Method, ...] = get_args(Method)
@@ -22,3 +29,6 @@ BASE_DRAFT_NAME = "base"
 # step, or one proposer pinned: the draft model, suffix decoding or prompt lookup.
 ProposerChoice = Literal["auto", "draft", "suffix", "ngram"]
 PROPOSER_CHOICES: tuple[ProposerChoice, ...] = get_args(ProposerChoice)
+# The proposers a step's drafts come from; a record stores each step's as its index here
+# (osd.buffer.wire, schema 2), so the order is part of the wire format: append only.
+PROPOSERS: tuple[str, ...] = ("draft", "suffix", "ngram")

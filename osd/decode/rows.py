@@ -197,6 +197,7 @@ class Row:
             draft_token_probs=torch.cat(draft_probs).cpu().half(),
             target_top_ids=torch.cat(ids)[:num_generated].cpu().int(),
             target_top_probs=torch.cat(probs)[:num_generated].cpu().half(),
+            step_proposers=tuple(self.stats.step_proposers),
         )
 
 

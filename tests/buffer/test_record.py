@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import zlib
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ ARRAY_FIELDS = (
     "draft_token_probs",
     "target_top_ids",
     "target_top_probs",
+    "step_proposers",
 )
 
 
@@ -95,7 +97,7 @@ def test_packed_size_is_header_ids_and_raw_arrays() -> None:
     record = Record.make_dummy(num_generated=256, m=32, prompt_len=128, request_id="req-0")
     g, m, t = 256, 32, 384
     d = int(record.num_drafted.sum())
-    arrays = 4 * t + 4 * g * m + 2 * 2 * record.num_steps + 2 * d + 2 * g * m
+    arrays = 4 * t + 4 * g * m + 2 * 2 * record.num_steps + 2 * d + 2 * g * m + record.num_steps
     ids = len("req-0") + len("general")
     assert len(record.pack()) == 84 + (ids + 3) // 4 * 4 + arrays + 4
 
@@ -107,6 +109,20 @@ def test_wrong_schema_version_raises_record_version_error() -> None:
         Record.unpack(bytes(data))
     assert isinstance(info.value, ValueError)
     assert info.value.version == SCHEMA_VERSION + 1
+
+
+def test_a_schema_1_record_is_still_read_as_drafted_by_the_draft_model() -> None:
+    """Schema 2 added each step's proposer at the end of the body; a schema-1 record (written
+    before it) reads with every step the draft model's."""
+    record = Record.make_dummy(num_generated=12, m=4)
+    v2 = record.pack()
+    body = bytearray(v2[: -4 - record.num_steps])  # without step_proposers and the CRC
+    struct.pack_into("<H", body, 4, 1)
+    v1 = bytes(body) + struct.pack("<I", zlib.crc32(body))
+    old = Record.unpack(v1)
+    assert old.step_proposers.tolist() == [0] * record.num_steps
+    assert old.model_steps.all()
+    assert old.pack() == v2  # written back as schema 2
 
 
 def test_bad_magic_raises_value_error() -> None:

@@ -27,6 +27,7 @@ def record_with_steps(
     domain: str = "",
     request_id: str = "r",
     seed: int = 0,
+    step_proposers: list[int] | None = None,
 ) -> Record:
     """A consistent record whose steps are given; each step emits accepted + 1 tokens."""
     emitted = sum(a + 1 for a in accepted)
@@ -55,6 +56,7 @@ def record_with_steps(
         draft_token_probs=np.full(sum(drafted), 0.5, dtype=np.float16),
         target_top_ids=top_ids,
         target_top_probs=top_probs.astype(np.float16),
+        step_proposers=step_proposers,
     )
 
 
@@ -75,6 +77,16 @@ def test_rejected_positions_follow_the_accepted_prefix_of_each_step(
     mask = train_positions(record, "rejected")
     assert np.flatnonzero(mask).tolist() == expected
     assert train_positions(record, "all").all()
+
+
+def test_rejections_of_looked_up_drafts_are_not_the_draft_models():
+    # Steps 0 and 2 were drafted by suffix decoding (code 1): their rejections say nothing of
+    # the draft model, and a schema-1 record (no codes) reads as the draft model throughout.
+    record = record_with_steps([4, 4, 4, 2], [2, 4, 0, 1], step_proposers=[1, 0, 1, 0])
+    assert rejected_positions(record).tolist() == [10]
+    again = Record.unpack(record.pack())
+    assert again.step_proposers.tolist() == [1, 0, 1, 0]
+    assert again.model_steps.tolist() == [False, True, False, True]
 
 
 def test_general_adapter_learns_from_all_records_and_domain_adapters_from_their_domain():

@@ -11,11 +11,16 @@ from trainer.replay import AdapterData
 from trainer.schedule import expected_gain, first_version_due
 
 
-def example(drafted: list[int], accepted: list[int], name: str = "e") -> SimpleNamespace:
+def example(
+    drafted: list[int], accepted: list[int], name: str = "e", model: list[bool] | None = None
+) -> SimpleNamespace:
     """What the schedule reads of an example: its record's per-step drafted and accepted
-    counts (and, for the windows, its id and domain)."""
+    counts, which steps the draft model drafted (and, for the windows, its id and domain)."""
     record = SimpleNamespace(
-        num_drafted=np.array(drafted), num_accepted=np.array(accepted), domain=""
+        num_drafted=np.array(drafted),
+        num_accepted=np.array(accepted),
+        model_steps=np.array([True] * len(drafted) if model is None else model),
+        domain="",
     )
     return SimpleNamespace(entry_id=name, record=record, arrived_at=0.0)
 
@@ -31,6 +36,9 @@ def test_gain_is_fresh_records_times_the_share_of_drafted_tokens_rejected():
     assert expected_gain([example([0], [0])] * 3) == 3.0
     # All accepted: a little room is left, so the adapter is not starved for good.
     assert 0.0 < expected_gain([example([4], [4])]) < 0.01
+    # Steps a lookup drafted (suffix, ngram) say nothing of the draft model.
+    mixed = example([4, 8, 4], [0, 8, 0], model=[True, False, True])
+    assert expected_gain([mixed]) == expected_gain([example([4, 4], [0, 0])]) == 1.0
 
 
 def test_first_version_is_due_with_enough_records_to_train_and_to_judge():

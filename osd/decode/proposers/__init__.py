@@ -16,7 +16,7 @@ and one entry in :data:`LOOKUPS`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -161,3 +161,11 @@ class Proposers:
         """Takes a finished request's prompt and output into the shared stores."""
         for lookup in self.lookups.values():
             lookup.learn(row.seq, row.request.route)
+
+    def warm(self, documents: Sequence[tuple[Sequence[int], str]]) -> None:
+        """Takes earlier requests' tokens (and routes), oldest first, as older than anything
+        learned so far: built aside, then put in front of the stores in one step each, so
+        the decode thread may go on learning and looking up meanwhile."""
+        for lookup in self.lookups.values():
+            if lookup.shared:
+                lookup.warm(documents)

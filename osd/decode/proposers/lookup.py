@@ -89,6 +89,17 @@ class LookupProposer:
         if self.shared:
             self.store(route).add(tokens)
 
+    def warm(self, documents: Sequence[tuple[Sequence[int], str]]) -> None:
+        """Earlier requests' tokens and routes, oldest first: built into stores of their own,
+        then put before this proposer's (see :meth:`Proposers.warm`)."""
+        aside = LookupProposer(
+            self.name, shared=True, budget=self.budget, scope=self.scope, anchor=self.anchor
+        )
+        for tokens, route in documents:
+            aside.learn(tokens, route)
+        for key, store in aside.stores.items():
+            self.store(key).prepend(store)
+
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.stores.values())
 

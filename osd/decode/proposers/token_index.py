@@ -172,6 +172,19 @@ class SuffixStore:
         while self.num_tokens > self.budget and len(self.segments) > 1:
             self.segments.pop(0)
 
+    def prepend(self, older: SuffixStore) -> None:
+        """Puts ``older``'s segments before this store's, keeping the budget (the oldest
+        go first). One list operation: another thread may be adding meanwhile."""
+        room = self.budget - self.num_tokens
+        kept: list[TokenIndex] = []
+        for segment in reversed(older.segments):
+            if len(segment) > room:
+                break
+            kept.insert(0, segment)
+            room -= len(segment)
+        self.segments[0:0] = kept
+        self.documents += older.documents
+
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.segments)
 
