@@ -201,6 +201,33 @@ def test_auto_draft_length_over_http_is_exact_and_measured(ray_serve_app, greedy
     assert "osd_draft_length_chosen_bucket" in httpx.get(f"{base_url}/metrics").text
 
 
+def test_a_request_pins_its_proposer_and_sees_the_mix(ray_serve_app, greedy_text):
+    """spec.proposer over HTTP: every choice exact, the osd block says who drafted, the
+    Prometheus counters count per proposer, and an unknown proposer is a 400 naming it."""
+    base_url, _ = ray_serve_app
+    prompt = "the cat the cat the cat the cat"
+    body = {"model": "osd", "prompt": prompt, "max_tokens": 30, "temperature": 0}
+    for proposer in ("ngram", "suffix", "draft", "auto"):
+        response = httpx.post(
+            f"{base_url}/v1/completions",
+            json={**body, "spec": {"proposer": proposer, "k": "auto"}},
+            timeout=60,
+        )
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["text"] == greedy_text(prompt, 30), proposer
+        mix = answer["osd"]["proposers"]
+        assert set(mix) <= {"draft", "suffix", "ngram"}
+        if proposer in ("ngram", "suffix"):
+            assert set(mix) <= {proposer} and mix.get(proposer, {}).get("drafted", 0) > 0, mix
+    bad = httpx.post(
+        f"{base_url}/v1/completions", json={**body, "spec": {"proposer": "eagle"}}, timeout=60
+    )
+    assert bad.status_code == 400 and "proposer" in bad.text
+    metrics = httpx.get(f"{base_url}/metrics").text
+    assert 'osd_proposer_drafted_tokens_total{proposer="ngram"}' in metrics
+
+
 def test_penalties_and_logit_bias_reach_the_engine(ray_serve_app, client):
     """Greedy with penalties over HTTP is the target alone with the same penalties (Python
     API, speculation off); a +100 logit bias forces its token; a token id outside the
