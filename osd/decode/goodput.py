@@ -166,11 +166,13 @@ class StepCosts:
         model = self.seconds(batch, max_k)
         base = model[0]
         measured = self._free.keys()
+        # A position of width costs every row of the batch one more token in the forward.
+        ratio = min(1.0, self.free_prior_ratio * batch)
         if not measured:
-            return [base] + [base * (1 + self.free_prior_ratio * k) for k in range(1, max_k + 1)]
+            return [base] + [base * (1 + ratio * k) for k in range(1, max_k + 1)]
         wanted = self.bucket(batch)
         bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
-        fitted = self._fit(self._free[bucket], base, self.free_prior_ratio)
+        fitted = self._fit(self._free[bucket], base, ratio)
         assert fitted is not None
         intercept, slope = fitted
         return [base] + [max(intercept + slope * k, base) for k in range(1, max_k + 1)]
@@ -324,16 +326,37 @@ class GoodputController:
                 best = (name, m, math.inf if probing else rate)
         return best[0], best[1]
 
+    def lookup_tokens(self, name: str, route: str, probs: tuple[float, ...]) -> list[float]:
+        """Expected tokens of a step that drafts the first m tokens of a model-free proposal,
+        m = 0..len(probs): ``1 + sum_{i<m} min(1, f * c_i)`` (see :meth:`choose_proposer`)."""
+        accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
+        factor = (accepted + self.prior_weight) / (predicted + self.prior_weight)
+        out = [1.0]
+        for p in probs:
+            out.append(out[-1] + min(1.0, factor * p))
+        return out
+
+    def batch_width(self, batch: int, expected: list[list[float]], others: int) -> int:
+        """The widest lookup a step of ``batch`` rows should verify: every row pads to the
+        widest, so one long proposal widens the target's forward for all (on a CPU at 16 rows,
+        9 positions a row cost about 2.4x one). ``expected``: each lookup row's expected tokens
+        by m (:meth:`lookup_tokens`); ``others``: rows expecting one token. Maximises the
+        batch's expected tokens per second over the measured step costs."""
+        widest = max(len(e) for e in expected) - 1
+        seconds = self.costs.free_seconds(batch, widest)
+        rates = [
+            (others + sum(e[min(w, len(e) - 1)] for e in expected)) / max(seconds[w], 1e-9)
+            for w in range(widest + 1)
+        ]
+        good_enough = max(rates) * (1 - self.tolerance)
+        return next(w for w, rate in enumerate(rates) if rate >= good_enough)
+
     def _free_choice(
         self, name: str, route: str, probs: tuple[float, ...], seconds: list[float]
     ) -> tuple[int, float]:
         """(m, tokens per second) of the best prefix of a model-free proposal."""
-        accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
-        factor = (accepted + self.prior_weight) / (predicted + self.prior_weight)
-        calibrated = [min(1.0, factor * p) for p in probs[: len(seconds) - 1]]
-        rates = [
-            (1 + sum(calibrated[:m])) / max(seconds[m], 1e-9) for m in range(len(calibrated) + 1)
-        ]
+        tokens = self.lookup_tokens(name, route, probs[: len(seconds) - 1])
+        rates = [tokens[m] / max(seconds[m], 1e-9) for m in range(len(tokens))]
         good_enough = max(rates) * (1 - self.tolerance)
         m = next(m for m, rate in enumerate(rates) if rate >= good_enough)
         return m, rates[m]

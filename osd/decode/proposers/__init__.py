@@ -124,7 +124,33 @@ class Proposers:
                 plan.model_k[b] = plan.spec_k[b] = k
             else:
                 self._take(plan, b, name, offers[name], k)
+        if controller is not None and len(plan.lookups) and not plan.model_runs and batch > 1:
+            self._cap_width(plan, rows, controller)
         return plan
+
+    @staticmethod
+    def _cap_width(plan: StepPlan, rows: list[Row], controller: GoodputController) -> None:
+        """Cuts the looked-up drafts to the width the whole batch gains most from
+        (:meth:`GoodputController.batch_width`); rows the controller chose for are cut, a
+        pinned row too (its k was never more than a budget)."""
+        members = list(plan.lookups)
+        expected = [
+            controller.lookup_tokens(plan.names[b], rows[b].request.route, plan.lookups[b].probs)
+            for b in members
+        ]
+        width = controller.batch_width(len(rows), expected, len(rows) - len(members))
+        for b in members:
+            found = plan.lookups[b]
+            if len(found.tokens) <= width:
+                continue
+            if width == 0:
+                del plan.lookups[b]
+                plan.spec_k[b] = 0
+            else:
+                plan.lookups[b] = Continuation(
+                    found.tokens[:width], found.probs[:width], found.match, found.support
+                )
+                plan.spec_k[b] = width
 
     @staticmethod
     def _take(

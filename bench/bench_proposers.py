@@ -1,0 +1,211 @@
+"""The proposers on the demo pair: model-free drafts (suffix decoding, prompt lookup) beside the
+draft model, chosen per row and step by the goodput controller.
+
+In one process, one :class:`osd.decode.loop.BatchedEngine` per measurement (as a replica runs
+it), closed-loop clients at each concurrency, greedy, tokens counted from the results. Two
+workloads:
+
+* ``repetitive``: traffic that repeats itself as real chat and agent traffic does, built here
+  from the demo's held-out text (the demo models never trained on these exact requests):
+  popular prompts asked again verbatim, templated SQL/JSON requests whose fields rotate, and
+  sessions whose next prompt quotes the last answer and asks for more;
+* ``prose``: held-out prose, little repetition (the new proposers must not cost there).
+
+Variants: the target alone (``method=none``), the draft model alone (``proposer=draft``,
+k by the controller: osd's default before the proposers), suffix decoding alone
+(``proposer=suffix``), and the default (``proposer=auto``: the controller picks per row and
+step). Each measurement starts with an empty suffix store (what it learns, it learns from the
+measured traffic). Then the index itself: memory per million tokens, lookup time, and the time
+to warm a store from logged requests.
+
+Run alone on a quiet machine: ``python -m bench.bench_proposers`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from typing import Any
+
+from bench.bench_batched import measure
+from bench.cpu import add_threads_argument, apply_bench_threads
+from bench.tables import print_table
+from osd import SpeculativeDecoder
+from osd.decode.proposers import LookupSettings, Proposers
+from osd.decode.proposers.token_index import SuffixStore, continuations
+from osd.demo import build_demo_models, load_corpus_split
+from osd.demo.report import load_pair
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "target alone": {"method": "none"},
+    "draft model": {"method": "block", "proposer": "draft"},
+    "suffix": {"method": "block", "proposer": "suffix"},
+    "auto": {"method": "block", "proposer": "auto"},
+}
+
+
+def repetitive_prompts(corpus: Any, count: int, seed: int = 0) -> list[str]:
+    """Requests that repeat themselves: a third popular prompts asked again, a third templated
+    requests with rotating fields, a third sessions quoting the last answer (the answer is
+    approximated by the held-out continuation of the quoted text)."""
+    rng = random.Random(seed)
+    docs = {
+        d: [doc.text for doc in load_corpus_split(corpus, d, "heldout")] for d in ("sql", "code")
+    }
+    popular = [text[:160] for text in rng.sample(docs["sql"] + docs["code"], 6)]
+    tables = ["orders", "users", "invoices", "events", "payments", "sessions"]
+    columns = ["id", "created_at", "amount", "status", "user_id", "country"]
+    prompts: list[str] = []
+    session = rng.choice(docs["code"])[:120]
+    while len(prompts) < count:
+        kind = len(prompts) % 3
+        if kind == 0:
+            prompts.append(rng.choice(popular))
+        elif kind == 1:
+            table, column = rng.choice(tables), rng.choice(columns)
+            prompts.append(
+                f'{{"task": "report", "table": "{table}", "column": "{column}", '
+                f'"sql": "SELECT {column}, COUNT(*) FROM {table} GROUP BY {column}'
+            )
+        else:
+            prompts.append(f"# Earlier:\n{session}\n# Again, with the same names:\n{session[:60]}")
+            session = session[-80:] + "\n" + rng.choice(docs["code"])[:60]
+    return prompts
+
+
+def index_costs(corpus: Any, tokenizer: Any, budget: int) -> dict[str, float]:
+    """Memory per million tokens, lookup time, and warm-start time of a store of the corpus."""
+    texts = [
+        doc.text
+        for d in ("sql", "code", "prose", "chat", "json", "math")
+        for doc in _split(corpus, d, "train")
+    ]
+    documents = [tokenizer(text)["input_ids"] for text in texts]
+    store = SuffixStore(budget)
+    started = time.perf_counter()
+    added = 0
+    for ids in documents:
+        store.add(ids)
+        added += len(ids)
+        if added >= budget:
+            break
+    build = time.perf_counter() - started
+    rng = random.Random(0)
+    contexts = [ids[: rng.randrange(8, max(9, len(ids)))] for ids in rng.sample(documents, 200)]
+    started = time.perf_counter()
+    hits = sum(continuations(c, store.segments, 8) is not None for c in contexts)
+    lookup = (time.perf_counter() - started) / len(contexts)
+    warm = Proposers(LookupSettings(budget))
+    started = time.perf_counter()
+    warm.warm([(ids, "") for ids in documents[:1000]])
+    warm_seconds = time.perf_counter() - started
+    return {
+        "tokens": store.num_tokens,
+        "bytes_per_token": store.nbytes() / max(store.num_tokens, 1),
+        "mb_per_million": store.nbytes() / max(store.num_tokens, 1),  # bytes/token = MB/M
+        "build_us_per_token": 1e6 * build / max(added, 1),
+        "lookup_us": 1e6 * lookup,
+        "hit_share": hits / len(contexts),
+        "warm_1000_docs_s": warm_seconds,
+    }
+
+
+def _split(corpus: Any, domain: str, split: str) -> list[Any]:
+    try:
+        return load_corpus_split(corpus, domain, split)
+    except ValueError:
+        return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--workloads", default="repetitive,prose")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--requests", type=int, default=48, help="requests per measurement")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--budget", type=int, default=500_000, help="suffix store tokens")
+    add_threads_argument(parser)
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    threads = apply_bench_threads(args.threads)
+    paths = build_demo_models()
+    target, draft, tokenizer = load_pair(paths)
+    decoder = SpeculativeDecoder(target, draft, tokenizer, suffix_budget=args.budget)
+    workloads = {
+        "repetitive": repetitive_prompts(paths.corpus, args.requests),
+        "prose": [d.text[:200] for d in load_corpus_split(paths.corpus, "prose", "heldout")],
+    }
+    rows: list[dict[str, Any]] = []
+    for workload in args.workloads.split(","):
+        prompts = workloads[workload]
+        for conc in (int(c) for c in args.concurrency.split(",")):
+            for variant in args.variants.split(","):
+                decoder.proposers = Proposers(LookupSettings(args.budget))  # learns from scratch
+                request = {
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0.0,
+                    "stop_token_ids": [],
+                    "log": False,
+                    **VARIANTS[variant],
+                }
+                row = measure(decoder, prompts, conc, args.requests, request, 16, threads)
+                row |= {"workload": workload, "variant": variant, "concurrency": conc}
+                rows.append(row)
+                print(
+                    f"{workload:10s} c{conc:<3d} {variant:13s} {row['tok/s']:7.1f} tok/s "
+                    f"acc {row['acceptance']:.2f} mean k {row['mean_k']:.2f}",
+                    flush=True,
+                )
+    table = []
+    for row in rows:
+        alone = next(
+            r["tok/s"]
+            for r in rows
+            if r["variant"] == "target alone"
+            and r["workload"] == row["workload"]
+            and r["concurrency"] == row["concurrency"]
+        )
+        model = next(
+            (
+                r["tok/s"]
+                for r in rows
+                if r["variant"] == "draft model"
+                and r["workload"] == row["workload"]
+                and r["concurrency"] == row["concurrency"]
+            ),
+            float("nan"),
+        )
+        table.append(
+            [
+                row["workload"],
+                row["concurrency"],
+                row["variant"],
+                f"{row['tok/s']:.1f}",
+                f"{row['tok/s'] / alone:.2f}x",
+                f"{row['tok/s'] / model:.2f}x",
+                f"{row['acceptance']:.2f}",
+                f"{row['mean_k']:.2f}",
+            ]
+        )
+    print_table(
+        "Proposers on the demo pair (greedy, 64 tokens, closed loop)",
+        ["workload", "conc", "variant", "tok/s", "/ target", "/ draft model", "accept", "mean k"],
+        table,
+    )
+    costs = index_costs(paths.corpus, tokenizer, args.budget)
+    print_table(
+        "The suffix index (demo corpus, train splits)",
+        list(costs),
+        [[f"{v:.3g}" for v in costs.values()]],
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "index": costs}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
