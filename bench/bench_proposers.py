@@ -103,8 +103,7 @@ def index_costs(corpus: Any, tokenizer: Any, budget: int) -> dict[str, float]:
     warm_seconds = time.perf_counter() - started
     return {
         "tokens": store.num_tokens,
-        "bytes_per_token": store.nbytes() / max(store.num_tokens, 1),
-        "mb_per_million": store.nbytes() / max(store.num_tokens, 1),  # bytes/token = MB/M
+        "bytes_per_token": store.nbytes() / max(store.num_tokens, 1),  # = MB per million
         "build_us_per_token": 1e6 * build / max(added, 1),
         "lookup_us": 1e6 * lookup,
         "hit_share": hits / len(contexts),
@@ -159,25 +158,23 @@ def main(argv: list[str] | None = None) -> int:
                     f"acc {row['acceptance']:.2f} mean k {row['mean_k']:.2f}",
                     flush=True,
                 )
-    table = []
-    for row in rows:
-        alone = next(
-            r["tok/s"]
-            for r in rows
-            if r["variant"] == "target alone"
-            and r["workload"] == row["workload"]
-            and r["concurrency"] == row["concurrency"]
-        )
-        model = next(
+
+    def rate_of(variant: str, like: dict[str, Any]) -> float:
+        """tok/s of ``variant`` in ``like``'s workload and concurrency (nan: not measured)."""
+        return next(
             (
                 r["tok/s"]
                 for r in rows
-                if r["variant"] == "draft model"
-                and r["workload"] == row["workload"]
-                and r["concurrency"] == row["concurrency"]
+                if r["variant"] == variant
+                and r["workload"] == like["workload"]
+                and r["concurrency"] == like["concurrency"]
             ),
             float("nan"),
         )
+
+    table = []
+    for row in rows:
+        alone, model = rate_of("target alone", row), rate_of("draft model", row)
         table.append(
             [
                 row["workload"],
