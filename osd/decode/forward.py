@@ -14,7 +14,7 @@ import torch
 
 from osd.decode.goodput import GoodputController
 from osd.decode.history import TokenHistory
-from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.kv_cache import SlotKVCache, packing, plan_forward, worth_packing
 from osd.decode.models import CausalLM
 from osd.decode.prefix_history import History
 from osd.decode.proposers import Proposers
@@ -25,6 +25,7 @@ from osd.devices import to_device
 __all__ = [
     "ModelPair",
     "as_tensor",
+    "computed_positions",
     "history_rows",
     "left_padded",
     "run_model",
@@ -105,8 +106,10 @@ def run_model(
 ) -> torch.Tensor:
     """One forward of ``model`` over rows laid out as ``left`` padding, ``num_real`` tokens
     written from position ``start`` to slot ``own`` (reading ``prefix`` positions from ``base``),
-    then right padding."""
+    then right padding; only the real tokens are computed where the model packs and the
+    padding is worth skipping (:func:`osd.decode.kv_cache.packing`)."""
     device = input_ids.device
+    width = input_ids.shape[1]
     # Rows in consecutive slots, each reading only its own, read their keys in place.
     first = own[0] if own else 0
     consecutive = bool(own) and all(
@@ -129,8 +132,17 @@ def run_model(
         layout=model.attention,
         max_real=max(num_real),
         first_slot=first if consecutive else None,
+        packed=packing(left, num_real, width, num_logits, device) if model.packs else None,
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
+
+
+def computed_positions(model: CausalLM, num_real: list[int], width: int) -> int:
+    """Positions :func:`run_model` computes for rows of ``num_real`` tokens in a grid ``width``
+    wide: their real tokens where it packs them, else the whole grid."""
+    if model.packs and worth_packing(num_real, width):
+        return sum(num_real)
+    return len(num_real) * width
 
 
 def history_rows(history: History | None, index: torch.Tensor) -> History | None:

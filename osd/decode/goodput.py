@@ -121,8 +121,10 @@ class StepCosts:
         """Batch sizes 1, 2, 3-4, 5-8, 9-16, ...: one bucket per power of two."""
         return max(batch - 1, 0).bit_length()
 
-    def observe(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
-        """One step of width k; ``model``: the draft model ran (else the drafts were looked up)."""
+    def observe(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
+        """One step whose rows verified k drafted positions each (its width, or their mean
+        where the target's forward computed only the positions rows have); ``model``: the
+        draft model ran (else the drafts were looked up)."""
         if k == 0:
             values = [1.0, seconds]
             sums = self._zero.setdefault(self.bucket(batch), [0.0] * 2)
@@ -161,21 +163,31 @@ class StepCosts:
 
         Fitted like the draft model's line from steps in which no draft forward ran; until
         such steps are measured in the nearest bucket, a step without drafting plus
-        ``free_prior_ratio`` of it per token.
+        ``free_prior_ratio`` of it per token (a position costs every row of a padded batch
+        one more token in the forward).
         """
-        model = self.seconds(batch, max_k)
-        base = model[0]
-        measured = self._free.keys()
-        # A position of width costs every row of the batch one more token in the forward.
+        base, intercept, slope = self._free_line(batch)
+        return [base] + [max(intercept + slope * k, base) for k in range(1, max_k + 1)]
+
+    def free_cost(self, batch: int, extra: float) -> float:
+        """Estimated seconds of a step without a draft forward whose rows verify ``extra``
+        looked-up positions each on average (a fraction where a packed forward computes only
+        the positions rows have: :func:`osd.decode.kv_cache.packing`)."""
+        base, intercept, slope = self._free_line(batch)
+        return base if extra <= 0 else max(intercept + slope * extra, base)
+
+    def _free_line(self, batch: int) -> tuple[float, float, float]:
+        """(seconds without drafting, intercept, slope) of the model-free line (free_seconds)."""
+        base = self.seconds(batch, 0)[0]
         ratio = min(1.0, self.free_prior_ratio * batch)
+        measured = self._free.keys()
         if not measured:
-            return [base] + [base * (1 + ratio * k) for k in range(1, max_k + 1)]
+            return base, base, base * ratio
         wanted = self.bucket(batch)
         bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
         fitted = self._fit(self._free[bucket], base, ratio)
         assert fitted is not None
-        intercept, slope = fitted
-        return [base] + [max(intercept + slope * k, base) for k in range(1, max_k + 1)]
+        return base, *fitted
 
     def _fit(
         self, sums: list[float] | None, base: float | None, ratio: float | None = None
@@ -336,18 +348,21 @@ class GoodputController:
             out.append(out[-1] + min(1.0, factor * p))
         return out
 
-    def batch_width(self, batch: int, expected: list[list[float]], others: int) -> int:
-        """The widest lookup a step of ``batch`` rows should verify: every row pads to the
-        widest, so one long proposal widens the target's forward for all (on a CPU at 16 rows,
-        9 positions a row cost about 2.4x one). ``expected``: each lookup row's expected tokens
-        by m (:meth:`lookup_tokens`); ``others``: rows expecting one token. Maximises the
-        batch's expected tokens per second over the measured step costs."""
+    def batch_width(
+        self, batch: int, expected: list[list[float]], others: int, packed: bool = False
+    ) -> int:
+        """The widest lookup a step of ``batch`` rows should verify. ``expected``: each lookup
+        row's expected tokens by m (:meth:`lookup_tokens`); ``others``: rows expecting one
+        token. Maximises the batch's expected tokens per second over the measured step costs:
+        where rows are padded to the widest (``packed`` False), one long proposal widens the
+        target's forward for all (on a CPU at 16 rows, 9 positions a row cost about 2.4x one);
+        where the forward computes only the positions rows have, each row pays for its own."""
         widest = max(len(e) for e in expected) - 1
-        seconds = self.costs.free_seconds(batch, widest)
-        rates = [
-            (others + sum(e[min(w, len(e) - 1)] for e in expected)) / max(seconds[w], 1e-9)
-            for w in range(widest + 1)
-        ]
+        rates = []
+        for w in range(widest + 1):
+            tokens = others + sum(e[min(w, len(e) - 1)] for e in expected)
+            extra = sum(min(w, len(e) - 1) for e in expected) / batch if packed else w
+            rates.append(tokens / max(self.costs.free_cost(batch, extra), 1e-9))
         good_enough = max(rates) * (1 - self.tolerance)
         return next(w for w, rate in enumerate(rates) if rate >= good_enough)
 
@@ -373,8 +388,9 @@ class GoodputController:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
         self._chosen.clear()
 
-    def observe_step(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
-        """A step of width k took ``seconds``; ``model``: the draft model ran in it."""
+    def observe_step(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
+        """A step whose rows verified k drafted positions each took ``seconds``
+        (:meth:`StepCosts.observe`); ``model``: the draft model ran in it."""
         self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._chosen.clear()

@@ -30,8 +30,18 @@ from dataclasses import dataclass
 import torch
 
 from osd.decode.attention import AttentionLayout, layout_masks
+from osd.devices import to_device
 
-__all__ = ["ForwardPlan", "SlotKVCache", "kept_positions", "plan_forward", "plan_one_row"]
+__all__ = [
+    "ForwardPlan",
+    "SlotKVCache",
+    "kept_positions",
+    "Packing",
+    "packing",
+    "worth_packing",
+    "plan_forward",
+    "plan_one_row",
+]
 
 _MIN_CAPACITY = 64
 
@@ -52,6 +62,9 @@ class ForwardPlan:
         first_slot: when row b reads only slot ``first_slot + b`` (no shared prefix from
             another slot), that first slot: the rows' keys are then one strided view of the
             storage and are read in place, without a gather (host int; None: gather).
+        packed: which columns a forward computes when it computes only the real tokens
+            (:func:`packing`, :meth:`SlotKVCache.update_packed`); None: every column, padding
+            included.
     """
 
     input_ids: torch.Tensor
@@ -62,6 +75,7 @@ class ForwardPlan:
     attention_mask: torch.Tensor | dict[str, torch.Tensor]
     max_real: int
     first_slot: int | None = None
+    packed: Packing | None = None
 
     @property
     def kv_len(self) -> int:
@@ -100,6 +114,7 @@ def plan_forward(
     layout: AttentionLayout | None = None,
     max_real: int | None = None,
     first_slot: int | None = None,
+    packed: Packing | None = None,
 ) -> ForwardPlan:
     """Plans a ragged forward: row b's real tokens are columns ``left[b] .. left[b]+real[b]-1``.
 
@@ -121,6 +136,7 @@ def plan_forward(
         max_real: ``max(real)`` when the caller knows it on the host; computed otherwise.
         first_slot: set when row b reads only slot ``first_slot + b`` (the caller knows it on
             the host: :attr:`ForwardPlan.first_slot`).
+        packed: the columns a forward computes when not all (:func:`packing`).
     """
     batch, width = input_ids.shape
     device = input_ids.device
@@ -149,7 +165,66 @@ def plan_forward(
         attention_mask=layout_masks(layout or AttentionLayout.full(), query_pos, visible, dtype),
         max_real=max_real,
         first_slot=first_slot,
+        packed=packed,
     )
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Which columns of a forward's (B, T) grid are computed, when not all of them are.
+
+    Attributes:
+        index: (N,) the real tokens' indices in the flattened grid, in order.
+        logits_from: (M,) which of the N computed tokens give logits (those in the last
+            ``num_logits`` columns).
+        logits_to: (M,) their places in the flattened (B, num_logits) logits; the other places
+            (right padding) get logits 0, read by nobody.
+    """
+
+    index: torch.Tensor
+    logits_from: torch.Tensor
+    logits_to: torch.Tensor
+
+
+def worth_packing(real: Sequence[int], width: int, share: float = 0.8) -> bool:
+    """Whether a forward of rows with ``real`` tokens in a grid ``width`` columns wide computes
+    only the real tokens (:func:`packing`): they are at most ``share`` of the grid (a fifth
+    or more of it is padding)."""
+    return len(real) > 1 and sum(real) <= share * len(real) * width
+
+
+def packing(
+    left: Sequence[int],
+    real: Sequence[int],
+    width: int,
+    num_logits: int,
+    device: torch.device | str,
+    share: float = 0.8,
+) -> Packing | None:
+    """The :class:`Packing` of a (B, ``width``) grid of rows laid out as ``left`` padding,
+    ``real`` tokens, then right padding, when computing only the real tokens saves enough to
+    pay for gathering them (a fifth of the grid or more is padding); None otherwise.
+
+    A forward's matmuls cost in proportion to the positions they compute: at 16 rows on the
+    demo target, one row verifying 8 drafted tokens beside 15 verifying none made all 16
+    compute 9 positions (24 ms a forward, 13 ms packed: ``docs/batched_engine.md``).
+    ``share``: see :func:`worth_packing` (1: always pack).
+    """
+    if not worth_packing(real, width, share):
+        return None
+    index: list[int] = []
+    logits_from: list[int] = []
+    logits_to: list[int] = []
+    tail = width - num_logits  # first column that gives logits
+    for b, (pad, count) in enumerate(zip(left, real, strict=True)):
+        for column in range(pad, pad + count):
+            if column >= tail:
+                logits_from.append(len(index))
+                logits_to.append(b * num_logits + column - tail)
+            index.append(b * width + column)
+    columns = to_device(torch.tensor(index, dtype=torch.int64), device)
+    tails = to_device(torch.tensor([logits_from, logits_to], dtype=torch.int64), device)
+    return Packing(columns, tails[0], tails[1])
 
 
 def plan_one_row(
@@ -258,7 +333,8 @@ class SlotKVCache:
         for kept, capacity in self._capacity.items():
             ring = kept < self.max_len  # positions wrap (else they are below capacity)
             write_pos = plan.write_pos % kept if ring else plan.write_pos
-            self._write_index[kept] = (plan.write_slot * capacity + write_pos).reshape(-1)
+            write = (plan.write_slot * capacity + write_pos).reshape(-1)
+            self._write_index[kept] = write if plan.packed is None else write[plan.packed.index]
             if not self._reads_in_place(kept):
                 read_pos = positions % kept if ring else positions
                 self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
@@ -295,26 +371,39 @@ class SlotKVCache:
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones."""
+        assert self._plan is not None and self._plan.packed is None, "a plan of every column"
+        heads, head_dim = key_states.shape[1], key_states.shape[3]
+        return self.update_packed(
+            key_states.transpose(1, 2).reshape(-1, heads, head_dim),
+            value_states.transpose(1, 2).reshape(-1, heads, head_dim),
+            layer_idx,
+        )
+
+    def update_packed(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes (N, H, D) keys/values, one per computed column of the plan (every column in
+        row-major order, or the plan's ``packed`` ones); returns (B, H, S, D) readable ones."""
         plan = self._plan
         assert plan is not None, "bind() a plan before the forward"
         kept = self._kept(layer_idx)
+        heads, head_dim = key_states.shape[1], key_states.shape[2]
         if layer_idx == len(self._keys):
             capacity = self._capacity[kept]
-            shape = (self.num_slots + 1, capacity, key_states.shape[1], key_states.shape[3])
+            shape = (self.num_slots + 1, capacity, heads, head_dim)
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
-        batch, heads, _, head_dim = key_states.shape
+        batch = plan.read_slot.shape[0]
         # Rows in consecutive slots read their keys in place (a strided view), unless this
         # layer's ring has wrapped (positions no longer in order).
         first = plan.first_slot
         in_place = self._reads_in_place(kept)
         out = []
-        for store, states in (
+        for store, new in (
             (self._keys[layer_idx], key_states),
             (self._values[layer_idx], value_states),
         ):
             flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
-            new = states.transpose(1, 2).reshape(-1, heads, head_dim)  # (B * T, H, D)
             flat.index_copy_(0, self._write_index[kept], new)
             if in_place and first is not None:
                 rows = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from osd.decode.attention import FULL
+from osd.decode.kv_cache import Packing
 
 __all__ = ["LeanForward", "lean_forward_for"]
 
@@ -163,38 +164,65 @@ class LeanForward:
         masks: torch.Tensor | dict[str, torch.Tensor],
         cache: Any,
         num_logits: int,
+        packed: Packing | None = None,
     ) -> torch.Tensor:
         """(B, T) ids -> (B, num_logits, V) logits of the last ``num_logits`` columns; keys and
-        values go through ``cache.update`` (a bound :class:`osd.decode.kv_cache.SlotKVCache`)."""
-        hidden = self.embed(input_ids)
+        values go through ``cache.update_packed`` (a bound
+        :class:`osd.decode.kv_cache.SlotKVCache`).
+
+        Every position-wise operation (norms, projections, MLP, rotary) runs on the computed
+        tokens: the (B, T) grid, or with ``packed`` only the real tokens as one (N, hidden)
+        matrix, so padding costs no matmul; attention alone sees the (B, H, T, S) grid, with
+        the packed queries scattered into it and the outputs gathered back. (LoRA layers group
+        their rows by the batch dimension: a model with LoRA is not run packed.)
+        """
         batch, width = input_ids.shape
-        cos, sin = self.rotary(hidden, position_ids)  # (B, T, D)
+        if packed is not None:
+            input_ids = input_ids.reshape(-1)[packed.index]  # (N,)
+            position_ids = position_ids.reshape(-1)[packed.index].unsqueeze(0)  # (1, N)
+        hidden = self.embed(input_ids)  # (B, T, hidden) or (N, hidden)
+        lead = hidden.shape[:-1]
+        cos, sin = self.rotary(hidden, position_ids)  # (B, T, D) or (1, N, D)
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, D)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D) or (1, N, 1, D)
+        if packed is not None:
+            cos, sin = cos[0], sin[0]  # (N, 1, D)
         for index, layer in enumerate(self.layers):
             mask = masks[layer.kind] if isinstance(masks, dict) else masks
             residual = hidden
             x = _rms_norm(hidden, *layer.norm1)
-            shape = (batch, width, -1, layer.head_dim)
-            q = layer.q(x).view(shape)
-            k = layer.k(x).view(shape)
-            v = layer.v(x).view(shape).transpose(1, 2)
+            shape = (*lead, -1, layer.head_dim)
+            q, k, v = layer.q(x).view(shape), layer.k(x).view(shape), layer.v(x).view(shape)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = _rms_norm(q, *layer.q_norm), _rms_norm(k, *layer.k_norm)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            keys, values = cache.update(k, v, index)  # (B, H_kv, S, D)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # (..., H, D)
+            heads_kv = k.shape[-2]
+            keys, values = cache.update_packed(  # (B, H_kv, S, D)
+                k.reshape(-1, heads_kv, layer.head_dim),
+                v.reshape(-1, heads_kv, layer.head_dim),
+                index,
+            )
+            if packed is not None:
+                q = q.new_zeros(batch * width, *q.shape[1:]).index_copy_(0, packed.index, q)
+            q = q.view(batch, width, -1, layer.head_dim).transpose(1, 2)  # (B, H, T, D)
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.groups > 1
-            )
-            out = out.transpose(1, 2).reshape(batch, width, -1)
+            ).transpose(1, 2)  # (B, T, H, D)
+            if packed is None:
+                out = out.reshape(batch, width, -1)
+            else:
+                out = out.reshape(batch * width, -1)[packed.index]
             hidden = residual + layer.o(out)
             residual = hidden
             x = _rms_norm(hidden, *layer.norm2)
             hidden = residual + layer.down(F.silu(layer.gate(x)) * layer.up(x))
-        hidden = _rms_norm(hidden[:, -num_logits:], *self.norm)
-        return self.head(hidden)
+        if packed is None:
+            hidden = hidden[:, -num_logits:]
+            return self.head(_rms_norm(hidden, *self.norm))
+        logits = self.head(_rms_norm(hidden[packed.logits_from], *self.norm))  # (M, V)
+        out = logits.new_zeros(batch * num_logits, logits.shape[-1])
+        return out.index_copy_(0, packed.logits_to, logits).view(batch, num_logits, -1)
 
 
 def lean_forward_for(model: Any) -> LeanForward | None:

@@ -204,6 +204,12 @@ class CausalLM:
         :mod:`osd.decode.lean_forward`)."""
         return self._lean_forward() is not None
 
+    @property
+    def packs(self) -> bool:
+        """Whether a forward may compute only its rows' real tokens (a plan's ``packed``):
+        the lean forward runs it, and no LoRA layer groups rows by the batch dimension."""
+        return not self._has_lora and self.uses_lean_forward
+
     def _lean_forward(self) -> LeanForward | None:
         if not self.lean:
             return None
@@ -275,15 +281,22 @@ class CausalLM:
                 different adapters share the forward (grouped per adapter, module docstring).
 
         Returns:
-            (B, num_logits, vocab_size) logits.
+            (B, num_logits, vocab_size) logits (0 at a packed plan's right padding).
         """
+        if plan.packed is not None and not self.packs:
+            raise ValueError("a packed plan needs a model that packs (CausalLM.packs)")
         cache.bind(plan)
         if self.lean:
             with self.guard(), self._selection(adapters, plan.input_ids):
                 lean = self._lean_forward()  # under the guard: adapters change between forwards
                 if lean is not None:
                     logits = lean(
-                        plan.input_ids, plan.position_ids, plan.attention_mask, cache, num_logits
+                        plan.input_ids,
+                        plan.position_ids,
+                        plan.attention_mask,
+                        cache,
+                        num_logits,
+                        plan.packed,
                     )
                     return logits[..., : self.vocab_size]
         return self._forward(

@@ -37,6 +37,7 @@ __all__ = [
     "RowSampling",
     "SamplingParams",
     "logits_to_probs",
+    "rows_to_greedy_ids",
     "rows_to_probs",
     "sample_from_probs",
 ]
@@ -323,6 +324,20 @@ def rows_to_probs(
         one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def rows_to_greedy_ids(
+    logits: torch.Tensor,
+    rows: RowSampling,
+    history: History | None = None,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The tokens rows that are all greedy take: (B, ..., V) logits -> (B, ...) ids, the argmax
+    of the processed logits, where :func:`rows_to_probs` puts all its mass (arguments as
+    there), without building the (B, ..., V) distribution."""
+    assert rows.all_greedy, "rows_to_greedy_ids is for greedy rows only"
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return _process_logits(logits.to(dtype), rows, history, allowed).argmax(dim=-1)
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:

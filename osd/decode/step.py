@@ -24,6 +24,7 @@ from osd.decode.drafting import Drafts, propose
 from osd.decode.forward import (
     ModelPair,
     as_tensor,
+    computed_positions,
     history_rows,
     left_padded,
     run_model,
@@ -35,7 +36,7 @@ from osd.decode.logprobs import PendingLogprobs, gather_logprobs
 from osd.decode.prefix_history import block_history
 from osd.decode.prompt_logprobs import prefill_target
 from osd.decode.rows import Row
-from osd.decode.sampling import rows_to_probs, sample_from_probs
+from osd.decode.sampling import rows_to_greedy_ids, rows_to_probs, sample_from_probs
 from osd.decode.verification import VerifyOutput, block_verify, spectr_verify, token_verify
 
 __all__ = ["VERIFIERS", "prefill", "run_step"]
@@ -228,6 +229,25 @@ def _verify(
     return result
 
 
+def _verify_greedy(drafts: Drafts, target_ids: torch.Tensor, width: int) -> _Verified:
+    """Greedy rows under token or block verification, one draft each: the drafted prefix the
+    target's argmax agrees with, then the target's argmax at the first disagreement (or after
+    the last draft). It is what both verifiers return when the target's distribution is one-hot
+    (a drafted token is kept with probability p(x) / q(x) capped at 1, i.e. exactly when it is
+    the argmax, and the residual and bonus distributions are the one-hot itself), computed
+    without the (B, k + 1, V) distributions; ``target_ids``: (B, k + 1)."""
+    zeros = torch.zeros(target_ids.shape[0], dtype=torch.int64, device=target_ids.device)
+    if width == 0:
+        return _Verified(zeros, target_ids[:, 0], zeros.clone())
+    positions = torch.arange(width, device=target_ids.device)
+    agree = (drafts.ids[:, 0, :width] == target_ids[:, :width]) & (
+        positions < drafts.num_drafted.unsqueeze(1)
+    )
+    num_accepted = agree.long().cumprod(dim=1).sum(dim=1)
+    next_ids = target_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    return _Verified(num_accepted, next_ids, zeros.clone())
+
+
 @torch.inference_mode()
 def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     """One speculative step for every row (all prefilled); returns each row's chunk."""
@@ -235,7 +255,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     device, num_rows = pair.device, len(rows)
     # Who drafts what (osd.decode.proposers): the draft model's rows, and rows whose drafts
     # were looked up (grammar and SpecTr rows always take the model's).
-    plan = pair.proposers.plan(rows, pair.controller)
+    plan = pair.proposers.plan(rows, pair.controller, pair.target.packs)
     spec_k = plan.spec_k
     branches = [row.request.num_slots for row in rows]
     width = max(spec_k)
@@ -282,13 +302,16 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     # Position i of a branch row sees that branch's drafts before it (its padding only past
     # its own k, where nothing is read).
     seen = history_rows(history, row_of)
-    target_probs = rows_to_probs(
-        logits,
+    processing = (
         sampling.select(row_of),
         None if seen is None else block_history(seen, spec),
         None if masks is None else masks.target_allowed(width + 1),
     )
-    verified = _verify(rows, drafts, target_probs, first_row, branches, width)
+    if sampling.all_greedy and all(row.request.verifier != "spectr" for row in rows):
+        verified = _verify_greedy(drafts, rows_to_greedy_ids(logits, *processing), width)
+    else:
+        target_probs = rows_to_probs(logits, *processing)
+        verified = _verify(rows, drafts, target_probs, first_row, branches, width)
 
     everyone = torch.arange(num_rows, device=device)
     chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
@@ -372,5 +395,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
     if pair.controller is not None:  # after the step's sync: host time is the step's time
         seconds = time.perf_counter() - started
-        pair.controller.observe_step(num_rows, width, seconds, plan.model_runs)
+        # Positions each row verified beyond its own next token: the width, or their mean
+        # where the forward computed only the positions rows have.
+        extra = computed_positions(pair.target, num_real, input_ids.shape[1]) / len(fan_out) - 1
+        pair.controller.observe_step(num_rows, max(extra, 0.0), seconds, plan.model_runs)
     return chunks

@@ -264,14 +264,17 @@ class CheapDraftCosts:
     """Step costs of a pair whose draft costs 5 % of the target (the tiny test pair's draft
     costs about as much as its target, so there speculation rightly never pays)."""
 
-    def observe(self, batch: int, k: int, seconds: float, model: bool = True) -> None:
+    def observe(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
         pass
 
     def seconds(self, batch: int, max_k: int) -> list[float]:
         return [1.0 + 0.05 * k for k in range(max_k + 1)]
 
     def free_seconds(self, batch: int, max_k: int) -> list[float]:
-        return [1.0 + 0.01 * k for k in range(max_k + 1)]
+        return [self.free_cost(batch, k) for k in range(max_k + 1)]
+
+    def free_cost(self, batch: int, extra: float) -> float:
+        return 1.0 + 0.01 * extra
 
 
 def test_auto_draft_length_drafts_a_draft_that_fits(decoder):

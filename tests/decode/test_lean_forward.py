@@ -4,12 +4,14 @@ in-place and gathered reads, windows, GQA, Qwen3's q/k norms and per-row LoRA ad
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from peft import LoraConfig
 
 from osd import SpeculativeDecoder
-from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.kv_cache import ForwardPlan, SlotKVCache, packing, plan_forward
 from osd.decode.lean_forward import lean_forward_for
 from osd.decode.models import CausalLM
 from tests.families import FAMILIES, build_family, family_pair
@@ -67,6 +69,46 @@ def test_lean_forward_equals_transformers_over_the_slot_cache(name):
             got = lean.run(plan, caches[0], num_logits=plan.input_ids.shape[1])
             want = plain.run(plan, caches[1], num_logits=plan.input_ids.shape[1])
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_a_packed_forward_computes_what_the_padded_one_does(name):
+    """Only the real tokens computed (queries scattered into the grid for attention): the same
+    logits at every real position, 0 at right padding, and the same keys and values cached."""
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    caches = [SlotKVCache(4, 64, lean.attention.spans, 16) for _ in range(2)]
+    with torch.inference_mode():
+        for plan in _steps(lean):
+            batch, width = plan.input_ids.shape
+            real = (plan.write_slot != 4).sum(1).tolist()
+            left = [int((plan.write_slot[b] != 4).int().argmax()) for b in range(batch)]
+            packed = packing(left, real, width, width, "cpu", share=1.0)
+            if packed is None:  # one row: nothing to pack
+                continue
+            got = lean.run(dataclasses.replace(plan, packed=packed), caches[0], num_logits=width)
+            want = plain.run(plan, caches[1], num_logits=width)
+            columns = torch.arange(width)
+            is_real = (columns >= torch.tensor(left)[:, None]) & (
+                columns < torch.tensor(left)[:, None] + torch.tensor(real)[:, None]
+            )
+            torch.testing.assert_close(got[is_real], want[is_real], rtol=1e-5, atol=1e-5)
+            padding = is_real.logical_not() & (columns >= torch.tensor(left)[:, None])
+            assert (got[padding] == 0).all()
+        for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
+            torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_a_model_with_lora_is_never_run_packed():
+    target, draft = family_pair("llama3")
+    assert CausalLM(target, 64).packs and not CausalLM(target, 64, lean=False).packs
+    draft_lm = CausalLM(draft, 64)
+    assert draft_lm.uses_lean_forward and not draft_lm.packs
+    plan = dataclasses.replace(
+        ForwardPlan.make_dummy(2, 3, 4), packed=packing([0, 0], [3, 1], 3, 1, "cpu")
+    )
+    with pytest.raises(ValueError, match="packs"):
+        draft_lm.run(plan, SlotKVCache(4, 64), num_logits=1)
 
 
 def test_in_place_reads_equal_gathered_reads():

@@ -90,8 +90,11 @@ class Proposers:
             {} if settings is None else {name: make(settings) for name, make in LOOKUPS.items()}
         )
 
-    def plan(self, rows: list[Row], controller: GoodputController | None) -> StepPlan:
-        """Chooses each row's proposer and k (see the module docstring)."""
+    def plan(
+        self, rows: list[Row], controller: GoodputController | None, packs: bool = False
+    ) -> StepPlan:
+        """Chooses each row's proposer and k (see the module docstring); ``packs``: the
+        target's forward computes only the positions rows have (no padding to the widest)."""
         batch = len(rows)
         plan = StepPlan([0] * batch, [0] * batch, ["draft"] * batch)
         for b, row in enumerate(rows):
@@ -125,11 +128,13 @@ class Proposers:
             else:
                 self._take(plan, b, name, offers[name], k)
         if controller is not None and len(plan.lookups) and not plan.model_runs and batch > 1:
-            self._cap_width(plan, rows, controller)
+            self._cap_width(plan, rows, controller, packs)
         return plan
 
     @staticmethod
-    def _cap_width(plan: StepPlan, rows: list[Row], controller: GoodputController) -> None:
+    def _cap_width(
+        plan: StepPlan, rows: list[Row], controller: GoodputController, packs: bool
+    ) -> None:
         """Cuts the looked-up drafts to the width the whole batch gains most from
         (:meth:`GoodputController.batch_width`); rows the controller chose for are cut, a
         pinned row too (its k was never more than a budget)."""
@@ -138,7 +143,7 @@ class Proposers:
             controller.lookup_tokens(plan.names[b], rows[b].request.route, plan.lookups[b].probs)
             for b in members
         ]
-        width = controller.batch_width(len(rows), expected, len(rows) - len(members))
+        width = controller.batch_width(len(rows), expected, len(rows) - len(members), packs)
         for b in members:
             found = plan.lookups[b]
             if len(found.tokens) <= width:
