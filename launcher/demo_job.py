@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher.demo_live import describe_loop, live_view, poll_health
-from launcher.demo_report import write_report
+from launcher.demo_report import describe_mix, write_report
 from launcher.demo_traffic import TrafficDriver
 from launcher.stack import LocalStack, install_signal_handlers
 from osd.config import OSDConfig, load_config
@@ -327,4 +327,7 @@ def main(argv: Sequence[str]) -> int:
     print("decode tokens/s per request against the reference requests (speculation off):")
     for phase, numbers in report["reference"].items():
         print(f"  {phase:6s} {describe_reference(numbers)}")
+    print("drafted by (share of drafted tokens, acceptance):")
+    for scope, mix in report["proposers"].items():
+        print(f"  {scope:6s} {describe_mix(mix)}")
     return 0

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from launcher.demo_report import decode_rate
+from launcher.demo_report import decode_rate, describe_mix, proposer_mix
 from launcher.demo_traffic import Sample, TrafficDriver
 
 __all__ = [
@@ -88,12 +88,15 @@ def live_view(
     table.add_column("domain")
     table.add_column("acceptance (last 20)", justify="right")
     table.add_column("k chosen (mean)", justify="right")
+    table.add_column("drafted by (last 20)")
     table.add_column("requests", justify="right")
     for domain, numbers in recent_by_domain(samples).items():
+        recent = [s for s in samples if s.domain == domain and not s.reference][-20:]
         table.add_row(
             domain,
             f"{numbers['acceptance']:.3f}",
             f"{numbers['mean_k']:.2f}",
+            describe_mix(proposer_mix(recent)),
             str(int(numbers["requests"])),
         )
     # The last 40 of each kind: decode tokens/s, speculation on against off.
@@ -102,7 +105,9 @@ def live_view(
     versions = ", ".join(f"{a} v{v}" for a, v in health.get("adapters", {}).items())
     table.caption = (
         f"decoding: {spec:.1f} tok/s per request speculative, {alone:.1f} with speculation off "
-        f"(reference requests): {spec / alone:.2f}x\nadapters in service: {versions}\n"
+        f"(reference requests): {spec / alone:.2f}x\n"
+        f"drafted by (whole run): {describe_mix(proposer_mix(samples))}\n"
+        f"adapters in service: {versions}\n"
         + describe_chat(samples)
         + describe_loop(health, supervision or {})
     )

@@ -158,6 +158,42 @@ def chat_summary(samples: list[Any], window: int = 10) -> dict[str, Any]:
     }
 
 
+def proposer_mix(samples: list[Any]) -> dict[str, dict[str, float]]:
+    """Who drafted, over ``samples``' speculative requests: per proposer (``draft``: the draft
+    model, ``suffix``, ``ngram``), drafted and accepted tokens, their acceptance, and its share
+    of all drafted tokens."""
+    totals: dict[str, list[int]] = {}
+    for sample in samples:
+        if getattr(sample, "reference", False):
+            continue
+        for name, counts in (getattr(sample, "proposers", None) or {}).items():
+            total = totals.setdefault(name, [0, 0])
+            total[0] += counts.get("drafted", 0)
+            total[1] += counts.get("accepted", 0)
+    drafted = sum(t[0] for t in totals.values())
+    return {
+        name: {
+            "drafted": d,
+            "accepted": a,
+            "acceptance": a / d if d else float("nan"),
+            "share": d / drafted if drafted else 0.0,
+        }
+        for name, (d, a) in sorted(totals.items())
+    }
+
+
+def describe_mix(mix: dict[str, dict[str, float]]) -> str:
+    """``suffix 70 % (acc 0.81), draft 30 % (acc 0.55)``: shares of drafted tokens, largest
+    first; "none" when nothing was drafted."""
+    ranked = sorted(mix.items(), key=lambda item: -item[1]["share"])
+    parts = [
+        f"{name} {100 * m['share']:.0f} % (acc {m['acceptance']:.2f})"
+        for name, m in ranked
+        if m["drafted"]
+    ]
+    return ", ".join(parts) or "none"
+
+
 def decode_rate(samples: list[Any]) -> float | None:
     """Tokens per second while requests decode: tokens after the first over the replica's time
     from first token to last, summed over ``samples`` (queueing, HTTP and prefill, the same
@@ -218,6 +254,10 @@ def throughput_series(samples: list[Any], num_bins: int = 20) -> list[tuple[floa
     return series
 
 
+def domains(samples: list[Any]) -> list[str]:
+    return sorted({s.domain for s in samples})
+
+
 def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> dict[str, Any]:
     samples, start = result["samples"], result["wall_start"]
     events = [{**e, "t": e["time"] - start} for e in result["events"]]
@@ -231,6 +271,10 @@ def write_report(result: dict[str, Any], run_dir: Path, config: OSDConfig) -> di
         "first_versions": first_versions(samples, published, labels=result.get("labels", True)),
         "chat": chat_summary(samples),
         "reference": reference_summary(samples),
+        "proposers": {
+            "all": proposer_mix(samples),
+            **{d: proposer_mix([s for s in samples if s.domain == d]) for d in domains(samples)},
+        },
         "labels": result.get("labels", True),
         "routing": routing_summary(result.get("routing", []), start),
         "tokens_per_second": throughput_series(samples),
@@ -309,6 +353,16 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _proposer_fields(sample: dict[str, Any]) -> dict[str, float]:
+    """One request's drafted tokens per proposer, and their acceptance, for W&B."""
+    out: dict[str, float] = {}
+    for name, counts in (sample.get("proposers") or {}).items():
+        out[f"drafted_by/{name}"] = counts["drafted"]
+        if counts["drafted"]:
+            out[f"acceptance_by/{name}"] = counts["accepted"] / counts["drafted"]
+    return out
+
+
 def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
     if config.wandb.mode == "disabled":
         return ""
@@ -337,6 +391,7 @@ def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
                 "latency": sample["latency"],
                 "decode_tokens_per_second": max(sample["tokens"] - 1, 0)
                 / max(sample["decode_seconds"], 1e-9),
+                **_proposer_fields(sample),
             }
         )
     for domain, numbers in report["domains"].items():
@@ -345,6 +400,10 @@ def _log_wandb(report: dict[str, Any], config: OSDConfig, run_dir: Path) -> str:
     for phase, numbers in report["reference"].items():
         for key, value in numbers.items():
             run.summary[f"reference/{phase}/{key}"] = value
+    for scope, mix in report["proposers"].items():
+        for name, numbers in mix.items():
+            for key, value in numbers.items():
+                run.summary[f"proposers/{scope}/{name}/{key}"] = value
     run.summary["published_versions"] = len(report["published"])
     for key in ("first", "last"):
         if report["routing"][key] is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -40,6 +40,8 @@ class Sample:
     endpoint: str = "completions"  # or "chat": /v1/chat/completions (then domain is "chat")
     topic: str = ""  # the request's own domain, its route key (differs from domain for chats)
     text_chars: int = 0  # characters of the returned text (a chat answering "" shows here)
+    # Who drafted (the response's osd.proposers): proposer -> steps, drafted, accepted.
+    proposers: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def is_reference(index: int, concurrency: int, every: int) -> bool:
@@ -189,6 +191,7 @@ class TrafficDriver:
             endpoint=endpoint,
             topic=item.domain,
             text_chars=len(text),
+            proposers=dict(stats.get("proposers") or {}),
         )
         with self._lock:
             self.samples.append(sample)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+from rich.console import Console
 
 from launcher.demo_job import describe_reference, describe_routing
-from launcher.demo_live import describe_chat, recent_by_domain
+from launcher.demo_live import describe_chat, live_view, recent_by_domain
 from launcher.demo_report import (
     chat_summary,
+    describe_mix,
     domain_summary,
     first_versions,
+    proposer_mix,
     reference_summary,
     routing_summary,
 )
@@ -209,3 +214,27 @@ def test_routing_summary_reports_the_first_and_last_served_accuracy():
     empty = routing_summary([], start=100.0)
     assert empty == {"points": [], "first": None, "last": None, "published": 0}
     assert describe_routing(empty) == ""
+
+
+def test_the_proposer_mix_counts_speculative_requests_and_shows_in_the_live_view():
+    mixed = sample("sql", 10, 1.0)
+    mixed.proposers = {
+        "draft": {"steps": 2, "drafted": 4, "accepted": 1},
+        "suffix": {"steps": 3, "drafted": 12, "accepted": 9},
+    }
+    alone = sample("sql", 10, 1.0, reference=True)
+    alone.proposers = {"suffix": {"steps": 9, "drafted": 99, "accepted": 0}}  # never counted
+    mix = proposer_mix([mixed, alone, sample("prose", 5, 1.0)])
+    assert mix["suffix"] == {"drafted": 12, "accepted": 9, "acceptance": 0.75, "share": 0.75}
+    assert mix["draft"]["share"] == 0.25 and mix["draft"]["acceptance"] == 0.25
+    assert describe_mix(mix) == "suffix 75 % (acc 0.75), draft 25 % (acc 0.25)"
+    assert describe_mix({}) == "none"
+
+    class Driver:
+        start_time, failures, samples = time.monotonic(), 0, [mixed, alone]
+
+    table = live_view(Driver(), {}, 2)  # type: ignore[arg-type]
+    console = Console(width=200, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "suffix 75 % (acc 0.75)" in text and "drafted by (whole run)" in text
