@@ -22,7 +22,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,12 +70,13 @@ def clocked(model: CausalLM, clock: ForwardClock) -> Callable[[], None]:
 def closed_loop(
     engine: BatchedEngine,
     decoder: SpeculativeDecoder,
-    prompts: list[str],
+    prompts: Sequence[str | tuple[str, dict[str, Any]]],
     concurrency: int,
     num_requests: int,
     request: dict[str, Any],
 ) -> dict[str, float]:
-    """``concurrency`` clients send ``num_requests`` requests in all; returns the figures."""
+    """``concurrency`` clients send ``num_requests`` requests in all (a prompt may come with
+    settings of its own); returns the figures."""
     lock = threading.Lock()
     order = iter(range(num_requests))
     ttfts: list[float] = []
@@ -89,7 +90,11 @@ def closed_loop(
             if i is None:
                 return
             started = time.perf_counter()
-            handle = engine.submit(decoder.prepare(prompts[i % len(prompts)], **request))
+            prompt = prompts[i % len(prompts)]
+            extra: dict[str, Any] = {}
+            if isinstance(prompt, tuple):  # (prompt, its own settings: e.g. its route)
+                prompt, extra = prompt
+            handle = engine.submit(decoder.prepare(prompt, **{**request, **extra}))
             first = None
             for _ in handle:
                 first = first or time.perf_counter() - started
@@ -120,7 +125,7 @@ def closed_loop(
 
 def measure(
     decoder: SpeculativeDecoder,
-    prompts: list[str],
+    prompts: Sequence[str | tuple[str, dict[str, Any]]],
     concurrency: int,
     num_requests: int,
     request: dict[str, Any],

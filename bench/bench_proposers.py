@@ -9,14 +9,20 @@ workloads:
   from the demo's held-out text (the demo models never trained on these exact requests):
   popular prompts asked again verbatim, templated SQL/JSON requests whose fields rotate, and
   sessions whose next prompt quotes the last answer and asks for more;
-* ``prose``: held-out prose, little repetition (the new proposers must not cost there).
+* ``prose``: held-out prose, little repetition (the new proposers must not cost there);
+* ``sql``: held-out SQL prompts with the draft's ``sql`` LoRA adapter distilled offline first
+  (``--distill-steps``; the acceptance the online loop reaches), route ``sql``: does ``auto``
+  keep what the learned draft buys;
+* ``mixed``: held-out prompts of four domains interleaved, each with its domain as its route:
+  the suffix store kept per route (``spec.suffix_scope: route``) against one global store.
 
 Variants: the target alone (``method=none``), the draft model alone (``proposer=draft``,
 k by the controller: osd's default before the proposers), suffix decoding alone
-(``proposer=suffix``), and the default (``proposer=auto``: the controller picks per row and
-step). Each measurement starts with an empty suffix store (what it learns, it learns from the
-measured traffic). Then the index itself: memory per million tokens, lookup time, and the time
-to warm a store from logged requests.
+(``proposer=suffix``), the default (``proposer=auto``: the controller picks per row and
+step), and ``auto`` over per-route stores (``auto (route scope)``). Each measurement starts with
+an empty suffix store (what it learns, it learns from the measured traffic). Then the index
+itself: memory per million tokens, lookup time, and the time to warm a store from logged
+requests.
 
 Run alone on a quiet machine: ``python -m bench.bench_proposers`` (``--help`` for options).
 """
@@ -26,24 +32,41 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import threading
 import time
 from typing import Any
+
+import torch
 
 from bench.bench_batched import measure
 from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
-from osd.decode.proposers import LookupSettings, Proposers
+from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.proposers.token_index import SuffixStore, continuations
 from osd.demo import build_demo_models, load_corpus_split
+from osd.demo.distill import DistillRecipe, distill_adapter
 from osd.demo.report import load_pair
+from osd.demo.training import encode_streams
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "target alone": {"method": "none"},
     "draft model": {"method": "block", "proposer": "draft"},
     "suffix": {"method": "block", "proposer": "suffix"},
     "auto": {"method": "block", "proposer": "auto"},
+    "auto (route scope)": {"method": "block", "proposer": "auto"},  # per-route suffix stores
 }
+ROUTE_SCOPED = {"auto (route scope)"}
+MIXED_DOMAINS = ("sql", "code", "json", "prose")
+
+
+def mixed_prompts(corpus: Any) -> list[tuple[str, dict[str, Any]]]:
+    """Held-out prompts of four domains interleaved, each with its domain as its route."""
+    by_domain = [
+        [(d.prompt, {"route": domain}) for d in _split(corpus, domain, "heldout")]
+        for domain in MIXED_DOMAINS
+    ]
+    return [p for group in zip(*by_domain) for p in group]  # noqa: B905 (shortest wins)
 
 
 def repetitive_prompts(corpus: Any, count: int, seed: int = 0) -> list[str]:
@@ -111,6 +134,28 @@ def index_costs(corpus: Any, tokenizer: Any, budget: int) -> dict[str, float]:
     }
 
 
+def distilled_sql_draft(
+    paths: Any, target: Any, draft: Any, tokenizer: Any, steps: int, threads: int
+) -> Any:
+    """The draft with an ``sql`` LoRA adapter distilled offline (in a thread that then ends:
+    a thread that ran parallel torch work keeps an OpenMP team that slows the decode loop)."""
+    out: dict[str, Any] = {}
+
+    def distill() -> None:
+        torch.set_num_threads(threads)
+        texts = {"sql": [doc.text for doc in load_corpus_split(paths.corpus, "sql", "train")]}
+        outcome = distill_adapter(
+            target, draft, encode_streams(tokenizer, texts), "sql", DistillRecipe(steps=steps)
+        )
+        print(f"distilled 'sql' in {outcome.seconds:.0f}s", flush=True)
+        out["draft"] = outcome.draft
+
+    worker = threading.Thread(target=distill)
+    worker.start()
+    worker.join()
+    return out["draft"]
+
+
 def _split(corpus: Any, domain: str, split: str) -> list[Any]:
     try:
         return load_corpus_split(corpus, domain, split)
@@ -120,41 +165,66 @@ def _split(corpus: Any, domain: str, split: str) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--workloads", default="repetitive,prose")
+    parser.add_argument(
+        "--workloads", default="repetitive,prose", help="of repetitive, prose, sql, mixed"
+    )
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--requests", type=int, default=48, help="requests per measurement")
+    parser.add_argument(
+        "--requests", type=int, default=48, help="requests per measurement (>= 8 a client)"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--budget", type=int, default=500_000, help="suffix store tokens")
+    parser.add_argument(
+        "--distill-steps",
+        type=int,
+        default=DistillRecipe.steps,
+        help="steps of the sql adapter's offline distillation (sql workload)",
+    )
     add_threads_argument(parser)
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     threads = apply_bench_threads(args.threads)
     paths = build_demo_models()
     target, draft, tokenizer = load_pair(paths)
+    names = args.workloads.split(",")
+    per_workload: dict[str, dict[str, Any]] = {w: {} for w in names}
+    if "sql" in names and args.distill_steps > 0:
+        draft = distilled_sql_draft(paths, target, draft, tokenizer, args.distill_steps, threads)
+        per_workload["sql"] = {"adapter": "sql", "route": "sql"}
     decoder = SpeculativeDecoder(target, draft, tokenizer, suffix_budget=args.budget)
-    workloads = {
-        "repetitive": repetitive_prompts(paths.corpus, args.requests),
-        "prose": [d.text[:200] for d in load_corpus_split(paths.corpus, "prose", "heldout")],
+    workloads: dict[str, Any] = {
+        "repetitive": lambda: repetitive_prompts(paths.corpus, args.requests),
+        "prose": lambda: [d.text[:200] for d in _split(paths.corpus, "prose", "heldout")],
+        "sql": lambda: [d.prompt for d in _split(paths.corpus, "sql", "heldout")][:64],
+        "mixed": lambda: mixed_prompts(paths.corpus),
     }
     rows: list[dict[str, Any]] = []
-    for workload in args.workloads.split(","):
-        prompts = workloads[workload]
+    for workload in names:
+        prompts = workloads[workload]()
         for conc in (int(c) for c in args.concurrency.split(",")):
             for variant in args.variants.split(","):
-                decoder.proposers = Proposers(LookupSettings(args.budget))  # learns from scratch
+                if variant in ROUTE_SCOPED and workload != "mixed":
+                    continue  # one store per route differs from one store on mixed routes only
+                scope: SuffixScope = "route" if variant in ROUTE_SCOPED else "global"
+                # Learns from scratch.
+                decoder.proposers = Proposers(LookupSettings(args.budget, scope))
                 request = {
                     "max_tokens": args.max_tokens,
                     "temperature": 0.0,
                     "stop_token_ids": [],
                     "log": False,
                     **VARIANTS[variant],
+                    **per_workload[workload],
                 }
-                row = measure(decoder, prompts, conc, args.requests, request, 16, threads)
+                # At least 8 requests a client: the controller's cold start is part of a
+                # measurement, not all of it.
+                count = max(args.requests, 8 * conc)
+                row = measure(decoder, prompts, conc, count, request, 16, threads)
                 row |= {"workload": workload, "variant": variant, "concurrency": conc}
                 rows.append(row)
                 print(
-                    f"{workload:10s} c{conc:<3d} {variant:13s} {row['tok/s']:7.1f} tok/s "
+                    f"{workload:10s} c{conc:<3d} {variant:17s} {row['tok/s']:7.1f} tok/s "
                     f"acc {row['acceptance']:.2f} mean k {row['mean_k']:.2f}",
                     flush=True,
                 )
@@ -175,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     table = []
     for row in rows:
         alone, model = rate_of("target alone", row), rate_of("draft model", row)
+        best_single = max(model, rate_of("suffix", row))  # nan if either is not measured
         table.append(
             [
                 row["workload"],
@@ -183,13 +254,24 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['tok/s']:.1f}",
                 f"{row['tok/s'] / alone:.2f}x",
                 f"{row['tok/s'] / model:.2f}x",
+                f"{row['tok/s'] / best_single:.2f}x",
                 f"{row['acceptance']:.2f}",
                 f"{row['mean_k']:.2f}",
             ]
         )
     print_table(
         "Proposers on the demo pair (greedy, 64 tokens, closed loop)",
-        ["workload", "conc", "variant", "tok/s", "/ target", "/ draft model", "accept", "mean k"],
+        [
+            "workload",
+            "conc",
+            "variant",
+            "tok/s",
+            "/ target",
+            "/ draft model",
+            "/ max(draft, suffix)",
+            "accept",
+            "mean k",
+        ],
         table,
     )
     costs = index_costs(paths.corpus, tokenizer, args.budget)

@@ -109,8 +109,9 @@ class StepCosts:
 
     prior_ratio: float = 0.25
     # A token proposed without a model (osd.decode.proposers) costs only its place in the
-    # target's forward: a few % of a step on the demo pair, until measured.
-    free_prior_ratio: float = 0.03
+    # target's forward: per position a row verifies, this share of a step times the batch
+    # (measured on the demo pair at 16 rows with packed forwards: 0.2, i.e. 0.0125 x 16).
+    free_prior_ratio: float = 0.015
     decay: float = 0.98
     _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
     _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
@@ -125,15 +126,22 @@ class StepCosts:
         """One step whose rows verified k drafted positions each (its width, or their mean
         where the target's forward computed only the positions rows have); ``model``: the
         draft model ran (else the drafts were looked up)."""
+        bucket = self.bucket(batch)
+        # Every kind of the bucket forgets at every step, so an estimate of a kind the
+        # controller stopped choosing (looked-up drafts judged too dear on a few slow cold
+        # steps) fades back to its prior and is tried again.
+        for kind in (self._zero, self._line, self._free):
+            for i, value in enumerate(kind.get(bucket, ())):
+                kind[bucket][i] = value * self.decay
         if k == 0:
             values = [1.0, seconds]
-            sums = self._zero.setdefault(self.bucket(batch), [0.0] * 2)
+            sums = self._zero.setdefault(bucket, [0.0] * 2)
         else:
             values = [1.0, k, k * k, seconds, k * seconds]
             lines = self._line if model else self._free
-            sums = lines.setdefault(self.bucket(batch), [0.0] * 5)
+            sums = lines.setdefault(bucket, [0.0] * 5)
         for i, value in enumerate(values):
-            sums[i] = sums[i] * self.decay + value
+            sums[i] += value
 
     def seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k at this batch size.
@@ -161,33 +169,36 @@ class StepCosts:
     def free_seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k when the k tokens come without a model.
 
-        Fitted like the draft model's line from steps in which no draft forward ran; until
-        such steps are measured in the nearest bucket, a step without drafting plus
-        ``free_prior_ratio`` of it per token (a position costs every row of a padded batch
-        one more token in the forward).
+        A step without drafting plus a slope per position each row verifies, fitted through
+        that base from steps in which no draft forward ran (a looked-up token costs only its
+        place in the target's forward: no fixed cost to extrapolate, so the few widths a
+        batch happens to verify cannot tilt an intercept). Until such steps are measured in
+        the nearest bucket, ``free_prior_ratio`` of the base per token and row (a position
+        costs every row of a padded batch one more token in the forward).
         """
-        base, intercept, slope = self._free_line(batch)
-        return [base] + [max(intercept + slope * k, base) for k in range(1, max_k + 1)]
+        base, slope = self._free_line(batch)
+        return [base + slope * k for k in range(max_k + 1)]
 
     def free_cost(self, batch: int, extra: float) -> float:
         """Estimated seconds of a step without a draft forward whose rows verify ``extra``
         looked-up positions each on average (a fraction where a packed forward computes only
         the positions rows have: :func:`osd.decode.kv_cache.packing`)."""
-        base, intercept, slope = self._free_line(batch)
-        return base if extra <= 0 else max(intercept + slope * extra, base)
+        base, slope = self._free_line(batch)
+        return base + slope * max(extra, 0.0)
 
-    def _free_line(self, batch: int) -> tuple[float, float, float]:
-        """(seconds without drafting, intercept, slope) of the model-free line (free_seconds)."""
+    def _free_line(self, batch: int) -> tuple[float, float]:
+        """(seconds without drafting, seconds per looked-up position a row verifies)."""
         base = self.seconds(batch, 0)[0]
-        ratio = min(1.0, self.free_prior_ratio * batch)
+        prior = base * min(1.0, self.free_prior_ratio * batch)
         measured = self._free.keys()
         if not measured:
-            return base, base, base * ratio
+            return base, prior
         wanted = self.bucket(batch)
         bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
-        fitted = self._fit(self._free[bucket], base, ratio)
-        assert fitted is not None
-        return base, *fitted
+        _, k_sum, kk_sum, _, kt_sum = self._free[bucket]
+        # Least squares through (0, base), with the prior as one step at k = 1:
+        # (sum k (t - base) + prior) / (sum k^2 + 1).
+        return base, max((kt_sum - base * k_sum + prior) / (kk_sum + 1.0), 0.0)
 
     def _fit(
         self, sums: list[float] | None, base: float | None, ratio: float | None = None
@@ -331,11 +342,13 @@ class GoodputController:
         rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
         best = ("draft", k, expected_tokens(rates, k) / max(model_seconds[k], 1e-9))
         free_seconds = self.costs.free_seconds(batch, min(limit, self.max_k))
-        probing = self.steps % self.probe_every == self.probe_every - 3
+        probing = self._probing_lookups()
         for name, probs in offers:
             m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
-            if m and (rate >= best[2] or probing):
-                best = (name, m, math.inf if probing else rate)
+            if probing:  # at least one token: a cost or calibration that fell is measured again
+                m, rate = max(m, 1), math.inf
+            if m and rate >= best[2]:
+                best = (name, m, rate)
         return best[0], best[1]
 
     def lookup_tokens(self, name: str, route: str, probs: tuple[float, ...]) -> list[float]:
@@ -364,7 +377,13 @@ class GoodputController:
             extra = sum(min(w, len(e) - 1) for e in expected) / batch if packed else w
             rates.append(tokens / max(self.costs.free_cost(batch, extra), 1e-9))
         good_enough = max(rates) * (1 - self.tolerance)
-        return next(w for w, rate in enumerate(rates) if rate >= good_enough)
+        width = next(w for w, rate in enumerate(rates) if rate >= good_enough)
+        return max(width, 1) if self._probing_lookups() else width
+
+    def _probing_lookups(self) -> bool:
+        """One step in ``probe_every`` (a phase of its own) looked-up drafts are taken even
+        where the estimates advise against them, so estimates that fell are measured again."""
+        return self.steps % self.probe_every == self.probe_every - 3
 
     def _free_choice(
         self, name: str, route: str, probs: tuple[float, ...], seconds: list[float]

@@ -395,8 +395,13 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             cache.copy_positions(moves[:, 0], moves[:, 1], moves[:, 2])
     if pair.controller is not None:  # after the step's sync: host time is the step's time
         seconds = time.perf_counter() - started
-        # Positions each row verified beyond its own next token: the width, or their mean
-        # where the forward computed only the positions rows have.
-        extra = computed_positions(pair.target, num_real, input_ids.shape[1]) / len(fan_out) - 1
-        pair.controller.observe_step(num_rows, max(extra, 0.0), seconds, plan.model_runs)
+        # A step of the draft model costs by its depth (the draft's forwards, one a drafted
+        # position); a step without one by the positions each row verified beyond its own next
+        # token (the width, or their mean where the forward computed only what rows have).
+        if plan.model_runs:
+            extra = float(max(plan.model_k))
+        else:
+            computed = computed_positions(pair.target, num_real, input_ids.shape[1])
+            extra = max(computed / len(fan_out) - 1, 0.0)
+        pair.controller.observe_step(num_rows, extra, seconds, plan.model_runs)
     return chunks
