@@ -1,4 +1,5 @@
-"""Prometheus metrics of one replica (exported at ``/metrics``)."""
+"""Prometheus metrics of one replica (exported at ``/metrics``): osd's own ``osd_*``, and the
+same measurements under vLLM's names (:mod:`serving.vllm_metrics`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from serving.vllm_metrics import VllmMetrics
 
 __all__ = ["ReplicaMetrics"]
 
@@ -18,9 +21,11 @@ class ReplicaMetrics:
     """Counters, gauges and histograms; each replica has its own registry."""
 
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    model_name: str = "osd"  # vLLM's model_name label (serve.model_name)
 
     def __post_init__(self) -> None:
         r, labels = self.registry, ["adapter", "version", "domain"]
+        self.vllm = VllmMetrics(r, self.model_name)
         self.requests = Counter(
             "osd_requests", "Requests by outcome", ["endpoint", "status"], registry=r
         )
@@ -152,9 +157,19 @@ class ReplicaMetrics:
         num_drafted: list[int],
         num_accepted: list[int],
         by_proposer: Mapping[str, Sequence[int]] | None = None,
+        *,
+        prompt_tokens: int = 0,
+        finish_reason: str = "stop",
     ) -> None:
         """Counts one finished request's tokens (``by_proposer``: steps, drafted and accepted
         per proposer, as ``GenerationStats.by_proposer``)."""
+        self.vllm.observe_request(
+            prompt_tokens=prompt_tokens,
+            generated=num_generated,
+            finish_reason=finish_reason,
+            num_drafted=num_drafted,
+            num_accepted=num_accepted,
+        )
         labels = (adapter, str(version), domain or "none")
         self.tokens.labels(*labels).inc(num_generated)
         self.drafted.labels(*labels).inc(sum(num_drafted))
@@ -169,6 +184,26 @@ class ReplicaMetrics:
         for accepted in num_accepted:
             for position in range(1, accepted + 1):
                 self.accepted_at.labels(adapter, str(position)).inc()
+
+    def observe_latency(self, seconds: float, ttft: float | None) -> None:
+        """A finished request's latency and time to its first token (None: it had none)."""
+        self.latency.observe(seconds)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        self.vllm.observe_latency(seconds, ttft)
+
+    def observe_itl(self, seconds: float) -> None:
+        """A finished choice's mean time per token after its first."""
+        self.itl.observe(seconds)
+        self.vllm.observe_itl(seconds)
+
+    def observe_batch(self, running: int, waiting: int, mean_rows: float, steps: int) -> None:
+        """The decode loop's batch, read at scrape time."""
+        self.batch_rows.set(running)
+        self.batch_waiting.set(waiting)
+        self.batch_mean.set(mean_rows)
+        self.decode_steps.set(steps)
+        self.vllm.observe_batch(running, waiting)
 
     def adapter_swapped(self, adapter: str) -> None:
         self.swaps.labels(adapter).inc()

@@ -126,7 +126,7 @@ def build_runtime(
         batch,
         models.slots,
         AdapterRouter(adapters, general=adapters[0], min_confidence=config.routing.min_confidence),
-        metrics or ReplicaMetrics(),
+        metrics or ReplicaMetrics(model_name=config.serve.model_name),
         log_writer=log_writer,
         monitor=monitor,
         events=events,
@@ -171,7 +171,7 @@ def wire_replica(
     rollback window default to `config.adapters`'."""
     a = config.adapters
     models = load_replica_models(config)
-    metrics = ReplicaMetrics()
+    metrics = ReplicaMetrics(model_name=config.serve.model_name)
     events: deque[dict[str, Any]] = deque(maxlen=RECENT_ADAPTER_EVENTS)
     monitor, watcher = None, None
     routes_by_content = bool(redis_url) and config.routing.enabled

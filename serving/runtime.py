@@ -299,16 +299,17 @@ class ReplicaRuntime:
                 self._housekeeping.submit(self.slots.collect)
 
     def _account(self, job: Job, results: list[GenerationResult]) -> None:
-        self.metrics.latency.observe(time.perf_counter() - job.started)
-        if job.first_token_at is not None:
-            self.metrics.ttft.observe(job.first_token_at - job.started)
+        self.metrics.observe_latency(
+            time.perf_counter() - job.started,
+            None if job.first_token_at is None else job.first_token_at - job.started,
+        )
         for result in results:  # each choice is a generation of its own, with its own record
             self._account_choice(job, result)
 
     def _account_choice(self, job: Job, result: GenerationResult) -> None:
         stats, lease, domain = result.stats, job.lease, job.request.domain or ""
         if stats.num_generated > 1 and job.first_token_at is not None:
-            self.metrics.itl.observe(
+            self.metrics.observe_itl(
                 (time.perf_counter() - job.first_token_at) / (stats.num_generated - 1)
             )
         log = result.log
@@ -321,6 +322,8 @@ class ReplicaRuntime:
             stats.draft_lengths,
             stats.accepted_lengths,
             stats.by_proposer,
+            prompt_tokens=len(job.streams[0].request.prompt_ids),
+            finish_reason=result.finish_reason,
         )
         # The adapter is judged by the tokens it drafted, not by looked-up ones.
         _, drafted, accepted = stats.by_proposer.get("draft", (0, 0, 0))
@@ -352,10 +355,7 @@ class ReplicaRuntime:
         """Prometheus exposition, with the log writer's and decode loop's counters read at
         scrape time."""
         loop = self.batch.stats
-        self.metrics.batch_rows.set(loop.running)
-        self.metrics.batch_waiting.set(loop.waiting)
-        self.metrics.batch_mean.set(loop.mean_batch)
-        self.metrics.decode_steps.set(loop.steps)
+        self.metrics.observe_batch(loop.running, loop.waiting, loop.mean_batch, loop.steps)
         if self.log_writer is not None:
             self.metrics.observe_writer(self.log_writer.metrics())
         return self.metrics.export()

@@ -49,3 +49,44 @@ def test_compose_redis_is_bounded_and_never_evicts_with_the_log_well_under_it():
     maxmemory = _bytes(command[command.index("--maxmemory") + 1])
     log = load_config(ROOT / "configs/production.yaml").log
     assert 0 < log.max_bytes <= maxmemory // 2  # room for adapter versions (docs/capacity.md)
+
+
+def test_compose_runs_prometheus_over_the_app_and_grafana_with_the_dashboard():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("prometheus", "grafana"):
+        for mount in services[name]["volumes"]:
+            source = mount.split(":")[0]
+            assert not source.startswith("./") or (ROOT / source).exists(), mount
+    scrape = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == ["serve:8000"] and scrape["scrape_configs"][0]["metrics_path"] == "/metrics"
+    assert "GRAFANA_ADMIN_PASSWORD" in (ROOT / ".env.example").read_text()
+
+
+def test_every_series_the_dashboard_reads_is_one_a_replica_exports():
+    """The dashboard's queries name only metrics serving/metrics.py exports (vLLM's names
+    included), so a renamed metric fails here, not on a blank panel."""
+    import json
+    import re
+
+    from serving.metrics import ReplicaMetrics
+
+    metrics = ReplicaMetrics()
+    metrics.observe_generation("general", 1, "sql", 3, [0, 2], [0, 1], {"draft": [1, 2, 1]})
+    metrics.observe_latency(1.0, 0.1)
+    metrics.observe_itl(0.01)
+    metrics.adapter_swapped("sql")
+    metrics.adapter_rolled_back("sql")
+    metrics.loop_part_ok.labels("trainer").set(1)
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in metrics.export().decode().splitlines()
+        if line and not line.startswith("#")
+    }
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/osd.json").read_text())
+    names = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            names |= set(re.findall(r"\b((?:vllm:|osd_)[a-z_:]+)", target["expr"]))
+    assert names and names <= exported, names - exported
+    assert any(n.startswith("vllm:spec_decode") for n in names)

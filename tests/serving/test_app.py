@@ -134,7 +134,11 @@ def test_models_health_and_metrics(ray_serve_app):
     assert health["problems"] == ["trainer: no trainer has reported on this stream"]
     ready = httpx.get(f"{base_url}/ready")
     assert ready.status_code == 200 and ready.json()["checks"]["log_buffer"]["status"] == "ok"
-    assert "osd_generated_tokens_total" in httpx.get(f"{base_url}/metrics").text
+    text = httpx.get(f"{base_url}/metrics").text
+    assert "osd_generated_tokens_total" in text
+    # vLLM's names beside osd's (serving/vllm_metrics.py), labelled with the served model.
+    for name in ("vllm:num_requests_running", "vllm:spec_decode_num_drafts_total"):
+        assert f'{name}{{model_name="osd",engine="0"}}' in text
 
 
 def test_concurrent_requests_share_decode_steps_and_stay_exact(ray_serve_app, greedy_text):
