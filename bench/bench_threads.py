@@ -15,6 +15,13 @@ between that and 1 thread by measured step times (probing every 6 steps here, ev
 build). Training steps are averaged (a tuner's probes cost time too), decode steps are medians.
 
 Prints a table (ms) and, with ``--build``, build seconds; ``--json`` saves them.
+
+``--react``: how fast the build's tuner (probing every 64 steps, as in the build) leaves 2
+threads when a busy neighbour starts mid-run: training steps of the demo target, the neighbour
+started after ``--neighbour-at`` steps, with the tuner reacting to a change of step time (the
+default) and without (``react_factor`` infinite: the scheduled probes only); each step's
+seconds and thread count, and the ETA a build of 800 steps would show (the mean of the last 8
+steps times the steps left).
 """
 
 from __future__ import annotations
@@ -139,6 +146,91 @@ def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, 
     }
 
 
+def _react_child(scale: str, steps: int, neighbour_at: int, react: bool) -> dict[str, Any]:
+    """Training steps with the build's tuner; a busy neighbour starts after ``neighbour_at``."""
+    import torch
+
+    from osd.demo.recipe import recipe_for
+    from osd.demo.training import new_model, new_optimizer, train_step
+    from osd.threads import ThreadTuner, apply_threads
+
+    recipe = recipe_for(scale)
+    threads = apply_threads("build").num_threads
+    factor = 2.0 if react else float("inf")
+    tuner = ThreadTuner((threads, 1), set_threads=torch.set_num_threads, react_factor=factor)
+    vocab = recipe.tokenizer.vocab_size
+    model = new_model(recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
+    train = recipe.target_train
+    opt = new_optimizer(model, train)
+    gen = torch.Generator().manual_seed(0)
+    batch = torch.randint(3, vocab, (train.batch_size, train.seq_len + 1), generator=gen)
+    seconds: list[float] = []
+    used: list[int] = []
+    busy = None
+    try:
+        for step in range(steps):
+            if step == neighbour_at:
+                busy = _start_busy()
+            tuner.before_step()
+            used.append(tuner.threads)
+            started = time.perf_counter()
+            train_step(model, opt, batch, train, step)
+            seconds.append(time.perf_counter() - started)
+            tuner.after_step(seconds[-1])
+    finally:
+        if busy is not None:
+            _stop(busy)
+    eta = [statistics.mean(seconds[max(0, i - 7) : i + 1]) * (800 - i - 1) for i in range(steps)]
+    return {"seconds": seconds, "threads": used, "eta_800": eta}
+
+
+def _react(args: argparse.Namespace) -> dict[str, Any]:
+    out = {}
+    for react in (False, True):
+        command = [sys.executable, "-m", "bench.bench_threads", "--child", "react"]
+        command += ["--scale", args.scale, "--steps", str(args.steps)]
+        command += ["--neighbour-at", str(args.neighbour_at)] + (["--react"] if react else [])
+        done = subprocess.run(command, env=_env({}), capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise RuntimeError(f"react={react} failed:\n{done.stderr[-3000:]}")
+        out["reacting" if react else "scheduled probes only"] = json.loads(
+            done.stdout.strip().splitlines()[-1]
+        )
+    at = args.neighbour_at
+    rows = []
+    for name, run in out.items():
+        seconds, used, eta = run["seconds"], run["threads"], run["eta_800"]
+        after = list(range(at, len(seconds)))
+        switched = next((i for i in after if used[i] == 1), None)
+        rows.append(
+            [
+                name,
+                f"{statistics.mean(seconds[1:at]):.2f}",
+                f"{eta[at - 1] / 60:.1f}",
+                "never"
+                if switched is None
+                else f"{switched - at} steps, {sum(seconds[at:switched]):.1f} s",
+                f"{max(eta[at:]) / 60:.1f}",
+                f"{statistics.mean(seconds[-8:]):.2f}",
+                f"{eta[-1] / 60:.1f}",
+            ]
+        )
+    print_table(
+        f"demo target training steps, a busy torch process from step {at} on",
+        [
+            "tuner",
+            "step alone (s)",
+            "ETA before (min)",
+            "to 1 thread",
+            "worst ETA (min)",
+            "step at the end (s)",
+            "ETA at the end (min)",
+        ],
+        rows,
+    )
+    return out
+
+
 def _build_child(config: str, scale: str) -> dict[str, Any]:
     """Times a whole forced build (every stage) into a temporary cache."""
 
@@ -189,7 +281,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--build", action="store_true", help="also time whole forced builds")
     parser.add_argument("--json", default="", help="also write the results to this file")
-    parser.add_argument("--child", choices=["steps", "build"], help=argparse.SUPPRESS)
+    parser.add_argument("--react", action="store_true", help="the tuner beside a neighbour")
+    parser.add_argument("--neighbour-at", type=int, default=8, help="--react: its start step")
+    parser.add_argument("--child", choices=["steps", "build", "react"], help=argparse.SUPPRESS)
     parser.add_argument("--config", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child == "steps":
@@ -197,6 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.child == "build":
         print(json.dumps(_build_child(args.config, args.scale)))
+        return 0
+    if args.child == "react":
+        print(json.dumps(_react_child(args.scale, args.steps, args.neighbour_at, args.react)))
+        return 0
+    if args.react:
+        results = _react(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         return 0
     print(f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable", flush=True)
     results = _measure(args)

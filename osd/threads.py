@@ -30,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -290,7 +292,12 @@ class ThreadTuner:
     comes and goes, so the loop measures instead of guessing: every ``probe_every`` steps it
     runs ``probe_steps`` steps on the other count and keeps it if those were faster than the
     recent steps by ``margin``. A probe that loses doubles the wait before the next, up to
-    ``max_every`` steps; a switch resets it.
+    ``max_every`` steps; a switch resets it. A change of machine is not waited for: when
+    ``react_after`` steps in a row take more than ``react_factor`` times the median of the
+    last ``window`` steps on the current count (a neighbour started), or less than that median
+    divided by it (a neighbour left), the next step probes. Beside a neighbour that started
+    mid-build, 2 threads went from ~1.1 s to ~10 s a step and the tuner, waiting out its
+    doubled probe interval, stayed there for minutes (``docs/demo_models.md``).
 
     Call :meth:`before_step` before each step and :meth:`after_step` with its seconds.
 
@@ -310,6 +317,9 @@ class ThreadTuner:
         probe_steps: int = 2,
         max_every: int = 1024,
         margin: float = 0.1,
+        react_factor: float = 2.0,
+        react_after: int = 2,
+        window: int = 16,
     ) -> None:
         if min(counts) < 1 or probe_every < 1 or probe_steps < 1 or not 0 <= margin < 1:
             raise ValueError(
@@ -325,6 +335,9 @@ class ThreadTuner:
         self._probe: list[float] = []
         self._probing = False
         self._applied = 0
+        self.react_factor, self.react_after = react_factor, react_after
+        self._window: deque[float] = deque(maxlen=window)  # the current count's recent steps
+        self._odd = 0  # steps in a row far from the window's median
 
     @property
     def threads(self) -> int:
@@ -347,8 +360,22 @@ class ThreadTuner:
         recent = self._recent
         self._recent = seconds if recent is None else recent + 0.25 * (seconds - recent)
         self._since_probe += 1
-        if self._since_probe >= self._wait:
-            self._probing, self._probe = True, []
+        if self._changed(seconds):  # the machine changed under the loop: measure again now
+            self._wait, self._recent = self.probe_every, seconds
+            self._window.clear()  # the new regime gets a median of its own
+        self._window.append(seconds)
+        if self._since_probe >= self._wait or self._odd >= self.react_after:
+            self._probing, self._probe, self._odd = True, [], 0
+
+    def _changed(self, seconds: float) -> bool:
+        """Counts steps in a row far from the recent median; True on the step that makes
+        ``react_after`` of them."""
+        if len(self._window) < 4:
+            return False
+        median = statistics.median(self._window)
+        far = seconds > median * self.react_factor or seconds * self.react_factor < median
+        self._odd = self._odd + 1 if far else 0
+        return self._odd == self.react_after
 
     def _end_probe(self) -> None:
         probe = sum(self._probe) / len(self._probe)
@@ -357,6 +384,7 @@ class ThreadTuner:
         if probe < recent * (1 - self.margin):
             old, self.current, self.other = self.current, self.other, self.current
             self._recent, self._wait = probe, self.probe_every
+            self._window.clear()  # another count: its own median
             if self._on_switch is not None:
                 self._on_switch(old, self.current, recent, probe)
         else:

@@ -163,3 +163,30 @@ def test_tuner_with_one_count_never_probes():
     machine = Machine(alone={1: 0.5}, busy={1: 0.5})
     tuner = ThreadTuner((1, 1), set_threads=machine.set, probe_every=1)
     assert run(tuner, machine, 20) == [1] * 20
+
+
+def test_tuner_reacts_within_steps_when_a_neighbour_comes_and_goes():
+    """A slow-down (or speed-up) of twice the recent median, two steps in a row, probes at
+    once, even when losing probes had pushed the next scheduled one hundreds of steps away."""
+    machine = Machine(alone={2: 0.35, 1: 0.62}, busy={2: 10.0, 1: 0.92})
+    tuner = ThreadTuner((2, 1), set_threads=machine.set, probe_every=64, max_every=1024)
+    run(tuner, machine, 700)  # alone: probes lose, the wait grows to 256 and more
+    assert tuner._wait >= 256
+    machine.busy = True
+    busy = run(tuner, machine, 8)
+    assert busy[:2] == [2, 2] and busy[-3:] == [1, 1, 1]  # two slow steps, a probe, switched
+    machine.busy = False  # 1 thread gets only 1.5x faster: the scheduled probe brings 2 back
+    back = run(tuner, machine, 70)
+    assert back[-3:] == [2, 2, 2]
+
+
+def test_tuner_ignores_single_slow_steps():
+    machine = Machine(alone={2: 0.35, 1: 0.62}, busy={2: 10.0, 1: 0.92})
+    tuner = ThreadTuner((2, 1), set_threads=machine.set, probe_every=1000)
+    used = run(tuner, machine, 20)
+    for _ in range(5):  # one slow step now and then (a checkpoint, a GC pause)
+        machine.busy = True
+        used += run(tuner, machine, 1)
+        machine.busy = False
+        used += run(tuner, machine, 10)
+    assert set(used) == {2}

@@ -138,7 +138,7 @@ def test_models_health_and_metrics(ray_serve_app):
     assert "osd_generated_tokens_total" in text
     # vLLM's names beside osd's (serving/vllm_metrics.py), labelled with the served model.
     for name in ("vllm:num_requests_running", "vllm:spec_decode_num_drafts_total"):
-        assert f'{name}{{model_name="osd",engine="0"}}' in text
+        assert f'{name}{{engine="0",model_name="osd"}}' in text
 
 
 def test_concurrent_requests_share_decode_steps_and_stay_exact(ray_serve_app, greedy_text):
