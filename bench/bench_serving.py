@@ -6,6 +6,12 @@ streaming ``/v1/completions`` at concurrency 1, 4 and 16 and prints requests/s, 
 p50/p99 time to first token and latency for: speculative decoding (block, k=4) with logging on
 and off, and speculation off (``spec.method=none``: plain target decoding through the same app).
 Run: ``python -m bench.bench_serving``.
+
+``--proposers``: who drafts, through HTTP, on the demo pair (pass ``model.target=demo:target
+model.draft=demo:draft``): the target alone, the draft model alone (``spec.proposer: draft``),
+suffix decoding alone and the default ``auto`` (k chosen by the controller), on the repetitive
+traffic of ``bench/bench_proposers.py``. One app serves every variant, so its suffix store
+holds what the earlier variants' requests said (as a serving replica's does).
 """
 
 from __future__ import annotations
@@ -116,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         default="prose",
         help="with the demo pair: held-out prompts of this domain (the base draft's is prose)",
     )
+    parser.add_argument(
+        "--proposers", action="store_true", help="who drafts, on repetitive traffic (demo pair)"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     overrides = args.overrides or ["model.target=toy:target", "model.draft=toy:draft"]
@@ -141,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}/v1/completions"
         demo = config.model.target.startswith("demo:")
         prompts = demo_prompts(args.domain, 64) if demo else ["the cat sat on the mat and"]
+        if args.proposers:
+            from bench.bench_proposers import repetitive_prompts
+            from osd.demo import build_demo_models
+
+            prompts = repetitive_prompts(build_demo_models().corpus, max(args.requests, 48))
         base = {
             "model": config.serve.model_name,
             "max_tokens": args.max_tokens,
@@ -156,6 +170,19 @@ def main(argv: list[str] | None = None) -> int:
             },
             "speculation off (target only), logging on": {"spec": {"method": "none"}},
         }
+        if args.proposers:
+            variants = {
+                "target alone": {"spec": {"method": "none"}, "log": False},
+                "draft model (k auto)": {
+                    "spec": {"method": "block", "k": "auto", "proposer": "draft"},
+                    "log": False,
+                },
+                "suffix": {
+                    "spec": {"method": "block", "k": "auto", "proposer": "suffix"},
+                    "log": False,
+                },
+                "auto (the default)": {"spec": {"method": "block", "k": "auto"}, "log": False},
+            }
         run_load(url, base, 1, 2, prompts)  # warm-up
         print(
             f"{'variant':<40}{'conc':>5}"
