@@ -303,10 +303,12 @@ class ReplicaRuntime:
             time.perf_counter() - job.started,
             None if job.first_token_at is None else job.first_token_at - job.started,
         )
-        for result in results:  # each choice is a generation of its own, with its own record
-            self._account_choice(job, result)
+        for index, result in enumerate(results):  # each choice is a generation of its own
+            self._account_choice(job, result, first=index == 0)
 
-    def _account_choice(self, job: Job, result: GenerationResult) -> None:
+    def _account_choice(self, job: Job, result: GenerationResult, first: bool) -> None:
+        """One choice's counts and record; ``first``: the prompt's tokens count with it (the
+        choices of one request share one prefill)."""
         stats, lease, domain = result.stats, job.lease, job.request.domain or ""
         if stats.num_generated > 1 and job.first_token_at is not None:
             self.metrics.observe_itl(
@@ -322,7 +324,7 @@ class ReplicaRuntime:
             stats.draft_lengths,
             stats.accepted_lengths,
             stats.by_proposer,
-            prompt_tokens=len(job.streams[0].request.prompt_ids),
+            prompt_tokens=len(job.streams[0].request.prompt_ids) if first else 0,
             finish_reason=result.finish_reason,
         )
         # The adapter is judged by the tokens it drafted, not by looked-up ones.

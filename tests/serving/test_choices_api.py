@@ -126,3 +126,21 @@ def test_more_choices_than_the_kv_slots_hold_is_a_400_naming_n(replica):
     response = replica.client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "n"
+
+
+def test_n_choices_count_their_prompt_once_under_vllm_names(replica, client):
+    """vllm:prompt_tokens counts one prefill per request, however many choices share it."""
+
+    def counts() -> tuple[float, float]:
+        values = {"vllm:prompt_tokens_total": 0.0, "vllm:request_success_total": 0.0}
+        for line in replica.metrics().splitlines():
+            name = line.split("{")[0]
+            if name in values:  # summed over finished_reason
+                values[name] += float(line.split()[-1])
+        return values["vllm:prompt_tokens_total"], values["vllm:request_success_total"]
+
+    prompt_before, done_before = counts()
+    result = client.completions.create(model="osd", prompt=PROMPT, n=N, max_tokens=4, seed=SEED)
+    prompt_after, done_after = counts()
+    assert prompt_after - prompt_before == result.usage.prompt_tokens
+    assert done_after - done_before == N  # each choice finishes as a request of its own
