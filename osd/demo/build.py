@@ -35,6 +35,7 @@ import torch
 from osd.demo.corpus import build_corpus, load_corpus_split, save_corpus
 from osd.demo.progress import Progress
 from osd.demo.recipe import DOMAINS, Recipe, recipe_for
+from osd.demo.shipped import SHIPPED_DIR, install_shipped
 from osd.demo.training import encode_streams, new_model, train_model
 from osd.demo.vocab import train_tokenizer
 from osd.threads import threads_applied
@@ -296,6 +297,7 @@ def build_demo_models(
     stop_after_stage: str | None = None,
     num_threads: int | None = None,
     on_train_step: Callable[[str, int], None] | None = None,
+    shipped_dir: Path | str | None = None,
 ) -> DemoModelPaths:
     """Builds (or finds in the cache) the demo target/draft pair, tokenizer and corpus.
 
@@ -312,6 +314,9 @@ def build_demo_models(
             to reproduce them elsewhere.
         on_train_step: called as ``(stage, finished_steps)`` after each training step; tests
             raise from it to simulate an interruption.
+        shipped_dir: where shipped pairs are (default: the package's,
+            :mod:`osd.demo.shipped`); when nothing of the recipe is cached and a shipped pair
+            of it passes its sha256 check, it is installed instead of built (``force``: never).
 
     Returns:
         The paths, with ``built_stages`` naming the stages this call built.
@@ -337,6 +342,17 @@ def build_demo_models(
         (root / "recipe.json").write_text(
             json.dumps({"hash": recipe.hash, "recipe": recipe.to_dict()}, indent=2)
         )
+        if not force and not any(stage_is_complete(root, s, recipe) for s in STAGES):
+            started = time.perf_counter()
+            shipped = SHIPPED_DIR if shipped_dir is None else Path(shipped_dir)
+            why_not = install_shipped(root, recipe.scale, recipe.hash, shipped)
+            if why_not is None and all(stage_is_complete(root, s, recipe) for s in wanted):
+                reporter.message(
+                    f"[osd demo-models] installed the shipped pair (float16 weights, sha256 "
+                    f"checked) in {time.perf_counter() - started:.1f}s: {root}"
+                )
+                return DemoModelPaths(root, recipe.hash, recipe.scale, ())
+            reporter.message(f"[osd demo-models] building: {why_not or 'shipped pair incomplete'}")
         for stage in wanted:
             if not force and stage_is_complete(root, stage, recipe):
                 continue

@@ -13,9 +13,11 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from osd.demo.build import STAGES, build_demo_models, demo_models_root, stage_is_complete
 from osd.demo.recipe import TEXT_DOMAINS, recipe_for
+from osd.demo.shipped import SHIPPED_DIR, pack
 
 __all__ = ["main"]
 
@@ -46,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="torch threads (default: every core this process may use; OSD_TORCH_THREADS)",
+    )
+    pack = sub.add_parser(
+        "pack", help="write the built pair as the shipped archive (float16 weights, sha256)"
+    )
+    _common(pack)
+    pack.add_argument(
+        "--out", default=None, help="directory (default: the package's osd/demo/shipped)"
     )
     path = sub.add_parser("path", help="print the directory (exit 1 if not fully built)")
     _common(path)
@@ -85,6 +94,23 @@ def _build(args: argparse.Namespace) -> int:
         num_threads=args.threads,
     )
     print(paths.root)
+    return 0
+
+
+def _pack(args: argparse.Namespace) -> int:
+    recipe = recipe_for(args.scale)
+    root = demo_models_root(args.cache_dir, args.scale)
+    missing = [s for s in STAGES if not stage_is_complete(root, s, recipe)]
+    if missing:
+        print(
+            f"{root} is not built (missing: {', '.join(missing)}); run: osd demo-models build"
+            f" --scale {args.scale}",
+            file=sys.stderr,
+        )
+        return 1
+    out = Path(args.out) if args.out else SHIPPED_DIR
+    archive = pack(root, recipe.scale, recipe.hash, out)
+    print(f"{archive} ({archive.stat().st_size / 1e6:.1f} MB)")
     return 0
 
 
@@ -162,5 +188,11 @@ def _workload(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str]) -> int:
     """Runs ``osd demo-models <command> ...``; returns the exit status."""
     args = _parser().parse_args(list(argv))
-    command = {"build": _build, "path": _path, "report": _report, "workload": _workload}
+    command = {
+        "build": _build,
+        "pack": _pack,
+        "path": _path,
+        "report": _report,
+        "workload": _workload,
+    }
     return command[args.command](args)
