@@ -97,41 +97,59 @@ def _median_ms(seconds: list[float]) -> float:
     return 1000 * statistics.median(seconds)
 
 
+class _TunedTraining:
+    """Training steps of the scale's target (random tokens: a step's time does not depend on
+    them) under the build's thread tuner, made with ``tuner_options``."""
+
+    def __init__(self, scale: str, **tuner_options: Any) -> None:
+        import torch
+
+        from osd.demo.recipe import recipe_for
+        from osd.demo.training import new_model, new_optimizer
+        from osd.threads import ThreadTuner, apply_threads
+
+        self.recipe = recipe_for(scale)
+        self.threads = apply_threads("build").num_threads
+        self.tuner = ThreadTuner(
+            (self.threads, 1), set_threads=torch.set_num_threads, **tuner_options
+        )
+        vocab = self.recipe.tokenizer.vocab_size
+        self.model = new_model(self.recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
+        self.train = self.recipe.target_train
+        self.optimizer = new_optimizer(self.model, self.train)
+        gen = torch.Generator().manual_seed(0)
+        shape = (self.train.batch_size, self.train.seq_len + 1)
+        self.batch = torch.randint(3, vocab, shape, generator=gen)
+
+    def step(self, index: int) -> tuple[float, int]:
+        """One tuned training step: (seconds, threads it ran on)."""
+        from osd.demo.training import train_step
+
+        self.tuner.before_step()
+        threads = self.tuner.threads
+        started = time.perf_counter()
+        train_step(self.model, self.optimizer, self.batch, self.train, index)
+        seconds = time.perf_counter() - started
+        self.tuner.after_step(seconds)
+        return seconds, threads
+
+
 def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, Any]:
-    """Times training and decode steps of the scale's target in this process (random tokens:
-    the time of a step does not depend on them)."""
+    """Times training and decode steps of the scale's target in this process."""
     import torch
 
-    from osd.demo.recipe import recipe_for
-    from osd.demo.training import new_model, new_optimizer, train_step
-    from osd.threads import ThreadTuner, apply_threads
-
-    recipe = recipe_for(scale)
-    threads = apply_threads("build").num_threads
-    used: list[int] = []
-    tuner = ThreadTuner((threads, 1), set_threads=torch.set_num_threads, probe_every=PROBE_EVERY)
-    vocab = recipe.tokenizer.vocab_size
-    model = new_model(recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
-    train = recipe.target_train
-    opt = new_optimizer(model, train)
-    gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(3, vocab, (train.batch_size, train.seq_len + 1), generator=gen)
-    train_s = []
-    for step in range(warmup + steps):
-        tuner.before_step()
-        used.append(tuner.threads)
-        started = time.perf_counter()
-        train_step(model, opt, batch, train, step)
-        train_s.append(time.perf_counter() - started)
-        tuner.after_step(train_s[-1])
+    run = _TunedTraining(scale, probe_every=PROBE_EVERY)
+    timed = [run.step(step) for step in range(warmup + steps)]
+    train_s, used = [t for t, _ in timed], [n for _, n in timed]
+    model, train, threads = run.model, run.train, run.threads
     model.eval()
     torch.set_num_threads(threads)
     decode_s = []
     with torch.inference_mode():
-        prompt = batch[:, : min(64, train.seq_len)]  # (B, P): 8 rows at full scale
+        prompt = run.batch[:, : min(64, train.seq_len)]  # (B, P): 8 rows at full scale
         out = model(input_ids=prompt, use_cache=True)
         cache, next_ids = out.past_key_values, out.logits[:, -1:].argmax(-1)  # (B, 1)
-        room = recipe.target.max_positions - prompt.shape[1] - warmup
+        room = run.recipe.target.max_positions - prompt.shape[1] - warmup
         for _ in range(warmup + min(4 * steps, room)):
             started = time.perf_counter()
             out = model(input_ids=next_ids, past_key_values=cache, use_cache=True)
@@ -148,40 +166,20 @@ def _steps_child(config: str, scale: str, steps: int, warmup: int) -> dict[str, 
 
 def _react_child(scale: str, steps: int, neighbour_at: int, react: bool) -> dict[str, Any]:
     """Training steps with the build's tuner; a busy neighbour starts after ``neighbour_at``."""
-    import torch
-
-    from osd.demo.recipe import recipe_for
-    from osd.demo.training import new_model, new_optimizer, train_step
-    from osd.threads import ThreadTuner, apply_threads
-
-    recipe = recipe_for(scale)
-    threads = apply_threads("build").num_threads
-    factor = 2.0 if react else float("inf")
-    tuner = ThreadTuner((threads, 1), set_threads=torch.set_num_threads, react_factor=factor)
-    vocab = recipe.tokenizer.vocab_size
-    model = new_model(recipe.target, vocab, {"bos": 1, "eos": 0, "pad": 2}, seed=0)
-    train = recipe.target_train
-    opt = new_optimizer(model, train)
-    gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(3, vocab, (train.batch_size, train.seq_len + 1), generator=gen)
-    seconds: list[float] = []
-    used: list[int] = []
+    run = _TunedTraining(scale, react_factor=2.0 if react else float("inf"))
+    timed: list[tuple[float, int]] = []
     busy = None
     try:
         for step in range(steps):
             if step == neighbour_at:
                 busy = _start_busy()
-            tuner.before_step()
-            used.append(tuner.threads)
-            started = time.perf_counter()
-            train_step(model, opt, batch, train, step)
-            seconds.append(time.perf_counter() - started)
-            tuner.after_step(seconds[-1])
+            timed.append(run.step(step))
     finally:
         if busy is not None:
             _stop(busy)
+    seconds = [t for t, _ in timed]
     eta = [statistics.mean(seconds[max(0, i - 7) : i + 1]) * (800 - i - 1) for i in range(steps)]
-    return {"seconds": seconds, "threads": used, "eta_800": eta}
+    return {"seconds": seconds, "threads": [n for _, n in timed], "eta_800": eta}
 
 
 def _react(args: argparse.Namespace) -> dict[str, Any]:

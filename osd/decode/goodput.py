@@ -200,9 +200,7 @@ class StepCosts:
         # (sum k (t - base) + prior) / (sum k^2 + 1).
         return base, max((kt_sum - base * k_sum + prior) / (kk_sum + 1.0), 0.0)
 
-    def _fit(
-        self, sums: list[float] | None, base: float | None, ratio: float | None = None
-    ) -> tuple[float, float] | None:
+    def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
         if not sums:
             return None
         weight, k_sum, kk_sum, t_sum, kt_sum = sums
@@ -211,10 +209,9 @@ class StepCosts:
         if variance > 1e-6:
             slope = max((kt_sum / weight - mean_k * mean_t) / variance, 0.0)
         else:  # one width seen: the prior's share per token, of a step without drafting
-            ratio = self.prior_ratio if ratio is None else ratio
             if base is None:
-                base = mean_t / (1 + ratio * (1 + mean_k))
-            slope = ratio * base
+                base = mean_t / (1 + self.prior_ratio * (1 + mean_k))
+            slope = self.prior_ratio * base
         return max(mean_t - slope * mean_k, 1e-9), slope
 
 

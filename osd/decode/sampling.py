@@ -254,7 +254,8 @@ def _process_logits(
     allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The grammar mask, the logit bias and the penalties (before temperature), for every row
-    at once."""
+    at once, in float32 (float64 for float64 logits)."""
+    logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
     shape = (-1,) + (1,) * (logits.dim() - 1)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -295,8 +296,8 @@ def rows_to_probs(
     Returns:
         (B, ..., V) float32 (float64 for float64 logits) probabilities.
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits = _process_logits(logits.to(dtype), rows, history, allowed)
+    logits = _process_logits(logits, rows, history, allowed)
+    dtype = logits.dtype
     if rows.all_greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     shape = (-1,) + (1,) * (logits.dim() - 1)
@@ -336,8 +337,7 @@ def rows_to_greedy_ids(
     of the processed logits, where :func:`rows_to_probs` puts all its mass (arguments as
     there), without building the (B, ..., V) distribution."""
     assert rows.all_greedy, "rows_to_greedy_ids is for greedy rows only"
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    return _process_logits(logits.to(dtype), rows, history, allowed).argmax(dim=-1)
+    return _process_logits(logits, rows, history, allowed).argmax(dim=-1)
 
 
 def _keep_top_p(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:

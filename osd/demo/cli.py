@@ -97,36 +97,33 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pack(args: argparse.Namespace) -> int:
-    recipe = recipe_for(args.scale)
+def _not_built(args: argparse.Namespace) -> bool:
+    """Whether a stage of the pair is missing (then says which, and how to build it)."""
     root = demo_models_root(args.cache_dir, args.scale)
+    recipe = recipe_for(args.scale)
     missing = [s for s in STAGES if not stage_is_complete(root, s, recipe)]
     if missing:
         print(
-            f"{root} is not built (missing: {', '.join(missing)}); run: osd demo-models build"
-            f" --scale {args.scale}",
+            f"{root} is not built yet (missing: {', '.join(missing)}); run: osd demo-models"
+            f" build --scale {args.scale}",
             file=sys.stderr,
         )
+    return bool(missing)
+
+
+def _pack(args: argparse.Namespace) -> int:
+    if _not_built(args):
         return 1
-    out = Path(args.out) if args.out else SHIPPED_DIR
-    archive = pack(root, recipe.scale, recipe.hash, out)
+    recipe = recipe_for(args.scale)
+    root = demo_models_root(args.cache_dir, args.scale)
+    archive = pack(root, recipe.scale, recipe.hash, Path(args.out) if args.out else SHIPPED_DIR)
     print(f"{archive} ({archive.stat().st_size / 1e6:.1f} MB)")
     return 0
 
 
 def _path(args: argparse.Namespace) -> int:
-    root = demo_models_root(args.cache_dir, args.scale)
-    print(root)
-    recipe = recipe_for(args.scale)
-    missing = [s for s in STAGES if not stage_is_complete(root, s, recipe)]
-    if missing:
-        print(
-            f"not built yet (missing: {', '.join(missing)}); run: osd demo-models build"
-            f" --scale {args.scale}",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    print(demo_models_root(args.cache_dir, args.scale))
+    return 1 if _not_built(args) else 0
 
 
 def _report(args: argparse.Namespace) -> int:

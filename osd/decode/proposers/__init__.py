@@ -145,17 +145,8 @@ class Proposers:
         ]
         width = controller.batch_width(len(rows), expected, len(rows) - len(members), packs)
         for b in members:
-            found = plan.lookups[b]
-            if len(found.tokens) <= width:
-                continue
-            if width == 0:
-                del plan.lookups[b]
-                plan.spec_k[b] = 0
-            else:
-                plan.lookups[b] = Continuation(
-                    found.tokens[:width], found.probs[:width], found.match, found.support
-                )
-                plan.spec_k[b] = width
+            if len(plan.lookups[b].tokens) > width:
+                Proposers._set_lookup(plan, b, plan.lookups[b], width)
 
     @staticmethod
     def _take(
@@ -164,12 +155,17 @@ class Proposers:
         plan.names[b] = name
         if found is None:
             return
-        k = len(found.tokens) if k is None else min(k, len(found.tokens))
+        Proposers._set_lookup(plan, b, found, len(found.tokens) if k is None else k)
+
+    @staticmethod
+    def _set_lookup(plan: StepPlan, b: int, found: Continuation, k: int) -> None:
+        """Row ``b`` verifies the first ``k`` tokens of ``found`` (none when k is 0)."""
+        k = min(k, len(found.tokens))
+        plan.spec_k[b] = k
         if k > 0:
-            plan.spec_k[b] = k
-            plan.lookups[b] = Continuation(
-                found.tokens[:k], found.probs[:k], found.match, found.support
-            )
+            plan.lookups[b] = found.cut(k)
+        else:
+            plan.lookups.pop(b, None)
 
     @staticmethod
     def fill(plan: StepPlan, ids: torch.Tensor, probs: torch.Tensor, drafted: torch.Tensor) -> None:

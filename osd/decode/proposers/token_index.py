@@ -18,6 +18,7 @@ Pure: numpy and the standard library.
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ class Continuation:
     probs: tuple[float, ...]
     match: int
     support: int
+
+    def cut(self, k: int) -> Continuation:
+        """The first ``k`` tokens (a row's or the batch's budget)."""
+        return dataclasses.replace(self, tokens=self.tokens[:k], probs=self.probs[:k])
 
     @property
     def score(self) -> float:
