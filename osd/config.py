@@ -52,6 +52,9 @@ class ModelConfig:
     target: str = "demo:target"  # path, hub id, or demo:target / demo:draft (built offline)
     draft: str = "demo:draft"
     tokenizer: str = ""  # empty: the target's
+    # The chat template (vLLM's --chat-template): a Jinja file's path, or the template itself
+    # (text holding "{%" or "{{"); empty: the tokenizer's own.
+    chat_template: str = ""
     device: str = "auto"  # auto: cuda if available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     adapters: tuple[str, ...] = ("general",)  # LoRA adapters attached to the draft
@@ -200,6 +203,10 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     # Serving without keys on an address other than loopback must be asked for explicitly.
     allow_unauthenticated: bool = False
+    # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
+    # hermes (Hermes, Qwen), llama3_json (Llama 3.x), none (tools refused), or auto: from the
+    # chat template's text (<tool_call>: hermes; <|python_tag|>: llama3_json; else none).
+    tool_call_parser: str = "auto"
 
     def check_access(self) -> None:
         """Raises ConfigError when this would serve without keys beyond loopback unasked (the
@@ -249,6 +256,12 @@ class ServeConfig:
             ">= 0",
         )
         _require(self.torch_threads >= 0, "serve.torch_threads", self.torch_threads, ">= 0")
+        _require(
+            self.tool_call_parser in ("auto", "hermes", "llama3_json", "none"),
+            "serve.tool_call_parser",
+            self.tool_call_parser,
+            "auto, hermes, llama3_json or none",
+        )
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,12 @@ Anything else is a local path or a Hugging Face hub id.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
 
-from osd.config import ModelConfig, resolve_device, resolve_dtype
+from osd.config import ConfigError, ModelConfig, resolve_device, resolve_dtype
 from osd.decode.models import load_causal_lm, load_tokenizer
 
 __all__ = [
@@ -81,11 +82,27 @@ def load_model_pair(config: ModelConfig) -> tuple[PreTrainedModel, PreTrainedMod
         sources = _sources(config)
         target, draft = sources["target"], sources["draft"]
         tokenizer = load_tokenizer(config.tokenizer or sources["tokenizer"])
+    if config.chat_template:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
     return (
         load_causal_lm(target, device=device, dtype=dtype),
         load_causal_lm(draft, device=device, dtype=dtype),
         tokenizer,
     )
+
+
+def read_chat_template(source: str) -> str:
+    """A chat template given as the template's text (it holds ``{%`` or ``{{``) or a file path.
+
+    Raises:
+        ConfigError: a path that cannot be read.
+    """
+    if "{%" in source or "{{" in source:
+        return source
+    try:
+        return Path(source).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"model.chat_template: cannot read {source!r}: {exc}") from None
 
 
 def attach_lora_adapters(draft: PreTrainedModel, config: ModelConfig, names: list[str]) -> Any:

@@ -26,6 +26,7 @@ from osd.decode.generation import GenerationResult, TokenLogprob
 from serving.logprobs import LogprobFormatter, echo_prefix
 from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
 from serving.runtime import Job, ReplicaRuntime
+from serving.tool_replies import ToolReply
 
 __all__ = ["create_api"]
 
@@ -149,14 +150,23 @@ async def _handle(
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
     runtime.check_model(request)  # before any grammar is compiled for it
-    job = runtime.admit(request, await runtime.grammar_of(request))
+    tools = runtime.tool_plan(request)
+    job = runtime.admit(request, await runtime.grammar_of(request, tools), tools)
     if request.stream:
         return _JobStream(runtime, job, _sse(runtime, job, kind))
     results = await runtime.complete(job)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
     echo = echo_prefix(request, job.stream.request.prompt_ids, runtime.engine.tokenizer)
-    body = _response(job, kind, results, runtime.config.serve.model_name, logprobs, echo)
+    replies = _tool_replies(runtime, job)
+    body = _response(job, kind, results, runtime.config.serve.model_name, logprobs, echo, replies)
     return JSONResponse(body)
+
+
+def _tool_replies(runtime: ReplicaRuntime, job: Job) -> list[ToolReply | None]:
+    """One reader of tool calls per choice (None each when the request offers no tools)."""
+    if job.tools is None or runtime.tool_parser is None:
+        return [None] * len(job.streams)
+    return [ToolReply(runtime.tool_parser, job.tools) for _ in job.streams]
 
 
 class _JobStream(StreamingResponse):
@@ -215,13 +225,17 @@ def _response(
     model: str,
     logprobs: LogprobFormatter,
     echo: tuple[str, list[int]] = ("", []),
+    replies: list[ToolReply | None] | None = None,
 ) -> dict[str, Any]:
+    replies = replies or [None] * len(results)
     return {
         "id": new_id("chatcmpl" if kind == "chat" else "cmpl"),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": now(),
         "model": model,
-        "choices": [_choice(kind, i, result, logprobs, echo) for i, result in enumerate(results)],
+        "choices": [
+            _choice(kind, i, result, logprobs, echo, replies[i]) for i, result in enumerate(results)
+        ],
         "usage": _usage(job, results),
         "osd": _osd_stats(job, results),
     }
@@ -233,12 +247,17 @@ def _choice(
     result: GenerationResult,
     logprobs: LogprobFormatter,
     echo: tuple[str, list[int]],
+    reply: ToolReply | None = None,
 ) -> dict[str, Any]:
     if kind == "chat":
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        finish: str | None = result.finish_reason
+        if reply is not None:
+            message, finish = reply.message(result.text, finish)
         return {
             "index": index,
-            "finish_reason": result.finish_reason,
-            "message": {"role": "assistant", "content": result.text},
+            "finish_reason": finish,
+            "message": message,
             "logprobs": logprobs.format(result.token_ids, result.logprobs),
         }
     # echo: the prompt's text and tokens (with their logprobs) before the completion's.
@@ -280,11 +299,19 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
     held_ids = [list(echo_ids) for _ in range(num_choices)]
     held: list[list[TokenLogprob | None] | None] = [None] * num_choices
     first = [True] * num_choices
+    # Tool calls: a choice's text is read for them and what can go out goes out.
+    replies = _tool_replies(runtime, job)
 
-    def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def choice(
+        index: int, text: str, finish: str | None, calls: list[dict[str, Any]]
+    ) -> dict[str, Any]:
         logprobs = formatter.format(held_ids[index], held[index])
         if chat:
-            delta = {"role": "assistant", "content": text} if first[index] else {"content": text}
+            delta: dict[str, Any] = {"role": "assistant"} if first[index] else {}
+            if text or not calls:
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
@@ -295,8 +322,16 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
                 if chunk.logprobs is not None:
                     # The prompt's (echo's) come with the first chunk only.
                     held[i] = [*(held[i] or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
-                if chunk.text or chunk.finish_reason or first[i]:
-                    yield event([choice(i, echo[i] + chunk.text, chunk.finish_reason)])
+                text, finish = chunk.text, str(chunk.finish_reason or "") or None
+                calls: list[dict[str, Any]] = []
+                reply = replies[i]
+                if reply is not None:
+                    text, calls = reply.feed(text)
+                    if finish is not None:
+                        tail, last = reply.finish()
+                        text, calls, finish = text + tail, calls + last, reply.finish_reason(finish)
+                if text or calls or finish or first[i]:
+                    yield event([choice(i, echo[i] + text, finish, calls)])
                     echo[i], first[i] = "", False
                     held_ids[i], held[i] = [], None if held[i] is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band

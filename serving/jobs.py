@@ -21,6 +21,7 @@ from osd.decode.loop import RequestHandle
 from serving.adapter_slots import AdapterLease
 from serving.protocol import ChatRequest, CompletionRequest, new_id
 from serving.router import RouteDecision
+from serving.tools import ToolPlan
 
 __all__ = ["Job", "stream_choices"]
 
@@ -40,6 +41,7 @@ class Job:
     first_token_at: float | None = None
     decoding: bool = False  # a streamed job's thread was started (it then finishes the job)
     finished: bool = False  # lease and admission slot given back (exactly once)
+    tools: ToolPlan | None = None  # its replies are read for tool calls
 
     @property
     def stream(self) -> RequestHandle:

@@ -13,7 +13,7 @@ commonly send, and osd's own fields fall in one of three groups:
   the answer. Each entry says why.
 * **Refused unless default** (:data:`REFUSED`): a value that asks for behaviour osd does not
   provide is answered 400 ``unsupported_parameter`` naming the field. The field's no-op value
-  (``best_of: 1``, ``tool_choice: "none"`` ...) is accepted, since common clients (LangChain
+  (``best_of: 1``, ``store: false`` ...) is accepted, since common clients (LangChain
   and others) send defaults on every request.
 
 A field in none of them (a typo such as ``max_token``) is refused with 400
@@ -80,6 +80,10 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "guided_choice",
         "guided_grammar",
         "n",  # 1..16 choices, each its own sample (osd.decode.choices)
+        # Tool calling on chat (serving.tools); completions refuse tools by name.
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
 
@@ -91,7 +95,6 @@ HARMLESS: Mapping[str, str] = {
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache, best effort there too",
     "prompt_cache_retention": "how long OpenAI keeps a prompt cache; osd keeps none",
     "prompt_cache_options": "breakpoints and lifetimes of OpenAI's prompt cache; osd has none",
-    "parallel_tool_calls": "only means something with tools, which are refused",
 }
 
 
@@ -153,10 +156,10 @@ REFUSED: Mapping[str, Refused] = {
     "best_of": Refused("several candidates generated server-side", _is_int(1)),
     "suffix": Refused("text inserted after the completion (fill in the middle)", _is_one_of("")),
     # OpenAI chat
-    "tools": Refused("tool calling", _is_empty),
-    "tool_choice": Refused("tool calling", _no_tool_choice("tools")),
-    "functions": Refused("function calling", _is_empty),
-    "function_call": Refused("function calling", _no_tool_choice("functions")),
+    "functions": Refused("function calling (deprecated by OpenAI; send tools)", _is_empty),
+    "function_call": Refused(
+        "function calling (deprecated by OpenAI; send tool_choice)", _no_tool_choice("functions")
+    ),
     "audio": Refused("audio output", _is_null),
     "modalities": Refused("output modalities other than text", _is_one_of(["text"])),
     "prediction": Refused(
@@ -245,14 +248,12 @@ def _short(value: Any) -> str:
 # Chat messages: the same three groups, one level down (``openai.types.chat.
 # ChatCompletionMessageParam``'s fields; a test reads them from the installed package).
 # Errors name the path: ``messages[1].tool_calls``, ``messages[0].content[2].image_url``.
-MESSAGE_IMPLEMENTED: frozenset[str] = frozenset({"role", "content"})
+MESSAGE_IMPLEMENTED: frozenset[str] = frozenset({"role", "content", "tool_calls", "tool_call_id"})
 MESSAGE_HARMLESS: Mapping[str, str] = {
     "name": "a participant's name: passed to the chat template with the message (templates "
     "that know it render it); osd's plain format without a template leaves it out",
 }
 MESSAGE_REFUSED: Mapping[str, Refused] = {
-    "tool_calls": Refused("tool calling (an assistant's earlier tool calls)", _is_empty),
-    "tool_call_id": Refused("tool calling (a tool's result for an assistant's call)", _is_null),
     "function_call": Refused("function calling (an assistant's earlier call)", _is_null),
     "audio": Refused("audio output (an assistant's earlier audio answer)", _is_null),
     "refusal": Refused("a refusal apart from the content, which osd's models never give", _is_null),
@@ -274,7 +275,8 @@ def check_messages(messages: Any) -> Any:
     """Refuses what osd does not do inside chat messages; returns them with text content.
 
     Each message keeps ``role``, ``content`` (a string: text parts joined by newlines; an
-    assistant's null content is empty) and ``name`` when given. What is not a list of objects
+    assistant's null content is empty), ``name`` when given, an assistant's ``tool_calls`` and a
+    tool's ``tool_call_id``. What is not a list of objects
     is returned as it is, for the request model to report.
 
     Raises:
@@ -306,7 +308,7 @@ def _check_message(path: str, message: Any) -> Any:
         raise _unsupported(f"{path}.role", ROLE_REFUSED[role], role)
     content = kept.get("content")
     if content is None and role == "assistant":
-        kept["content"] = ""  # an assistant turn that only called tools; those are refused
+        kept["content"] = ""  # an assistant turn that only called tools
     elif isinstance(content, list):
         kept["content"] = "\n".join(
             _part_text(f"{path}.content[{j}]", part) for j, part in enumerate(content)

@@ -31,6 +31,7 @@ from osd.decode.methods import Method, ProposerChoice
 from osd.decode.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
+from serving.tools import MAX_TOOLS, FunctionTool, MessageToolCall, ToolChoice
 
 __all__ = [
     "APIError",
@@ -202,6 +203,17 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int] | list[str]
+    # Chat's tool fields: refused here by name rather than ignored.
+    tools: None = None
+    tool_choice: None = None
+
+    @field_validator("tools", "tool_choice", mode="before")
+    @classmethod
+    def _no_tools(cls, value: Any) -> None:
+        if value not in (None, [], "none", "auto"):
+            raise ValueError("is a chat field; completions do not call tools")
+        return None
+
     # OpenAI's legacy completions: the sampled token's logprob and this many alternatives.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     top_logprobs: None = None  # chat's field; refused here rather than ignored
@@ -257,7 +269,8 @@ class CompletionRequest(_Common):
 
 class ChatMessage(BaseModel):
     """One chat message as :func:`serving.openai_fields.check_messages` leaves it (what osd
-    does not do is refused there, by its path): text content and the harmless ``name``."""
+    does not do is refused there, by its path): text content, the harmless ``name``, an
+    assistant's earlier ``tool_calls`` and a tool's ``tool_call_id``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -265,13 +278,24 @@ class ChatMessage(BaseModel):
     content: str
     # A participant's name: given to the chat template only when sent.
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
     @model_serializer(mode="wrap")
-    def _name_only_when_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _only_what_was_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         message: dict[str, Any] = handler(self)
-        if message.get("name") is None:
-            message.pop("name", None)
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if message.get(key) is None:
+                message.pop(key, None)
         return message
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
 
     @field_validator("content")
     @classmethod
@@ -282,6 +306,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
+    # Tool calling (serving.tools).
+    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: None = None  # completions' field (vLLM's chat echo is not served); refused here

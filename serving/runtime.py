@@ -39,6 +39,8 @@ from serving.metrics import ReplicaMetrics
 from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
+from serving.tool_parsers import detect_parser, tool_call_format
+from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
 
@@ -86,30 +88,56 @@ class ReplicaRuntime:
         # Structured-output grammars compile here, one at a time: a flood of new schemas queues
         # instead of taking the cores from the decode loop.
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
+        parser = config.serve.tool_call_parser
+        template = getattr(engine.tokenizer, "chat_template", None)
+        # How replies are read for tool calls (None: tools are refused).
+        self.tool_parser = detect_parser(template) if parser == "auto" else parser
+        if self.tool_parser == "none":
+            self.tool_parser = None
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def prompt_of(self, request: CompletionRequest | ChatRequest) -> str | list[int]:
+    def tool_plan(self, request: CompletionRequest | ChatRequest) -> ToolPlan | None:
+        """What the request's tool fields ask (None: no tools), or a 400 saying why not."""
+        if not isinstance(request, ChatRequest):
+            return None
+        try:
+            plan = plan_tools(request.tools, request.tool_choice, request.parallel_tool_calls)
+        except ParamError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        if plan is not None and self.tool_parser is None:
+            raise APIError(
+                400,
+                "tools: this server reads no tool calls for its model (its chat template shows "
+                "no known tool-call format); start it with serve.tool_call_parser set to hermes "
+                "or llama3_json",
+                param="tools",
+                code="unsupported_parameter",
+            )
+        return plan
+
+    def prompt_of(
+        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None = None
+    ) -> str | list[int]:
         if isinstance(request, CompletionRequest):
             return request.prompt  # type: ignore[return-value]
-        messages = [m.model_dump() for m in request.messages]
+        try:
+            messages = template_messages(request.messages)
+        except ParamError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            from jinja2 import TemplateError
-
-            try:
-                rendered = tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-            except TemplateError as exc:  # a template that refuses a role or an order
-                raise APIError(
-                    400,
-                    f"messages: the model's chat template refused them: {exc}",
-                    param="messages",
-                ) from None
-            return str(rendered)
+            return _render(tokenizer, messages, tools)
+        if tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+            raise APIError(
+                400,
+                "tools: the model has no chat template to show them to it; start the server "
+                "with model.chat_template",
+                param="tools",
+                code="unsupported_parameter",
+            )
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
@@ -124,17 +152,31 @@ class ReplicaRuntime:
                 code="model_not_found",
             )
 
-    async def grammar_of(self, request: CompletionRequest | ChatRequest) -> Grammar | None:
-        """The structured-output grammar the request asks for, compiled off the event loop
-        (a large schema takes up to about a second; repeated ones are cached); None: none.
+    async def grammar_of(
+        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None = None
+    ) -> Grammar | None:
+        """The grammar the request asks for (structured output, or the tool calls that
+        ``tool_choice`` requires), compiled off the event loop (a large schema takes up to
+        about a second; repeated ones are cached); None: none.
 
         Raises:
-            APIError: 400 naming the field whose grammar does not compile.
+            APIError: 400 naming the field whose grammar does not compile, or two asks.
         """
         try:
             ask = grammar_ask(request)
         except ParamError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        if tools is not None and tools.forced:
+            if ask is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice asks for tool calls and {ask[0]} for structured output; "
+                    "ask for one of them",
+                    param="tool_choice",
+                )
+            assert self.tool_parser is not None  # tool_plan refused tools without a parser
+            source = tool_call_format(self.tool_parser).grammar(tools.forced, tools.parallel)
+            ask = ("tools", "lark", source)
         if ask is None:
             return None
         field, kind, spec = ask
@@ -147,7 +189,10 @@ class ReplicaRuntime:
             raise APIError(400, f"{field}: {exc}", param=field) from None
 
     def admit(
-        self, request: CompletionRequest | ChatRequest, grammar: Grammar | None = None
+        self,
+        request: CompletionRequest | ChatRequest,
+        grammar: Grammar | None = None,
+        tools: ToolPlan | None = None,
     ) -> Job:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
@@ -168,7 +213,7 @@ class ReplicaRuntime:
                 code="overloaded",
             )
         try:
-            prepared = self._prepare(request, max_tokens, grammar)
+            prepared = self._prepare(request, max_tokens, grammar, tools)
             route = self.router.choose(request.draft, request.domain, prepared.prompt_ids)
             if route.reason == "fallback":
                 self.metrics.router_fallbacks.inc()
@@ -189,15 +234,19 @@ class ReplicaRuntime:
             self._admission.release()
             raise
         self.metrics.in_flight.inc()
-        return Job(request, streams, route, lease)
+        return Job(request, streams, route, lease, tools=tools)
 
     def _prepare(
-        self, request: CompletionRequest | ChatRequest, max_tokens: int, grammar: Grammar | None
+        self,
+        request: CompletionRequest | ChatRequest,
+        max_tokens: int,
+        grammar: Grammar | None,
+        tools: ToolPlan | None,
     ) -> DecodeRequest:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
         spec, defaults = request.spec, self.config.spec
         return self.engine.prepare(
-            self.prompt_of(request),
+            self.prompt_of(request, tools),
             max_tokens=max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
@@ -369,3 +418,33 @@ class ReplicaRuntime:
         self._compiles.shutdown(wait=False, cancel_futures=True)
         if self.log_writer is not None:
             self.log_writer.close()
+
+
+def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolPlan | None) -> str:
+    """The chat prompt by the model's template, with the plan's tools.
+
+    Raises:
+        APIError: 400 when the template refuses the messages or leaves the tools out.
+    """
+    from jinja2 import TemplateError
+
+    offered = None if tools is None else tools.tools
+    try:
+        rendered = str(
+            tokenizer.apply_chat_template(
+                messages, tools=offered, add_generation_prompt=True, tokenize=False
+            )
+        )
+    except TemplateError as exc:  # a template that refuses a role or an order
+        raise APIError(
+            400, f"messages: the model's chat template refused them: {exc}", param="messages"
+        ) from None
+    if tools is not None and not all(name in rendered for name in tools.names):
+        raise APIError(
+            400,
+            "tools: the model's chat template does not show tools to the model; start the "
+            "server with a model.chat_template that renders them",
+            param="tools",
+            code="unsupported_parameter",
+        )
+    return rendered

@@ -17,7 +17,8 @@ def test_a_template_refusal_is_a_400_naming_messages():
         tokenizer = replica.runtime.engine.tokenizer
         before, tokenizer.chat_template = tokenizer.chat_template, REFUSING
         try:
-            messages = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]
+            tool = {"role": "tool", "content": "42", "tool_call_id": "c1"}
+            messages = [{"role": "user", "content": "hi"}, tool]
             body = {"model": "osd", "messages": messages, "max_tokens": 4}
             refused = replica.client.post("/v1/chat/completions", json=body)
             assert refused.status_code == 400, refused.text

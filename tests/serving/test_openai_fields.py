@@ -8,6 +8,7 @@ adds fails ``test_every_openai_field_has_a_row`` until it is classified in
 
 from __future__ import annotations
 
+import json
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -30,6 +31,7 @@ from serving.openai_fields import (
 )
 from serving.protocol import APIError, parse_request
 from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.serving.test_tools_api import TEMPLATE
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 BASE = {
@@ -76,8 +78,8 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "response_format": ({"type": "json_object"}, ACCEPTED),  # test_structured_output_api.py
     "store": (True, REFUSE),
     "service_tier": ("priority", REFUSE),
-    "tools": ([{"type": "function", "function": {"name": "f"}}], REFUSE),
-    "tool_choice": ("required", REFUSE),
+    "tools": ([{"type": "function", "function": {"name": "f"}}], ACCEPTED),  # test_tools_api.py
+    "tool_choice": ("required", ACCEPTED),
     "functions": ([{"name": "f"}], REFUSE),
     "function_call": ({"name": "f"}, REFUSE),
     "audio": ({"voice": "alloy", "format": "wav"}, REFUSE),
@@ -89,7 +91,8 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "moderation": ({"model": "omni-moderation-latest"}, REFUSE),
 }
 CHAT_VALUES = {"logprobs": True}
-WITH = {"top_logprobs": {"logprobs": True}}  # fields a non-default value needs beside it
+# fields a non-default value needs beside it
+WITH = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": NON_DEFAULT["tools"][0]}}
 
 # field -> its no-op values, which clients (LangChain and others) send on every request
 DEFAULTS: dict[str, list[Any]] = {
@@ -127,7 +130,8 @@ DEFAULTS: dict[str, list[Any]] = {
 
 @pytest.fixture(scope="module")
 def replica() -> Iterator[Replica]:
-    with running_replica(toy_config()) as replica:
+    # With a chat template that shows tools: tool calling is served (tests/serving/test_tools_api).
+    with running_replica(toy_config(f"model.chat_template={json.dumps(TEMPLATE)}")) as replica:
         yield replica
 
 
@@ -197,9 +201,7 @@ def test_what_common_clients_send_by_default_is_answered(replica):
         assert_answered(post(replica, kind, **defaults), kind)
 
 
-def test_tool_choice_auto_is_refused_beside_tools(replica):
-    tools = NON_DEFAULT["tools"][0]
-    assert_refused(post(replica, "chat", tools=tools, tool_choice="auto"), "tools")
+def test_the_deprecated_function_call_is_refused_beside_empty_functions(replica):
     named = post(replica, "chat", functions=[], function_call={"name": "f"})
     assert_refused(named, "function_call")
 
@@ -291,8 +293,8 @@ MESSAGE_ROWS: dict[str, tuple[dict[str, Any], str]] = {
     "role": ({"role": "developer", "content": "be brief"}, ACCEPTED),
     "content": ({"role": "user", "content": [{"type": "text", "text": "hi"}]}, ACCEPTED),
     "name": ({"role": "user", "content": "hi", "name": "alice"}, ACCEPTED),
-    "tool_calls": ({"role": "assistant", "content": None, "tool_calls": [CALL]}, REFUSE),
-    "tool_call_id": ({"role": "tool", "content": "42", "tool_call_id": "c1"}, REFUSE),
+    "tool_calls": ({"role": "assistant", "content": None, "tool_calls": [CALL]}, ACCEPTED),
+    "tool_call_id": ({"role": "tool", "content": "42", "tool_call_id": "c1"}, ACCEPTED),
     "function_call": ({"role": "assistant", "function_call": CALL["function"]}, REFUSE),
     "audio": ({"role": "assistant", "content": "hi", "audio": {"id": "a1"}}, REFUSE),
     "refusal": ({"role": "assistant", "content": None, "refusal": "I cannot"}, REFUSE),
@@ -404,6 +406,6 @@ def test_message_text_parts_and_name_reach_the_prompt(replica):
     )
     client = replica.openai()
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(**chat_with(MESSAGE_ROWS["tool_calls"][0]))
-    assert refused.value.param == "messages[1].tool_calls"
+        client.chat.completions.create(**chat_with(MESSAGE_ROWS["function_call"][0]))
+    assert refused.value.param == "messages[1].function_call"
     assert refused.value.code == "unsupported_parameter"

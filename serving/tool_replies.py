@@ -1,0 +1,79 @@
+"""A chat choice's reply with tools: its text read for tool calls (:mod:`serving.tool_parsers`)
+and answered in OpenAI's shapes, whole or streamed.
+
+Whole: ``message: {"role": "assistant", "content": <text outside the calls, or null>,
+"tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}]}``. Streamed: the
+content as ``delta.content`` and each call, once its JSON is complete, as one ``delta.tool_calls``
+entry with its ``index`` among the choice's calls, its id, name and whole arguments (OpenAI's
+clients accumulate either form). A reply that called a tool and stopped by itself ends with
+``finish_reason: "tool_calls"``; one cut by ``max_tokens`` keeps ``length``, its unfinished call
+as content.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from serving.tool_parsers import ParsedCall, ToolCallScanner
+from serving.tools import ToolPlan
+
+__all__ = ["ToolReply"]
+
+
+class ToolReply:
+    """One choice's reply, read for tool calls as its text arrives.
+
+    Args:
+        parser: the replica's tool-call parser (``hermes``, ``llama3_json``).
+        plan: the request's tools.
+    """
+
+    def __init__(self, parser: str, plan: ToolPlan) -> None:
+        self._scanner = ToolCallScanner(parser, plan.names, plan.parallel)
+        self._count = 0
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The next text: (content to send, ``delta.tool_calls`` entries)."""
+        content, calls = self._scanner.feed(text)
+        return content, self._deltas(calls)
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """The reply ended: what was held back."""
+        content, calls = self._scanner.finish()
+        return content, self._deltas(calls)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` for a reply that called and stopped by itself."""
+        return "tool_calls" if reason == "stop" and self._scanner.called else reason
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole reply: (OpenAI's message, finish reason)."""
+        head, first = self.feed(text)
+        tail, last = self.finish()
+        calls = [_without_index(call) for call in first + last]
+        content = head + tail
+        message: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = calls
+        else:
+            message["content"] = content
+        return message, self.finish_reason(reason)
+
+    def _deltas(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        deltas = []
+        for call in calls:
+            deltas.append(
+                {
+                    "index": self._count,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
+            self._count += 1
+        return deltas
+
+
+def _without_index(delta: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in delta.items() if key != "index"}

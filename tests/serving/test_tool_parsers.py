@@ -1,0 +1,168 @@
+"""Tool-call parsers (serving.tool_parsers): replies read as OpenAI tool calls, the same whether
+fed whole or piece by piece; what is not a call of an offered tool stays content; the grammars
+accept exactly the calls of the offered functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from osd.decode.grammar import GrammarCompiler
+from osd.toy_models import char_tokenizer
+from serving.tool_parsers import (
+    ParsedCall,
+    ToolCallScanner,
+    detect_parser,
+    tool_call_format,
+)
+
+NAMES = ["get_weather", "calc"]
+WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+CALC = '<tool_call>\n{"name":"calc","arguments":{"expression":"1 + 2"}}\n</tool_call>'
+OSLO = ParsedCall("get_weather", '{"city": "Oslo"}')
+ONE_PLUS_TWO = ParsedCall("calc", '{"expression": "1 + 2"}')
+
+
+def scan(parser: str, text: str, pieces: int = 0, parallel: bool = True):
+    """(content, calls) of ``text`` fed whole (pieces 0) or in pieces of that many chars."""
+    scanner = ToolCallScanner(parser, NAMES, parallel)
+    content, calls = "", []
+    step = pieces or len(text) or 1
+    for at in range(0, len(text), step):
+        more, done = scanner.feed(text[at : at + step])
+        content, calls = content + more, calls + done
+    more, done = scanner.finish()
+    return content + more, calls + done
+
+
+HERMES_CASES = [
+    ("plain text", ("plain text", [])),
+    ("", ("", [])),
+    (WEATHER, ("", [OSLO])),
+    (f"Let me look.\n{WEATHER}", ("Let me look.", [OSLO])),
+    (f"{WEATHER}\n{CALC}", ("", [OSLO, ONE_PLUS_TWO])),
+    (f"  {WEATHER}\n", ("", [OSLO])),
+    # Not calls: unknown function, broken JSON, arguments not an object, unfinished.
+    ('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', None),
+    ('<tool_call>\n{"name": "calc", "arguments": {\n</tool_call>', None),
+    ('<tool_call>\n{"name": "calc", "arguments": [1]}\n</tool_call>', None),
+    ('<tool_call>\n{"name": "calc", "argu', None),
+    ("a < b and <tool is not a call", None),
+    # Arguments written as JSON text are read as the object they hold.
+    (
+        '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>',
+        ("", [ParsedCall("calc", '{"expression": "2"}')]),
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), HERMES_CASES)
+@pytest.mark.parametrize("pieces", [0, 1, 3, 7])
+def test_hermes_replies_read_alike_whole_and_in_pieces(text, expected, pieces):
+    assert scan("hermes", text, pieces) == (expected or (text, []))
+
+
+LLAMA_CASES = [
+    ("The weather is fine.", None),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', ("", [OSLO])),
+    (
+        '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Oslo"}}; '
+        '{"name": "calc", "parameters": {"expression": "1 + 2"}}',
+        ("", [OSLO, ONE_PLUS_TWO]),
+    ),
+    ('{"name": "nope", "parameters": {}}', None),
+    ('{"name": "calc", "parameters": {"expression"', None),
+    ('{"a": 1} is JSON', None),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), LLAMA_CASES)
+@pytest.mark.parametrize("pieces", [0, 1, 5])
+def test_llama3_json_replies_read_alike_whole_and_in_pieces(text, expected, pieces):
+    assert scan("llama3_json", text, pieces) == (expected or (text, []))
+
+
+def test_content_streams_before_a_call_and_held_back_text_only_as_long_as_needed():
+    scanner = ToolCallScanner("hermes", NAMES)
+    assert scanner.feed("Sure") == ("Sure", [])
+    assert scanner.feed(", <tool") == (",", [])  # " <tool" may open a call
+    assert scanner.feed("bar> x") == (" <toolbar> x", [])
+    assert scanner.feed("\n") == ("", [])  # trailing whitespace waits for what follows
+    assert scanner.feed(WEATHER) == ("", [OSLO])
+    assert scanner.feed("\nDone.") == ("\nDone.", [])
+    assert scanner.finish() == ("", [])
+
+
+def test_parallel_false_keeps_the_first_call():
+    assert scan("hermes", f"{WEATHER}\n{CALC}", parallel=False) == ("", [OSLO])
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        ("{% for m in messages %}<tool_call>{% endfor %}", "hermes"),
+        ("{{- '<|python_tag|>' }}", "llama3_json"),
+        ("{{ messages }}", None),
+        (None, None),
+    ],
+)
+def test_the_parser_is_detected_from_the_chat_template(template, parser):
+    assert detect_parser(template) == parser
+
+
+FUNCTIONS = [
+    {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+    {"name": "calc"},  # no parameters: any object
+]
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(char_tokenizer(), 64)
+
+
+def _accepts(compiler, source: str, text: str) -> bool:
+    matcher = compiler.compile("lark", source).matcher()
+    ids = char_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    return bool(matcher.consume_tokens(ids)) and bool(matcher.is_accepting())
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_grammars_accept_exactly_calls_of_the_offered_functions(compiler, parser):
+    form = tool_call_format(parser)
+    key = form.arguments_key
+
+    def call(name: str, arguments: str) -> str:
+        return f'{form.start}{{"name":"{name}","{key}":{arguments}}}{form.end}'
+
+    one = call("get_weather", '{"city":"oslo","unit":"c"}')
+    two = one + form.separator + call("calc", "{}")
+    parallel = form.grammar(FUNCTIONS, parallel=True)
+    single = form.grammar(FUNCTIONS, parallel=False)
+    assert _accepts(compiler, parallel, one) and _accepts(compiler, parallel, two)
+    assert _accepts(compiler, single, one) and not _accepts(compiler, single, two)
+    for bad in [
+        call("get_weather", '{"unit":"c"}'),  # a required argument missing
+        call("get_weather", '{"city":"oslo","unit":"k"}'),  # outside the enum
+        call("rm", "{}"),  # not offered
+        f'{form.start}{{"{key}":{{}},"name":"calc"}}{form.end}',  # name first
+        "hello",
+    ]:
+        assert not _accepts(compiler, parallel, bad), bad
+    # What the grammar makes, the scanner reads back as calls.
+    content, calls = scan(parser, two)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "calc"]
+    assert json.loads(calls[0].arguments) == {"city": "oslo", "unit": "c"}
+
+
+def test_an_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        tool_call_format("mistral")
