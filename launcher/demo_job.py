@@ -324,6 +324,11 @@ def main(argv: Sequence[str]) -> int:
             f"{chat['empty_responses']} answered empty; acceptance by topic: "
             + ", ".join(f"{t} {n['final']:.3f}" for t, n in chat["by_topic"].items())
         )
+        if chat["offered_tools"]:
+            print(
+                f"  tools: {chat['offered_tools']} chats offered tools (tool_choice auto), "
+                f"{chat['called_tools']} answered with tool calls ({chat['tool_calls']} calls)"
+            )
     print("decode tokens/s per request against the reference requests (speculation off):")
     for phase, numbers in report["reference"].items():
         print(f"  {phase:6s} {describe_reference(numbers)}")

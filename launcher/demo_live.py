@@ -67,7 +67,13 @@ def describe_chat(samples: list[Sample]) -> str:
     topics = ", ".join(
         f"{t} {sum(s.topic == t for s in chats)}" for t in sorted({s.topic for s in chats})
     )
-    return f"chat (/v1/chat/completions, openai client): {len(chats)} ({topics}), {empty} empty\n"
+    tooled = [s for s in chats if s.tools_offered]
+    calling = sum(s.tool_calls > 0 for s in tooled)
+    tools = f", {len(tooled)} offered tools ({calling} called one)" if tooled else ""
+    return (
+        f"chat (/v1/chat/completions, openai client): {len(chats)} ({topics}), {empty} empty"
+        f"{tools}\n"
+    )
 
 
 def live_view(

@@ -146,13 +146,18 @@ def routing_summary(points: list[dict[str, Any]], start: float) -> dict[str, Any
 
 def chat_summary(samples: list[Any], window: int = 10) -> dict[str, Any]:
     """The requests sent through ``/v1/chat/completions`` (domain ``chat`` in the summary):
-    how many, how many answered an empty text, and their acceptance per topic (the domain the
-    chat was about, its route key) as :func:`domain_summary` measures it."""
+    how many, how many answered an empty text, how many offered tools and how many of those
+    answered with tool calls, and their acceptance per topic (the domain the chat was about, its
+    route key) as :func:`domain_summary` measures it."""
     chats = [s for s in samples if getattr(s, "endpoint", "completions") == "chat"]
     by_topic = [dataclasses.replace(s, domain=s.topic) for s in chats]
+    tooled = [s for s in chats if getattr(s, "tools_offered", 0)]
     return {
         "requests": len(chats),
         "empty_responses": sum(s.text_chars == 0 for s in chats),
+        "offered_tools": len(tooled),
+        "called_tools": sum(s.tool_calls > 0 for s in tooled),
+        "tool_calls": sum(s.tool_calls for s in tooled),
         "topics": {t: sum(s.topic == t for s in chats) for t in sorted({s.topic for s in chats})},
         "by_topic": domain_summary(by_topic, window),
     }

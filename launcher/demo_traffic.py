@@ -40,6 +40,8 @@ class Sample:
     endpoint: str = "completions"  # or "chat": /v1/chat/completions (then domain is "chat")
     topic: str = ""  # the request's own domain, its route key (differs from domain for chats)
     text_chars: int = 0  # characters of the returned text (a chat answering "" shows here)
+    tools_offered: int = 0  # tools the chat offered (sent with tool_choice "auto")
+    tool_calls: int = 0  # the tool calls it answered with
     # Who drafted (the response's osd.proposers): proposer -> steps, drafted, accepted.
     proposers: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -139,6 +141,8 @@ class TrafficDriver:
         if reference:
             extra["spec"] = {"method": "none"}
         options: dict[str, Any] = {} if item.seed is None else {"seed": item.seed}
+        if getattr(item, "tools", None):
+            options["tools"] = item.tools
         start = time.monotonic()
         try:
             completion = client.chat.completions.create(
@@ -159,9 +163,21 @@ class TrafficDriver:
         if not isinstance(stats, dict) or completion.usage is None:
             self._failed(f"chat request {item.id}: no osd stats or usage in the response")
             return
-        text = completion.choices[0].message.content or ""
+        message = completion.choices[0].message
+        calls = message.tool_calls or []
+        # A reply that only calls tools has no content: the calls are its text.
+        text = (message.content or "") + "".join(
+            c.function.name + c.function.arguments for c in calls if c.type == "function"
+        )
         self._record(
-            item, stats, completion.usage.completion_tokens, text, start, reference, "chat"
+            item,
+            stats,
+            completion.usage.completion_tokens,
+            text,
+            start,
+            reference,
+            "chat",
+            tool_calls=len(calls),
         )
 
     def _record(
@@ -173,6 +189,7 @@ class TrafficDriver:
         start: float,
         reference: bool,
         endpoint: str,
+        tool_calls: int = 0,
     ) -> None:
         sample = Sample(
             time=time.monotonic() - self.start_time,
@@ -191,6 +208,8 @@ class TrafficDriver:
             endpoint=endpoint,
             topic=item.domain,
             text_chars=len(text),
+            tools_offered=len(getattr(item, "tools", None) or []),
+            tool_calls=tool_calls,
             proposers=dict(stats.get("proposers") or {}),
         )
         with self._lock:

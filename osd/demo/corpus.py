@@ -30,7 +30,8 @@ from pathlib import Path
 
 from osd.demo.dialogues import dialogue_document, json_dialogue, math_dialogue, sql_dialogue
 from osd.demo.recipe import CHAT_TOPICS, DOMAINS, CorpusRecipe
-from osd.demo.synthetic import Document, json_document, math_document, sql_document
+from osd.demo.synthetic import Chat, Document, json_document, math_document, sql_document
+from osd.demo.tool_dialogues import tool_dialogue
 
 __all__ = [
     "Corpus",
@@ -59,6 +60,7 @@ _DIALOGUES: dict[str, Callable[[random.Random], Document]] = {
     "json": json_dialogue,
 }
 _MAX_CHAT_CODE_CHARS = 1200  # a chat reply with a function: its first lines up to this
+_TOOL_SHARE = 0.4  # of the generated dialogues, those that offer tools (osd.demo.tool_dialogues)
 
 # domain -> split ("train" or "heldout") -> documents
 Corpus = dict[str, dict[str, list[Document]]]
@@ -254,7 +256,8 @@ def _dialogues(
     max_docs: int,
 ) -> list[Document]:
     """Dialogues on topics drawn uniformly from :data:`CHAT_TOPICS`: code ones from the pool
-    (standard library functions, in a seeded order), the others generated."""
+    (standard library functions, in a seeded order), the others generated, a share of them
+    offering tools."""
     pool = list(code_pool)
     rng.shuffle(pool)
     documents: list[Document] = []
@@ -266,6 +269,8 @@ def _dialogues(
             if not pool:
                 continue
             doc = pool.pop()
+        elif rng.random() < _TOOL_SHARE:
+            doc = tool_dialogue(topic, rng)
         else:
             doc = _DIALOGUES[topic](rng)
         if doc.text in exclude:
@@ -317,7 +322,8 @@ def build_corpus(recipe: CorpusRecipe) -> Corpus:
 
 
 def save_corpus(corpus: Corpus, directory: Path) -> None:
-    """Writes ``<domain>/<split>.jsonl`` files: one ``{"text", "prompt_chars"}`` per line."""
+    """Writes ``<domain>/<split>.jsonl`` files: one ``{"text", "prompt_chars"}`` per line, and
+    a dialogue's ``topic``, prompt ``messages`` and ``tools``."""
     for domain, splits in corpus.items():
         (directory / domain).mkdir(parents=True, exist_ok=True)
         for split, documents in splits.items():
@@ -326,6 +332,10 @@ def save_corpus(corpus: Corpus, directory: Path) -> None:
                     row: dict[str, object] = {"text": doc.text, "prompt_chars": doc.prompt_chars}
                     if doc.topic:
                         row["topic"] = doc.topic
+                    if doc.chat is not None:
+                        row["messages"] = doc.chat.messages
+                        if doc.chat.tools:
+                            row["tools"] = doc.chat.tools
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
@@ -340,12 +350,23 @@ def load_corpus_split(directory: Path | str, domain: str, split: str) -> list[Do
         raise ValueError(f"no {split!r} split for domain {domain!r} at {path}")
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [Document(row["text"], int(row["prompt_chars"]), row.get("topic", "")) for row in rows]
+    return [
+        Document(
+            row["text"],
+            int(row["prompt_chars"]),
+            row.get("topic", ""),
+            Chat(row["messages"], row.get("tools")) if "messages" in row else None,
+        )
+        for row in rows
+    ]
 
 
 # Longest prompt the demo traffic uses: a few code prompts are one very long line, and with the
 # demo's 64 new tokens they would not fit the models' 256 positions (a 400, not a request).
 MAX_PROMPT_CHARS = 400
+# A prompt offering tools: their compact JSON tokenizes at about 3.3 characters a token, so 600
+# characters stay under 170 tokens.
+MAX_TOOL_PROMPT_CHARS = 600
 
 
 def heldout_prompts(
@@ -363,15 +384,18 @@ def heldout_prompts(
 
 
 def heldout_dialogues(
-    directory: Path | str, max_chars: int = MAX_PROMPT_CHARS
-) -> dict[str, list[list[dict[str, str]]]]:
-    """Topic -> the messages of the chat domain's held-out prompts (every turn before the last
-    reply), those whose rendered prompt is over `max_chars` left out."""
-    from osd.demo.chat import parse_chat
-
-    out: dict[str, list[list[dict[str, str]]]] = {}
+    directory: Path | str,
+    max_chars: int = MAX_PROMPT_CHARS,
+    max_tool_chars: int = MAX_TOOL_PROMPT_CHARS,
+) -> dict[str, list[Chat]]:
+    """Topic -> the chat domain's held-out requests (every message before the last reply, and
+    the tools offered), those whose rendered prompt is over `max_chars` (with tools:
+    `max_tool_chars`) left out."""
+    out: dict[str, list[Chat]] = {}
     for doc in load_corpus_split(directory, "chat", "heldout"):
-        if len(doc.prompt) <= max_chars:
-            messages, _ = parse_chat(doc.prompt)
-            out.setdefault(doc.topic, []).append(messages)
+        if doc.chat is None:
+            raise ValueError(f"{directory}: the chat split predates stored messages; rebuild it")
+        limit = max_tool_chars if doc.chat.tools else max_chars
+        if len(doc.prompt) <= limit:
+            out.setdefault(doc.topic, []).append(doc.chat)
     return out

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 from osd.demo.chat import render_chat
 from osd.demo.synthetic import (
     SCHEMAS,
+    Chat,
     Document,
     _inventory,
     _math_problem,
@@ -26,16 +28,19 @@ from osd.demo.synthetic import (
 
 __all__ = ["dialogue_document", "json_dialogue", "math_dialogue", "sql_dialogue"]
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 
-def dialogue_document(messages: list[Message], topic: str) -> Document:
-    """A dialogue rendered with the chat template; the prompt is everything before the last
-    assistant reply, up to and including the generation prompt that opens it."""
+def dialogue_document(
+    messages: list[Message], topic: str, tools: list[dict[str, Any]] | None = None
+) -> Document:
+    """A dialogue rendered with the chat template (and its tools); the prompt is everything
+    before the last assistant reply, up to and including the generation prompt that opens it."""
     if messages[-1]["role"] != "assistant":
         raise ValueError("a corpus dialogue ends with the assistant's reply")
-    prompt = render_chat(messages[:-1], add_generation_prompt=True)
-    return Document(render_chat(messages), len(prompt), topic)
+    prompt = render_chat(messages[:-1], add_generation_prompt=True, tools=tools)
+    text = render_chat(messages, tools=tools)
+    return Document(text, len(prompt), topic, Chat(messages[:-1], tools))
 
 
 def _turns(rng: random.Random) -> int:

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # Bump when a code change alters the corpus, tokenizer or weights a recipe produces.
-BUILD_VERSION = 2  # 2: the chat domain, the role tokens and the chat template
+BUILD_VERSION = 3  # 2: the chat domain, role tokens, chat template; 3: tools in chats
 # Domains whose held-out prompts are plain text (completions); chat's are dialogues.
 TEXT_DOMAINS = ("prose", "code", "sql", "math", "json")
 DOMAINS = (*TEXT_DOMAINS, "chat")
@@ -199,8 +199,8 @@ class Recipe:
 def _full() -> Recipe:
     # The generated domains are easy (held-out perplexity < 4 within a few hundred steps): most
     # of the target's tokens go to prose and code.
-    # Chat dialogues answer with the same SQL, arithmetic, JSON and code: one sequence of the 8.
-    mixture = {"prose": 0.4, "code": 0.3, "sql": 0.1, "math": 0.1, "json": 0.1, "chat": 0.1}
+    # Chat dialogues answer with the same SQL, arithmetic, JSON and code, or call tools: 15 %.
+    mixture = {"prose": 0.35, "code": 0.3, "sql": 0.1, "math": 0.1, "json": 0.1, "chat": 0.15}
     return Recipe(
         scale="full",
         corpus=CorpusRecipe(

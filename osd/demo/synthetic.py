@@ -12,8 +12,17 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Document", "json_document", "math_document", "sql_document"]
+__all__ = ["Chat", "Document", "json_document", "math_document", "sql_document"]
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A chat request: its messages (OpenAI's shape) and the tools it offers (None: none)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -24,11 +33,14 @@ class Document:
         text: the whole document.
         prompt_chars: the first ``prompt_chars`` characters are the prompt of a held-out request.
         topic: of a chat dialogue, the domain it is about (its requests are routed by it).
+        chat: of a chat dialogue, the request its prompt renders: every message before the
+            last reply, and the tools.
     """
 
     text: str
     prompt_chars: int
     topic: str = ""
+    chat: Chat | None = None
 
     @property
     def prompt(self) -> str:

@@ -5,11 +5,13 @@ A workload is a JSONL file, one request per line::
     {"prompt": "SELECT", "domain": "sql", "max_tokens": 64}
 
 Required: ``prompt`` (non-empty string) or ``messages`` (a chat: a non-empty list of
-``{"role": "system" | "developer" | "user" | "assistant", "content": string}``, sent through
+``{"role": "system" | "developer" | "user" | "assistant" | "tool", "content": string}``, an
+assistant's may hold ``tool_calls`` and a tool's its ``tool_call_id``, sent through
 ``/v1/chat/completions``), not both; ``domain`` (non-empty string; the route key), and
 ``max_tokens`` (integer >= 1). Optional: ``temperature`` (>= 0), ``top_p`` (in (0, 1]),
 ``seed`` (integer), ``adapter`` (string), ``id`` (string), ``phase`` (string: which part of a
-schedule the request belongs to) and ``metadata`` (an object kept as is). Other keys are
+schedule the request belongs to), ``metadata`` (an object kept as is) and, for a chat,
+``tools`` (OpenAI's list of function tools, sent with ``tool_choice`` "auto"). Other keys are
 rejected, so a misspelt option never silently does nothing. Users can replace the demo traffic
 with their own file in this format::
 
@@ -32,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from osd.demo.synthetic import Chat
+
 __all__ = [
     "CHAT",
     "MIXED",
@@ -46,8 +50,9 @@ __all__ = [
 MIXED = "mixed"
 CHAT = "chat"
 _REQUIRED = ("domain", "max_tokens")  # and one of prompt, messages
-_OPTIONAL = ("temperature", "top_p", "seed", "adapter", "id", "phase", "metadata")
-_ROLES = ("system", "developer", "user", "assistant")
+_OPTIONAL = ("temperature", "top_p", "seed", "adapter", "id", "phase", "metadata", "tools")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,8 @@ class WorkloadItem:
     id: str | None = None
     phase: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
-    messages: list[dict[str, str]] | None = None  # a chat (then ``prompt`` is "")
+    messages: list[dict[str, Any]] | None = None  # a chat (then ``prompt`` is "")
+    tools: list[dict[str, Any]] | None = None  # the tools a chat offers
 
     @property
     def is_chat(self) -> bool:
@@ -76,7 +82,7 @@ class WorkloadItem:
         row = {
             k: v
             for k, v in asdict(self).items()
-            if k in _REQUIRED or (k == "prompt" and not self.is_chat) or v not in (None, {})
+            if k in _REQUIRED or (k == "prompt" and not self.is_chat) or v not in (None, {}, [])
         }
         if self.is_chat:
             row.pop("prompt", None)
@@ -110,6 +116,12 @@ def _check_fields(row: Mapping[str, Any]) -> str | None:
         problem = _check_messages(row["messages"])
         if problem:
             return problem
+    if "tools" in row:
+        if "messages" not in row:
+            return "'tools' go with 'messages' (a chat), not with a prompt"
+        tools = row["tools"]
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            return f"'tools' must be a list of objects (OpenAI's function tools), got {tools!r}"
     if not _is_int(row["max_tokens"]) or row["max_tokens"] < 1:
         return f"'max_tokens' must be an integer >= 1, got {row['max_tokens']!r}"
     temperature, top_p = row.get("temperature"), row.get("top_p")
@@ -131,15 +143,17 @@ def _check_messages(messages: Any) -> str | None:
     if not isinstance(messages, list) or not messages:
         return f"'messages' must be a non-empty list, got {messages!r}"
     for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        calls = isinstance(message, dict) and message.get("tool_calls")
         if (
             not isinstance(message, dict)
-            or set(message) != {"role", "content"}
+            or not {"role"} <= set(message) <= _MESSAGE_KEYS
             or message["role"] not in _ROLES
-            or not isinstance(message["content"], str)
+            or not (isinstance(content, str) or (content is None and calls))
         ):
             return (
-                f"messages[{i}] must be {{'role': one of {list(_ROLES)}, 'content': a string}}, "
-                f"got {message!r}"
+                f"messages[{i}] must be {{'role': one of {list(_ROLES)}, 'content': a string}} "
+                f"(an assistant's may be null beside tool_calls), got {message!r}"
             )
     return None
 
@@ -228,7 +242,7 @@ def make_workload(
     *,
     max_tokens: int = 64,
     seed: int = 0,
-    dialogues: Mapping[str, Sequence[list[dict[str, str]]]] | None = None,
+    dialogues: Mapping[str, Sequence[Chat]] | None = None,
     chat_share: float = 0.0,
 ) -> list[WorkloadItem]:
     """Builds a shifting-topic workload from held-out prompts and dialogues.
@@ -240,7 +254,8 @@ def make_workload(
             topic of ``dialogues`` drawn at random).
         max_tokens: tokens to generate per request.
         seed: seed of the prompt order, the mixed phases' domain draws and the chat draws.
-        dialogues: topic (a domain) -> held-out chats (lists of messages before the reply).
+        dialogues: topic (a domain) -> held-out chats (the messages before the reply, the
+            tools offered).
         chat_share: in domain and mixed phases, the probability that a request of a domain
             with dialogues is a chat on that domain (its ``domain``, the route key, stays the
             topic's).
@@ -270,22 +285,23 @@ def make_workload(
                 f"schedule phase {phase!r} is not {MIXED!r}, {CHAT!r} or one of {domains}"
             )
         for _ in range(count):
-            messages = None
+            chat: Chat | None = None
             if phase == CHAT:
                 domain = chat_rng.choice(topics)
-                messages = chats[domain].next()
+                chat = chats[domain].next()
             else:
                 domain = rng.choice(domains) if phase == MIXED else phase
                 if domain in chats and chat_share > 0 and chat_rng.random() < chat_share:
-                    messages = chats[domain].next()
+                    chat = chats[domain].next()
             items.append(
                 WorkloadItem(
-                    prompt="" if messages is not None else pools[domain].next(),
+                    prompt="" if chat is not None else pools[domain].next(),
                     domain=domain,
                     max_tokens=max_tokens,
                     id=f"{len(items):06d}",
                     phase=phase,
-                    messages=messages,
+                    messages=None if chat is None else chat.messages,
+                    tools=None if chat is None else chat.tools,
                 )
             )
     return items

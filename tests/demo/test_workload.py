@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from osd.demo import WorkloadItem, load_workload, make_workload, parse_schedule, write_workload
+from osd.demo.synthetic import Chat
 
 GOOD = {"prompt": "SELECT", "domain": "sql", "max_tokens": 16}
 
@@ -125,9 +126,32 @@ CHAT = {
     "domain": "math",
     "max_tokens": 8,
 }
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
 DIALOGUES = {
-    "sql": [[{"role": "user", "content": f"query {i}"}] for i in range(3)],
-    "code": [[{"role": "system", "content": "s"}, {"role": "user", "content": "def?"}]],
+    "sql": [Chat([{"role": "user", "content": f"query {i}"}]) for i in range(3)],
+    "code": [Chat([{"role": "system", "content": "s"}, {"role": "user", "content": "def?"}])],
+    "json": [Chat([{"role": "user", "content": "weather?"}], [WEATHER])],
+}
+TOOL_CHAT = CHAT | {
+    "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c0", "content": "5 C"},
+    ],
+    "tools": [WEATHER],
 }
 
 
@@ -142,13 +166,24 @@ def test_chat_items_round_trip_without_a_prompt(tmp_path):
     assert load_workload(again) == [chat, plain]
 
 
+def test_tool_chats_round_trip(tmp_path):
+    [chat] = load_workload(_write(tmp_path / "w.jsonl", [json.dumps(TOOL_CHAT)]))
+    assert chat.tools == [WEATHER] and chat.messages == TOOL_CHAT["messages"]
+    again = tmp_path / "again.jsonl"
+    write_workload([chat], again)
+    assert json.loads(again.read_text()) == TOOL_CHAT
+
+
 @pytest.mark.parametrize(
     ("row", "message"),
     [
         (CHAT | {"prompt": "x"}, "not both"),
         ({"domain": "sql", "max_tokens": 3}, r"missing required keys \['prompt or messages'\]"),
         (CHAT | {"messages": []}, "'messages' must be a non-empty list"),
-        (CHAT | {"messages": [{"role": "tool", "content": "x"}]}, r"messages\[0\] must be"),
+        (CHAT | {"messages": [{"role": "function", "content": "x"}]}, r"messages\[0\] must be"),
+        (CHAT | {"messages": [{"role": "user", "content": None}]}, r"messages\[0\] must be"),
+        (CHAT | {"tools": {"type": "function"}}, "'tools' must be a list of objects"),
+        ({"prompt": "x", "domain": "a", "max_tokens": 3, "tools": []}, "go with 'messages'"),
         (CHAT | {"messages": [{"role": "user"}]}, r"messages\[0\] must be"),
         (CHAT | {"messages": [{"role": "user", "content": 3}]}, r"messages\[0\] must be"),
     ],
@@ -166,7 +201,9 @@ def test_chat_share_turns_a_share_of_each_domain_with_dialogues_into_chats():
     assert [i.phase for i in items] == [i.phase for i in plain]
     chats = [i for i in items if i.is_chat]
     assert not any(i.is_chat for i in items if i.domain == "prose")  # no prose dialogues
-    assert all(i.messages in DIALOGUES[i.domain] and i.prompt == "" for i in chats)
+    for item in chats:
+        assert Chat(item.messages or [], item.tools) in DIALOGUES[item.domain]
+        assert item.prompt == ""
     assert 30 <= sum(i.phase == "sql" for i in chats) <= 70  # about a quarter of 200
     assert {i.domain for i in chats} == {"sql", "code"}
     assert all(i.prompt in PROMPTS[i.domain] for i in items if not i.is_chat)
@@ -176,7 +213,8 @@ def test_chat_share_turns_a_share_of_each_domain_with_dialogues_into_chats():
 def test_chat_phase_is_all_chats_on_random_topics():
     items = make_workload(PROMPTS, [("chat", 30), ("sql", 2)], dialogues=DIALOGUES)
     assert all(i.is_chat and i.phase == "chat" for i in items[:30])
-    assert {i.domain for i in items[:30]} == {"sql", "code"}
+    assert {i.domain for i in items[:30]} == {"sql", "code", "json"}
+    assert all(i.tools == [WEATHER] for i in items[:30] if i.domain == "json")
     assert not any(i.is_chat for i in items[30:])  # chat_share 0
     with pytest.raises(ValueError, match="needs held-out dialogues"):
         make_workload(PROMPTS, [("chat", 1)])

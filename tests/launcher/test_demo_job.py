@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from tests.serving.conftest import TOY, free_port
+from tests.serving.test_tools_api import TEMPLATE, TOOLS
 
 
 def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
@@ -29,6 +30,8 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
         }
         for w in ("cat", "dog", "owl", "bee") * 3
     ]
+    for row in rows[-4:]:  # the last four offer tools (tool_choice auto)
+        row["tools"] = TOOLS
     workload.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     run_dir = tmp_path / "run"
     done = subprocess.run(
@@ -45,6 +48,7 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
             "wandb.mode=offline",
             f"wandb.dir={tmp_path}",
             "trainer.min_records=8",
+            f"model.chat_template={json.dumps(TEMPLATE)}",  # one that shows tools
         ],
         cwd=tmp_path,
         capture_output=True,
@@ -67,6 +71,7 @@ def test_demo_job_runs_the_loop_and_writes_its_report(tmp_path):
     assert all(s["adapter"] == "code" for s in chats)  # routed by their topic
     assert report["chat"]["requests"] == 12 and report["chat"]["topics"] == {"code": 12}
     assert report["chat"]["empty_responses"] == sum(s["text_chars"] == 0 for s in chats)
+    assert report["chat"]["offered_tools"] == 4
     assert "chat" in done.stdout and "/v1/chat/completions" in done.stdout
     # Traffic started once the trainer consumed (its first heartbeat), not before.
     assert "waiting for the trainer's first heartbeat" in done.stdout

@@ -90,7 +90,7 @@ def test_the_live_line_on_the_loop_names_problems_and_restarts():
     assert describe_loop({"status": "ok", "problems": []}, {}) == "loop: ok"
 
 
-def chat(topic, acceptance, *, text_chars=5):
+def chat(topic, acceptance, *, text_chars=5, tools=0, calls=0):
     """A finished chat on ``topic`` (reported as the chat domain)."""
     return Sample(
         time=0.0,
@@ -107,6 +107,8 @@ def chat(topic, acceptance, *, text_chars=5):
         endpoint="chat",
         topic=topic,
         text_chars=text_chars,
+        tools_offered=tools,
+        tool_calls=calls,
     )
 
 
@@ -114,22 +116,28 @@ def test_chats_are_a_domain_of_their_own_with_acceptance_per_topic():
     samples = [sample("sql", 10, 1.0, acceptance=0.9) for _ in range(10)]
     samples += [chat("sql", 0.2) for _ in range(10)] + [chat("sql", 0.6) for _ in range(10)]
     samples += [chat("math", 0.5, text_chars=0) for _ in range(3)]
+    samples += [chat("json", 0.5, tools=2, calls=2), chat("json", 0.5, tools=1)]
     domains = domain_summary(samples)
     assert set(domains) == {"sql", "chat"} and domains["sql"]["final"] == pytest.approx(0.9)
-    assert domains["chat"]["requests"] == 23
+    assert domains["chat"]["requests"] == 25
     summary = chat_summary(samples)
-    assert summary["requests"] == 23 and summary["empty_responses"] == 3
-    assert summary["topics"] == {"math": 3, "sql": 20}
+    assert summary["requests"] == 25 and summary["empty_responses"] == 3
+    assert summary["topics"] == {"json": 2, "math": 3, "sql": 20}
+    assert (summary["offered_tools"], summary["called_tools"], summary["tool_calls"]) == (2, 1, 2)
     assert set(summary["by_topic"]) == {"sql"}  # math: fewer than a window of chats
     assert summary["by_topic"]["sql"]["low"] == pytest.approx(0.2)
     assert summary["by_topic"]["sql"]["final"] == pytest.approx(0.6)
     assert set(recent_by_domain(samples)) == {"sql", "chat"}
     line = describe_chat(samples)
-    assert "23 (math 3, sql 20), 3 empty" in line and line.endswith("\n")
+    assert "25 (json 2, math 3, sql 20), 3 empty, 2 offered tools (1 called one)" in line
+    assert line.endswith("\n")
     assert describe_chat(samples[:10]) == ""
     assert chat_summary(samples[:10]) == {
         "requests": 0,
         "empty_responses": 0,
+        "offered_tools": 0,
+        "called_tools": 0,
+        "tool_calls": 0,
         "topics": {},
         "by_topic": {},
     }
