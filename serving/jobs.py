@@ -1,18 +1,21 @@
-"""An admitted request (:class:`Job`) and the streaming of its choices to the event loop.
+"""An admitted request (:class:`Job`) and the delivery of its choices to the event loop.
 
 A job holds one :class:`osd.decode.loop.RequestHandle` per choice (OpenAI's ``n``,
-:mod:`osd.decode.choices`). Handles block, so a thread of the replica's pool waits on each
-choice's; what they bring goes to the event loop through one queue, tagged with the choice's
-index, and steps of one choice that queued up while the consumer was busy go out as one chunk.
+:mod:`osd.decode.choices`). Each handle hands its chunks to the job straight from the decoding
+thread (:meth:`RequestHandle.deliver_to`), which posts them to the event loop: two hand-offs from
+the decode thread to the SSE writer (``call_soon_threadsafe``, then the stream's asyncio queue),
+and no thread waiting per choice. The job ends itself once: when every choice ended (or one
+failed, or it was given back before it started) it calls its ``on_finish`` with the results (or
+None), on the event loop, whether or not anyone still reads it. Steps of one choice that queued
+up while the consumer was busy go out as one chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,110 +26,148 @@ from serving.protocol import ChatRequest, CompletionRequest, new_id
 from serving.router import RouteDecision
 from serving.tools import ToolPlan
 
-__all__ = ["Job", "stream_choices"]
+__all__ = ["Job"]
 
-Finish = Callable[["Job", "list[GenerationResult] | None"], None]
+OnFinish = Callable[["Job", "list[GenerationResult] | None"], None]
+# What a choice's delivery brings to the event loop: (choice index, chunk | result | error).
+_Event = tuple[int, Any]
 
 
 @dataclass
 class Job:
-    """One admitted request: its choices' streams, route and adapter lease."""
+    """One admitted request: its choices' handles, route and adapter lease.
+
+    Attributes:
+        on_finish: called once on the event loop when the job ends (results, or None when it
+            failed or was given back); the runtime's accounting.
+    """
 
     request: CompletionRequest | ChatRequest
     streams: list[RequestHandle]  # one per choice (OpenAI's n), in order
     route: RouteDecision
     lease: AdapterLease
+    on_finish: OnFinish | None = None
     request_id: str = field(default_factory=lambda: new_id("req"))
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
-    decoding: bool = False  # a streamed job's thread was started (it then finishes the job)
-    finished: bool = False  # lease and admission slot given back (exactly once)
     tools: ToolPlan | None = None  # its replies are read for tool calls
+    finished: bool = False  # on_finish was called (exactly once)
+    _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
+    _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
+    _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
 
     @property
     def stream(self) -> RequestHandle:
-        """The first choice's stream (its request has the settings all choices share)."""
+        """The first choice's handle (its request has the settings all choices share)."""
         return self.streams[0]
+
+    @property
+    def delivering(self) -> bool:
+        """Its choices deliver to the event loop (then they end it; see :meth:`give_back`)."""
+        return self._done is not None
 
     def cancel(self) -> None:
         for stream in self.streams:
             stream.cancel()
 
     def results(self) -> list[GenerationResult]:
-        """Waits for every choice's end (in a worker thread)."""
-        return [stream.result() for stream in self.streams]
+        """Every choice's result, once all delivered their end."""
+        return [self._results[i] for i in range(len(self.streams))]
 
+    def finish(self, results: list[GenerationResult] | None) -> None:
+        """Ends the job once (on the event loop): ``on_finish``, then nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.on_finish is not None:
+            self.on_finish(self, results)
 
-async def stream_choices(
-    job: Job,
-    executor: Executor,
-    finish: Finish,
-    finish_when_done: Callable[[Job, asyncio.Future[Any]], None],
-) -> AsyncGenerator[tuple[int, StreamChunk]]:
-    """Yields (choice index, chunk) as the pool's threads bring them; cancels if the consumer
-    stops.
+    def give_back(self) -> None:
+        """A job whose response ended before its choices delivered: cancel and end it now
+        (one that delivers ends itself when its choices do)."""
+        if not self.delivering:
+            self.cancel()
+            self.finish(None)
 
-    The clean-up never awaits: a consumer that is cancelled (the client disconnected) may
-    not wait for anything, so the threads that decode account for the request when they
-    stop, after their current step.
+    def deliver(self, stream: bool) -> asyncio.Future[list[GenerationResult]]:
+        """Starts delivery to the running event loop; returns the future of every choice's
+        result. ``stream``: each step's chunk is queued for :meth:`chunks`; otherwise only
+        the first (the time to first token) and the ends reach the loop."""
+        loop = asyncio.get_running_loop()
+        self._done = loop.create_future()
+        self._queue = asyncio.Queue() if stream else None
+        for index, handle in enumerate(self.streams):
+            handle.deliver_to(self._sink(loop, index, handle, stream))
+        return self._done
 
-    Args:
-        job: the admitted request.
-        executor: the threads that wait on the choices' handles.
-        finish: accounts for the job once (its results, or None when it failed).
-        finish_when_done: calls ``finish`` when the threads' future ends.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, int, Any]] = asyncio.Queue()
-    stop = threading.Event()
+    def _sink(
+        self, loop: asyncio.AbstractEventLoop, index: int, handle: RequestHandle, stream: bool
+    ) -> Callable[[StreamChunk | None], None]:
+        first = [True]
 
-    def pump(index: int, stream: RequestHandle) -> GenerationResult | None:
+        def sink(chunk: StreamChunk | None) -> None:  # in the decoding thread
+            if chunk is not None and not stream and not first[0]:
+                return
+            first[0] = False
+            item: Any = chunk
+            if chunk is None:
+                try:
+                    item = handle.result()  # ended: answers at once
+                except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+                    item = exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the replica is too
+                loop.call_soon_threadsafe(self._arrive, index, item)
+
+        return sink
+
+    def _arrive(self, index: int, item: Any) -> None:
+        """On the event loop: a choice's chunk, result or error."""
+        if isinstance(item, StreamChunk):
+            self.first_token_at = self.first_token_at or time.perf_counter()
+        elif isinstance(item, GenerationResult):
+            self._results[index] = item
+        elif isinstance(item, BaseException):
+            self.cancel()  # the other choices stop at their next step
+            self._end(None, item)
+        if self._queue is not None:
+            self._queue.put_nowait((index, item))
+        if len(self._results) == len(self.streams):
+            self._end([self._results[i] for i in range(len(self.streams))], None)
+
+    def _end(self, results: list[GenerationResult] | None, error: BaseException | None) -> None:
+        assert self._done is not None
+        if not self._done.done():
+            if error is not None:
+                self._done.set_exception(error)
+                self._done.exception()  # retrieved: a job nobody awaits logs no warning
+            else:
+                self._done.set_result(results or [])
+        self.finish(results)
+
+    async def chunks(self) -> AsyncGenerator[tuple[int, StreamChunk]]:
+        """Yields (choice index, chunk) as the choices deliver them, until every choice ended;
+        raises what failed one. Leaving early cancels the job (its rows go at the next step)."""
+        assert self._queue is not None, "deliver(stream=True) first"
+        ended = 0
+        held: _Event | None = None
         try:
-            if stop.is_set():  # gone while this waited for a thread
-                stream.cancel()
-            for chunk in stream:
-                loop.call_soon_threadsafe(queue.put_nowait, ("chunk", index, chunk))
-                if stop.is_set():
-                    stream.cancel()
-                    break
-            result = stream.result()
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", index, result))
-            return result
-        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", index, exc))
-            return None
-
-    pumps = [
-        loop.run_in_executor(executor, pump, i, stream) for i, stream in enumerate(job.streams)
-    ]
-    finish_when_done(job, asyncio.gather(*pumps))
-    job.decoding = True  # (if the pool is shut down, the raise above leaves it to abandon)
-    results: dict[int, GenerationResult] = {}
-    held: tuple[str, int, Any] | None = None
-    try:
-        while True:
-            kind, index, item = held or await queue.get()
-            held = None
-            if kind == "chunk":
+            while ended < len(self.streams):
+                index, item = held or await self._queue.get()
+                held = None
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, GenerationResult):
+                    ended += 1
+                    continue
                 # Steps that queued up while the consumer was busy go out as one chunk:
                 # under load every event costs the proxy, the replica and the client.
                 steps = [item]
-                while held is None and not queue.empty():
-                    following = queue.get_nowait()
-                    if following[:2] == ("chunk", index):
-                        steps.append(following[2])
+                while held is None and not self._queue.empty():
+                    following = self._queue.get_nowait()
+                    if following[0] == index and isinstance(following[1], StreamChunk):
+                        steps.append(following[1])
                     else:
                         held = following
-                job.first_token_at = job.first_token_at or time.perf_counter()
                 yield index, merge_chunks(steps)
-                continue
-            if kind == "error":
-                finish(job, None)
-                raise item
-            results[index] = item
-            if len(results) == len(job.streams):  # every pump is done
-                finish(job, [results[i] for i in range(len(results))])
-                return
-    finally:
-        stop.set()  # the consumer went away (or the stream ended): the pumps stop
-        job.cancel()  # frees its rows at the next step, even before a chunk came
+        finally:
+            self.cancel()  # frees its rows at the next step (a no-op once they ended)

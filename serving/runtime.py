@@ -2,8 +2,9 @@
 
 All requests of a replica are decoded by one batched loop (:class:`osd.decode.loop.
 BatchedEngine`): each is a row with its own KV slot, random streams and leased adapter
-version, and every step drafts, verifies and emits for all rows together. A small thread pool
-only waits on the rows' outputs for the event loop. After a request, its record goes to the log
+version, and every step drafts, verifies and emits for all rows together. The rows hand their
+outputs to the event loop from the decoding thread (:mod:`serving.jobs`); no thread waits on
+them. After a request, its record goes to the log
 writer's queue (never blocking) unless it opted out. A request for ``n`` choices is a group of
 ``n`` rows sharing one prefill (:mod:`osd.decode.choices`); each choice's record is logged on its
 own, under the request's id (so the trainer holds all choices of a prompt out, or none).
@@ -33,10 +34,10 @@ from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
 from osd.threads import single_threaded_torch
 from serving.adapter_slots import AdapterLease, AdapterSlots
-from serving.jobs import Job, stream_choices
+from serving.jobs import Job
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
-from serving.protocol import MAX_CHOICES, APIError, ChatRequest, CompletionRequest
+from serving.protocol import APIError, ChatRequest, CompletionRequest
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
 from serving.tool_parsers import detect_parser, tool_call_format
@@ -73,14 +74,7 @@ class ReplicaRuntime:
         self.slots, self.router, self.metrics = slots, router, metrics
         self.log_writer, self.monitor, self.health = log_writer, monitor, health
         self.adapter_events = events if events is not None else deque(maxlen=100)
-        limit = config.serve.max_ongoing_requests
-        # Threads that wait on rows' outputs (the decoding happens in the batch loop): a
-        # streamed request takes one per choice (the pool starts them only when needed).
-        self._executor = ThreadPoolExecutor(
-            max_workers=limit * MAX_CHOICES, thread_name_prefix="rows"
-        )
-        self._admission = threading.BoundedSemaphore(limit)
-        self._finish_lock = threading.Lock()
+        self._admission = threading.BoundedSemaphore(config.serve.max_ongoing_requests)
         # Unloads adapter versions a finished request was the last to use, off the event loop.
         self._housekeeping = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="adapters", initializer=single_threaded_torch
@@ -234,7 +228,7 @@ class ReplicaRuntime:
             self._admission.release()
             raise
         self.metrics.in_flight.inc()
-        return Job(request, streams, route, lease, tools=tools)
+        return Job(request, streams, route, lease, on_finish=self._finish, tools=tools)
 
     def _prepare(
         self,
@@ -279,59 +273,29 @@ class ReplicaRuntime:
         return [*extra, *([] if eos is None else [eos])]
 
     async def complete(self, job: Job) -> list[GenerationResult]:
-        """Runs a request to the end in the thread pool; one result per choice."""
-        loop = asyncio.get_running_loop()
+        """Waits for a request's end; one result per choice. Cancelled (the client went
+        away), it stops decoding; the job ends itself when its rows are gone."""
+        done = job.deliver(stream=False)
         try:
-            future = loop.run_in_executor(self._executor, job.results)
-        except BaseException:  # the pool is shut down: the replica is closing
-            self._finish(job, None)
-            raise
-        try:
-            result = await asyncio.shield(future)
+            return await asyncio.shield(done)
         except asyncio.CancelledError:
-            # The client went away: stop decoding; the lease and the admission slot go back
-            # when the thread lets go of the draft, not before.
             job.cancel()
-            self._finish_when_done(job, future)
             raise
-        except BaseException:
-            self._finish(job, None)
-            raise
-        job.first_token_at = job.first_token_at or time.perf_counter()
-        self._finish(job, result)
-        return result  # one per choice
 
     def stream(self, job: Job) -> AsyncGenerator[tuple[int, StreamChunk]]:
-        """Yields (choice index, chunk) as the thread pool verifies them; cancels if the
-        consumer stops (:func:`serving.jobs.stream_choices`)."""
-        return stream_choices(job, self._executor, self._finish, self._finish_when_done)
-
-    def _finish_when_done(self, job: Job, decoding: asyncio.Future[Any]) -> None:
-        """Finishes ``job`` once its thread returns (a no-op if it was finished before)."""
-
-        def done(future: asyncio.Future[Any]) -> None:
-            ended = not future.cancelled() and future.exception() is None
-            results = future.result() if ended else None
-            self._finish(
-                job, None if results is None or any(r is None for r in results) else results
-            )
-
-        decoding.add_done_callback(done)
+        """Yields (choice index, chunk) as the rows verify them; cancels the job if the
+        consumer stops (:meth:`serving.jobs.Job.chunks`)."""
+        job.deliver(stream=True)
+        return job.chunks()
 
     def abandon(self, job: Job) -> None:
-        """Gives back a job whose response ended before it started decoding (the client went
-        away first); a job already decoding is accounted for by its thread."""
-        if not job.decoding:
-            job.cancel()
-            self._finish(job, None)
+        """Gives back a job whose response ended before its rows delivered (the client went
+        away first); one that delivers ends itself."""
+        job.give_back()
 
     def _finish(self, job: Job, results: list[GenerationResult] | None) -> None:
-        """Metrics, router feedback, live monitor and the log record, off the decode path.
-        Runs once per job, whoever calls it first."""
-        with self._finish_lock:
-            if job.finished:
-                return
-            job.finished = True
+        """Metrics, router feedback, live monitor and the log record, off the decode path;
+        the job calls it once, on the event loop."""
         try:
             if results is not None:
                 self._account(job, results)
@@ -413,7 +377,6 @@ class ReplicaRuntime:
 
     def close(self) -> None:
         self.batch.close()
-        self._executor.shutdown(wait=False, cancel_futures=True)
         self._housekeeping.shutdown(wait=False)
         self._compiles.shutdown(wait=False, cancel_futures=True)
         if self.log_writer is not None:

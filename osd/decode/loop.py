@@ -6,7 +6,8 @@ prefills up to ``max_num_batched_tokens`` prompt tokens of the joiners, and runs
 speculative step (:func:`osd.decode.step.run_step`) over every request that is decoding. A
 request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
 to the next waiting request at once. Callers get a :class:`RequestHandle`: an iterator of the
-request's chunks that blocks until the loop produces them.
+request's chunks that blocks until the loop produces them, or a handle that hands them to a
+sink from the loop's thread (a consumer on an event loop: no thread waits per request).
 
 Several choices of one prompt (OpenAI's ``n``) come in as a group (:meth:`BatchedEngine.
 submit_group`, requests from :func:`osd.decode.choices.choice_requests`): the group waits, is
@@ -25,6 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -61,7 +63,8 @@ class EngineFull(RuntimeError):
 
 
 class RequestHandle:
-    """A submitted request: iterate for its chunks (blocking), :meth:`cancel`, :meth:`result`.
+    """A submitted request: iterate for its chunks (blocking), or hand them to a sink
+    (:meth:`deliver_to`); :meth:`cancel`, :meth:`result`.
 
     Safe to cancel from any thread; iterate it from one.
     """
@@ -73,11 +76,41 @@ class RequestHandle:
         self._error: BaseException | None = None
         self._ended = False
         self._followers: list[RequestHandle] = []  # a group's other choices, until prefilled
-        row.on_chunk = self._chunks.put
+        self._sink: Callable[[StreamChunk | None], None] | None = None
+        self._sink_lock = threading.Lock()
+        row.on_chunk = self._put
 
     @property
     def request(self) -> DecodeRequest:
         return self._row.request
+
+    def deliver_to(self, sink: Callable[[StreamChunk | None], None]) -> None:
+        """Hands each step's chunk to ``sink`` from the decoding thread, then ``None`` once the
+        request ended (:meth:`result` then answers at once), instead of queueing them for an
+        iterating thread: a consumer on an event loop needs no thread waiting on the queue.
+        Chunks already queued are handed first, in order. Call it once, and do not iterate."""
+        with self._sink_lock:
+            if self._sink is not None:
+                raise RuntimeError("the handle already delivers to a sink")
+            while not self._chunks.empty():
+                self._hand(sink, self._chunks.get_nowait())
+            self._sink = sink
+
+    def _put(self, item: object) -> None:
+        """From the decoding thread: a chunk, or the end."""
+        with self._sink_lock:
+            if self._sink is None:
+                self._chunks.put(item)
+            else:
+                self._hand(self._sink, item)
+
+    def _hand(self, sink: Callable[[StreamChunk | None], None], item: object) -> None:
+        if item is _END:
+            self._ended = True
+            sink(None)
+        else:
+            assert isinstance(item, StreamChunk)
+            sink(item)
 
     def __iter__(self) -> RequestHandle:
         return self
@@ -100,14 +133,20 @@ class RequestHandle:
         self._wake.set()
 
     def result(self) -> GenerationResult:
-        """Waits for the end of the request; raises what failed it, if anything did."""
-        for _ in self:
-            pass
+        """Waits for the end of the request (at once once a sink got the end); raises what
+        failed it, if anything did."""
+        if self._sink is None:
+            for _ in self:
+                pass
+        elif not self._ended:
+            raise RuntimeError("the request has not ended: its sink gets None when it does")
+        if self._error is not None:
+            raise self._error
         return self._row.result()
 
     def _close(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._chunks.put(_END)
+        self._put(_END)
 
     @property
     def _group_cancelled(self) -> bool:

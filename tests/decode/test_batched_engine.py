@@ -301,3 +301,32 @@ def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
         engine.close()
     late = [k for r in results for k in r.stats.draft_lengths[20:]]
     assert sum(1 for k in late if k > 0) > 0.8 * len(late), late
+
+
+def test_a_sink_gets_every_chunk_in_order_from_the_loop_thread_then_the_end(decoder, batched):
+    """deliver_to: the chunks a handle queued before are handed first, the rest straight from
+    the decoding thread (no thread of the consumer's waits), then None; result() answers at
+    once, and the chunks are those an iterating consumer gets."""
+    request = decoder.prepare(PROMPTS[1], max_tokens=200, temperature=0, method="block")
+    expected = batched.submit(request).result().token_ids
+    handle = batched.submit(request)
+    first = next(handle)  # one chunk taken by iteration, the rest queued or still coming
+    got: list[object] = []
+    threads: set[str] = set()
+    ended = threading.Event()
+
+    def sink(chunk):
+        threads.add(threading.current_thread().name)
+        got.append(chunk)
+        if chunk is None:
+            ended.set()
+
+    handle.deliver_to(sink)
+    assert ended.wait(30)
+    assert got[-1] is None and None not in got[:-1]
+    chunks = [first, *got[:-1]]
+    assert [t for chunk in chunks for t in chunk.token_ids] == expected  # type: ignore[union-attr]
+    assert threads - {threading.current_thread().name}  # the decoding thread handed some
+    assert handle.result().token_ids == expected
+    with pytest.raises(RuntimeError, match="already delivers"):
+        handle.deliver_to(sink)
