@@ -26,8 +26,10 @@ from pydantic import (
 )
 
 from osd.buffer.record import MAX_ID_BYTES
+from osd.config import SpecConfig
 from osd.decode.limits import HTTP_MAX_DRAFTS, HTTP_MAX_SPEC_TOKENS, MAX_LOGPROBS
 from osd.decode.methods import Method, ProposerChoice
+from osd.decode.options import OPTION_NAMES, RequestOptions
 from osd.decode.sampling import GREEDY_BELOW
 from serving.openai_fields import FieldRefused, check_fields, check_messages
 from serving.structured_output import ResponseFormat, StructuredOutputs
@@ -199,6 +201,49 @@ class _Common(BaseModel):
     def num_prompt_logprobs(self) -> int | None:
         """Alternatives per prompt token to report (completions' echo); None: none."""
         return None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report; None: no logprobs."""
+        return None
+
+    @property
+    def requested_tokens(self) -> int:
+        """The completion's budget: ``max_completion_tokens``, else ``max_tokens``, else 16
+        (OpenAI's completions default; 0: echo's prompt alone)."""
+        asked = (self.max_completion_tokens, self.max_tokens)
+        return next((m for m in asked if m is not None), 16)
+
+    def options(self, defaults: SpecConfig) -> RequestOptions:
+        """The request's options (:mod:`osd.decode.options`), built here once: fields that
+        mean the same in both are taken by name; the rest are spelled out below. The replica
+        adds what only it knows (the compiled grammar, whether it logs, the tokens that end
+        generation) over it; the router picks the adapter later."""
+        spec = self.spec or SpecOptions()
+        same = {name: getattr(self, name) for name in _SAME_AS_OPTIONS}
+        return RequestOptions.of(
+            **same,
+            max_tokens=self.requested_tokens,
+            logit_bias=self.token_bias,
+            stop=self.stop_list,
+            method=spec.method or defaults.method,
+            num_spec_tokens=spec.k or defaults.num_spec_tokens,
+            num_drafts=spec.K or defaults.num_drafts,
+            proposer=spec.proposer or defaults.proposer,
+            route=self.domain or "",
+            logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
+        )
+
+
+# Request fields whose name and meaning are the options' (sampling fields such as top_p, the
+# seed): taken over by name. The others differ in shape or meaning (chat's logprobs is a flag,
+# stop may be one string, the logit bias is keyed by strings, stop_token_ids gain the end of
+# sequence in the replica) and are converted in _Common.options.
+_DIFFERENT = frozenset(
+    {"max_tokens", "logit_bias", "stop", "stop_token_ids", "logprobs", "prompt_logprobs", "log"}
+)
+_SAME_AS_OPTIONS = tuple(sorted((OPTION_NAMES & set(_Common.model_fields)) - _DIFFERENT))
 
 
 class CompletionRequest(_Common):

@@ -30,6 +30,7 @@ from osd.decode.engine import SpeculativeDecoder
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.grammar import Grammar
 from osd.decode.loop import BatchedEngine, EngineFull
+from osd.decode.options import RequestOptions
 from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
 from osd.threads import single_threaded_torch
@@ -191,8 +192,7 @@ class ReplicaRuntime:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
         self.check_model(request)
-        asked = (request.max_completion_tokens, request.max_tokens)  # 0: echo's prompt alone
-        max_tokens = next((m for m in asked if m is not None), 16)
+        max_tokens = request.requested_tokens
         if max_tokens > serve.max_tokens_limit:
             raise APIError(
                 400,
@@ -207,7 +207,7 @@ class ReplicaRuntime:
                 code="overloaded",
             )
         try:
-            prepared = self._prepare(request, max_tokens, grammar, tools)
+            prepared = self._prepare(request, grammar, tools)
             route = self.router.choose(request.draft, request.domain, prepared.prompt_ids)
             if route.reason == "fallback":
                 self.metrics.router_fallbacks.inc()
@@ -233,37 +233,17 @@ class ReplicaRuntime:
     def _prepare(
         self,
         request: CompletionRequest | ChatRequest,
-        max_tokens: int,
         grammar: Grammar | None,
         tools: ToolPlan | None,
     ) -> DecodeRequest:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
-        spec, defaults = request.spec, self.config.spec
-        return self.engine.prepare(
-            self.prompt_of(request, tools),
-            max_tokens=max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            logit_bias=request.token_bias,
-            stop=request.stop_list,
+        options = RequestOptions.of(
+            request.options(self.config.spec),
             stop_token_ids=self._stop_token_ids(request.stop_token_ids),
-            seed=request.seed,
-            method=(spec and spec.method) or defaults.method,
-            num_spec_tokens=(spec and spec.k) or defaults.num_spec_tokens,
-            num_drafts=(spec and spec.K) or defaults.num_drafts,
-            proposer=(spec and spec.proposer) or defaults.proposer,
-            adapter=None,
             log=self.log_writer is not None and request.log,
-            route=request.domain or "",
-            logprobs=request.num_logprobs,
-            prompt_logprobs=request.num_prompt_logprobs,
             grammar=grammar,
         )
+        return self.engine.prepare(self.prompt_of(request, tools), options)
 
     def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
         """The request's stop token ids besides end-of-sequence; None: the engine's default."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import secrets
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -26,47 +26,20 @@ from osd.decode.choices import choice_requests
 from osd.decode.forward import ModelPair
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.goodput import GoodputController
-from osd.decode.grammar import Grammar, GrammarCompiler
+from osd.decode.grammar import GrammarCompiler
 from osd.decode.kv_cache import SlotKVCache
 from osd.decode.limits import MAX_SPEC_TOKENS
-from osd.decode.methods import Method, ProposerChoice
+from osd.decode.methods import Method
 from osd.decode.models import CausalLM, load_causal_lm, load_tokenizer
+from osd.decode.options import RequestOptions
 from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.request import DecodeRequest
 from osd.decode.request_checks import check_bias, check_options, prompt_ids
 from osd.decode.rows import Row
-from osd.decode.sampling import SamplingParams
 from osd.decode.step import VERIFIERS, prefill, run_step
 from osd.errors import ParamError
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "RequestOptions", "SpeculativeDecoder"]
-
-
-class RequestOptions(TypedDict, total=False):
-    """The keyword options of one request (:meth:`SpeculativeDecoder.prepare` has the defaults)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logit_bias: Mapping[int, float] | None
-    stop: Sequence[str] | str | None
-    stop_token_ids: Sequence[int] | None
-    seed: int | None
-    method: Method
-    num_spec_tokens: int | Literal["auto"]
-    num_drafts: int
-    adapter: str | None
-    log: bool
-    route: str
-    logprobs: int | None
-    prompt_logprobs: int | None
-    grammar: Grammar | None
-    proposer: ProposerChoice
 
 
 class SpeculativeDecoder:
@@ -177,13 +150,17 @@ class SpeculativeDecoder:
         return self.draft.adapter_names
 
     def generate(
-        self, prompt: str | Sequence[int], **options: Unpack[RequestOptions]
+        self, prompt: str | Sequence[int], options: RequestOptions | None = None, **keywords: Any
     ) -> GenerationResult:
         """Generates a completion; options as in :meth:`prepare`."""
-        return self.stream(prompt, **options).result()
+        return self.stream(prompt, options, **keywords).result()
 
     def generate_choices(
-        self, prompt: str | Sequence[int], n: int, **options: Unpack[RequestOptions]
+        self,
+        prompt: str | Sequence[int],
+        n: int,
+        options: RequestOptions | None = None,
+        **keywords: Any,
     ) -> list[GenerationResult]:
         """``n`` independent completions of one prompt (OpenAI's ``n``), decoded as a batch.
 
@@ -191,7 +168,7 @@ class SpeculativeDecoder:
         with the seed :func:`osd.decode.choices.choice_seed` ``(seed, i)``, so choice 0 equals
         :meth:`generate` with the same options. Options as in :meth:`prepare`.
         """
-        requests = choice_requests(self.prepare(prompt, **options), n)
+        requests = choice_requests(self.prepare(prompt, options, **keywords), n)
         request = requests[0]
         width = request.num_slots
         rows = [
@@ -208,7 +185,7 @@ class SpeculativeDecoder:
         return [row.result() for row in rows]
 
     def stream(
-        self, prompt: str | Sequence[int], **options: Unpack[RequestOptions]
+        self, prompt: str | Sequence[int], options: RequestOptions | None = None, **keywords: Any
     ) -> GenerationStream:
         """Yields tokens as soon as they are verified; options as in :meth:`prepare`.
 
@@ -216,7 +193,7 @@ class SpeculativeDecoder:
             A :class:`GenerationStream` of :class:`StreamChunk` s, one per step; the last one
             carries the finish reason.
         """
-        return GenerationStream(self, self.prepare(prompt, **options))
+        return GenerationStream(self, self.prepare(prompt, options, **keywords))
 
     def model_pair(
         self,
@@ -246,135 +223,65 @@ class SpeculativeDecoder:
         )
 
     def prepare(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        max_tokens: int = 128,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        logit_bias: Mapping[int, float] | None = None,
-        stop: Sequence[str] | str | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        seed: int | None = None,
-        method: Method = "block",
-        num_spec_tokens: int | Literal["auto"] = "auto",
-        num_drafts: int = 2,
-        adapter: str | None = None,
-        log: bool = True,
-        route: str = "",
-        logprobs: int | None = None,
-        prompt_logprobs: int | None = None,
-        grammar: Grammar | None = None,
-        proposer: ProposerChoice = "auto",
+        self, prompt: str | Sequence[int], options: RequestOptions | None = None, **keywords: Any
     ) -> DecodeRequest:
-        """Validates one request's arguments; raises :class:`osd.errors.ParamError` naming the
-        bad one (its ``param``).
+        """Validates one request; raises :class:`osd.errors.ParamError` naming the bad option
+        (its ``param``).
 
         Args:
             prompt: text (needs a tokenizer) or token ids.
-            max_tokens: most tokens to generate (default 128); 0 runs only the prefill (prompt
-                scoring with ``prompt_logprobs``; such a request is not logged).
-            temperature: 0 is greedy (default 1.0).
-            top_p: nucleus mass in (0, 1] (default 1.0).
-            top_k: keep the k most likely tokens; 0 keeps all (default 0).
-            min_p, presence_penalty, frequency_penalty, repetition_penalty, logit_bias: as in
-                :class:`osd.decode.sampling.SamplingParams` (OpenAI's and vLLM's meaning); applied
-                alike to the draft and the target, so every method stays exact.
-            stop: strings that end generation; the text is cut before them.
-            stop_token_ids: token ids that end generation (default: the tokenizer's EOS).
-            seed: seed of this request's random streams; None draws one.
-            method: ``"token"``, ``"block"`` (default), ``"spectr"`` or ``"none"``.
-            num_spec_tokens: ``"auto"`` (default): the goodput controller chooses k in
-                0..``max_spec_tokens`` each step from the acceptance measured for this adapter
-                and route and the measured step costs; or a fixed k >= 1 drafted every step.
-            num_drafts: draft sequences for spectr, K >= 1 (default 2).
-            adapter: LoRA adapter of the draft to use; None is the base draft.
-            log: collect per-request log data (default True).
-            route: what the controller's statistics are kept by beside the adapter (e.g. the
-                request's domain).
-            logprobs: report each emitted token's logprob and this many most likely
-                alternatives (0..20) in the chunks and the result; None (default): none. From
-                the target's raw distribution (:mod:`osd.decode.logprobs` says why).
-            prompt_logprobs: the same for each prompt token, from the prefill, in the first
-                chunk and the result (the first token's entry is None); None (default): none.
-            grammar: structured output: every token is drawn from the target's distribution
-                restricted to what this grammar allows next (``decoder.grammars.compile(...)``,
-                :mod:`osd.decode.grammar`); generation ends with end-of-sequence once it is
-                complete.
-            proposer: who drafts (:mod:`osd.decode.proposers`): ``"auto"`` (default: the
-                goodput controller picks the draft model or a continuation looked up in text
-                already seen, per step), ``"draft"`` (the draft model only), ``"suffix"``
-                (suffix decoding over this request and recent ones) or ``"ngram"`` (prompt
-                lookup over this request's own tokens). Grammar and SpecTr (K > 1) rows always
-                use the draft model.
+            options: the request's options (:class:`osd.decode.options.RequestOptions`, which
+                documents each); None: the defaults.
+            keywords: options over ``options``, by name (``max_tokens=64, temperature=0``),
+                the Python API's way to give them.
 
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
         """
+        options = RequestOptions.of(options, **keywords)
         ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
-        auto_spec = num_spec_tokens == "auto"
-        if auto_spec:
-            num_spec_tokens = self.max_spec_tokens
+        auto_spec = options.num_spec_tokens == "auto"
+        num_spec_tokens = self.max_spec_tokens if auto_spec else options.num_spec_tokens
         check_options(
-            method=method,
+            method=options.method,
             num_spec_tokens=num_spec_tokens,
-            num_drafts=num_drafts,
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            proposer=proposer,
+            num_drafts=options.num_drafts,
+            max_tokens=options.max_tokens,
+            logprobs=options.logprobs,
+            prompt_logprobs=options.prompt_logprobs,
+            proposer=options.proposer,
         )
         assert isinstance(num_spec_tokens, int)  # checked above
-        params = SamplingParams(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            repetition_penalty=repetition_penalty,
-            logit_bias=tuple((logit_bias or {}).items()),
-        )
+        params = options.sampling
         check_bias(params, self.vocab_size)
-        self.draft.check_adapter(adapter)
-        max_new = max_tokens
+        self.draft.check_adapter(options.adapter)
+        max_new = options.max_tokens
         if self.max_context is not None:
             if len(ids) >= self.max_context:
                 message = f"prompt has {len(ids)} tokens; the context holds {self.max_context}"
                 raise ParamError("prompt", message)
-            max_new = min(max_tokens, self.max_context - len(ids))
-        eos = getattr(self.tokenizer, "eos_token_id", None)
+            max_new = min(max_new, self.max_context - len(ids))
+        stop_token_ids = options.stop_token_ids
         if stop_token_ids is None:
-            stop_token_ids = [] if eos is None else [eos]
-        if grammar is not None:  # a complete output ends with end-of-sequence
-            stop_token_ids = [*stop_token_ids, self.grammars.eos_token_id]
-        seed = secrets.randbits(62) if seed is None else seed
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            stop_token_ids = () if eos is None else (eos,)
+        if options.grammar is not None:  # a complete output ends with end-of-sequence
+            stop_token_ids = (*stop_token_ids, self.grammars.eos_token_id)
         return DecodeRequest(
+            options=options,
             prompt_ids=tuple(ids),
-            seed=seed,
+            seed=secrets.randbits(62) if options.seed is None else options.seed,
             max_new_tokens=max_new,
             params=params,
-            method=method,
             num_spec_tokens=num_spec_tokens,
             # Greedy drafts would all be identical: one suffices.
-            num_drafts=1 if params.is_greedy else num_drafts,
-            adapter=adapter,
+            num_drafts=1 if params.is_greedy else options.num_drafts,
+            adapter=options.adapter,
             stop_token_ids=frozenset(stop_token_ids),
             # Nothing generated is nothing to learn from (and a record holds >= 1 token).
-            log_top_m=self.log_top_m if log and max_new > 0 else None,
+            log_top_m=self.log_top_m if options.log and max_new > 0 else None,
             adaptive_threshold=self.adaptive_threshold,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             auto_spec=auto_spec,
-            route=route,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            grammar=grammar,
-            proposer=proposer,
         )
 
 
