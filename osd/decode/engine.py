@@ -238,8 +238,8 @@ class SpeculativeDecoder:
         Returns:
             The request, ready for :class:`GenerationStream` or a batched engine's ``submit``.
         """
+        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)  # the prompt's errors first
         options = RequestOptions.of(options, **keywords)
-        ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)
         auto_spec = options.num_spec_tokens == "auto"
         num_spec_tokens = self.max_spec_tokens if auto_spec else options.num_spec_tokens
         check_options(

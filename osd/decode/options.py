@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from osd.decode.grammar import Grammar
 from osd.decode.methods import Method, ProposerChoice
+from osd.decode.request_checks import check_options
 from osd.decode.sampling import SamplingParams
 from osd.errors import ParamError
 
@@ -86,17 +87,32 @@ class RequestOptions:
         if unknown:
             raise ParamError(unknown[0], f"{unknown[0]!r} is not a request option")
         sampling = {name: keywords.pop(name) for name in SAMPLING_NAMES & set(keywords)}
-        if sampling:
-            if sampling.get("logit_bias") is None:
-                sampling.pop("logit_bias", None)
-            keywords["sampling"] = dataclasses.replace(base.sampling, **sampling)
         stop = keywords.get("stop")
         if "stop" in keywords:
             keywords["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
         ids = keywords.get("stop_token_ids")
         if isinstance(ids, Sequence):
             keywords["stop_token_ids"] = tuple(ids)
-        return dataclasses.replace(base, **keywords)
+        options = dataclasses.replace(base, **keywords)
+        options.check()  # before the sampling values: the first bad argument is named
+        if sampling.get("logit_bias", ()) is None:
+            sampling.pop("logit_bias")
+        if not sampling:
+            return options
+        return dataclasses.replace(options, sampling=dataclasses.replace(base.sampling, **sampling))
+
+    def check(self) -> None:
+        """Raises :class:`ParamError` for a method, proposer, k, K, token budget or logprobs out
+        of range (the sampling values are checked by ``SamplingParams`` itself)."""
+        check_options(
+            method=self.method,
+            num_spec_tokens=1 if self.num_spec_tokens == "auto" else self.num_spec_tokens,
+            num_drafts=self.num_drafts,
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            proposer=self.proposer,
+        )
 
 
 SAMPLING_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
