@@ -190,7 +190,9 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(decoder, monkeyp
             return real(pair, rows)
 
         monkeypatch.setattr(loop, "run_step", flaky)
-        doomed = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=5))
+        # No stop token: sampled, 1 in 20 of its seeds ended at the prefill's token (its
+        # end-of-sequence), before any step could fail it.
+        doomed = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=5, stop_token_ids=[]))
         with pytest.raises(RuntimeError, match="injected"):
             doomed.result()
         fine = engine.submit(decoder.prepare(PROMPTS[0], max_tokens=5, temperature=0))
