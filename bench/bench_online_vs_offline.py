@@ -48,6 +48,7 @@ from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.evaluation import measure_acceptance
 from osd.demo.report import load_pair
 from trainer.draft_trainer import DraftTrainer, build_draft_trainer, peft_name
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 _CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -171,7 +172,7 @@ def run_online(
     with LocalRedis() as server, tempfile.TemporaryDirectory() as tmp:
         holdout = [f"trainer.holdout_fraction={args.holdout}"] if args.holdout else []
         config = online_config(tmp, *holdout)
-        worker = TrainerWorker(config, server.url, draft=draft, base_model_id="demo:draft")
+        worker = wire_trainer(config, server.url, draft=draft, base_model_id="demo:draft")
         writer = LogWriter(server.url, config.log.stream)
         base = {
             "records": 0,

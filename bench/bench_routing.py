@@ -51,6 +51,7 @@ from osd.buffer.writer import LogWriter
 from osd.demo import parse_schedule
 from osd.routing import stack_features
 from osd.routing.store import RouterStore
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 
@@ -66,7 +67,7 @@ def run_loop(
     name = "labelled" if labels else "unlabeled"
     with LocalRedis() as server, tempfile.TemporaryDirectory() as tmp:
         config = online_config(tmp)
-        worker = TrainerWorker(config, server.url, draft=draft, base_model_id="demo:draft")
+        worker = wire_trainer(config, server.url, draft=draft, base_model_id="demo:draft")
         base = {d: _mean(worker, "general", evals[d]) for d in evals}
         writer = LogWriter(server.url, config.log.stream)
         seen: Counter[str] = Counter()

@@ -44,6 +44,7 @@ from osd.config import load_config, resolve_device
 from osd.testing import noisy_copy, tiny_llama
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import collate, is_held_out
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 _DEMO_PROMPTS = [
@@ -189,7 +190,7 @@ def bench_latency(pair: Pair, records: Sequence[Record], duration_s: float, rate
                 "trainer.publish_margin=0.0", "trainer.min_holdout_records=8",
             ],
         )  # fmt: skip
-        worker = TrainerWorker(config, server.url, draft=pair.make_draft(), base_model_id=pair.name)
+        worker = wire_trainer(config, server.url, draft=pair.make_draft(), base_model_id=pair.name)
         stop = threading.Event()
         writer = LogWriter(server.url, config.log.stream)
 

@@ -30,7 +30,7 @@ class TrainerService:
     Args:
         config: an `OSDConfig`, or its `dataclasses.asdict` form (what crosses to an actor).
         redis_url: the log buffer's (and redis store's) Redis.
-        worker_kwargs: extra keyword arguments for `TrainerWorker` (in-process use).
+        worker_kwargs: extra keyword arguments for `trainer.wiring.wire_trainer` (in-process use).
     """
 
     def __init__(
@@ -51,11 +51,11 @@ class TrainerService:
         if self._thread is not None:
             raise RuntimeError("the trainer is already started")
         from trainer.tracking import open_tracker
-        from trainer.worker import TrainerWorker
+        from trainer.wiring import wire_trainer
 
         kwargs = dict(self._worker_kwargs)
         kwargs.setdefault("tracker", open_tracker(self.config))
-        self._worker = TrainerWorker(self.config, self.redis_url, **kwargs)
+        self._worker = wire_trainer(self.config, self.redis_url, **kwargs)
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._thread.start()
 

@@ -61,12 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from trainer.tracking import open_tracker
-    from trainer.worker import TrainerWorker
+    from trainer.wiring import wire_trainer
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker = TrainerWorker(config, url, tracker=open_tracker(config))
+    worker = wire_trainer(config, url, tracker=open_tracker(config))
     _log.info(
         "training %s on %s from %s (group %s), device %s",
         ", ".join(worker.adapters),

@@ -27,18 +27,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from osd.adapters import adapter_store_location, open_adapter_store
 from osd.adapters.store import AdapterStore, AdapterStoreUnavailable
 from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.config import OSDConfig
-from osd.routing.store import RouterStore
 from osd.threads import threads_applied
-from trainer.draft_trainer import build_draft_trainer
+from trainer.adapter_state import AdapterState
+from trainer.draft_trainer import DraftTrainer
 from trainer.examples import Example, adapters_for, entry_time, example_window
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
@@ -46,7 +44,7 @@ from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData, held_for_judging
 from trainer.routing import RoutingTrainer
 from trainer.schedule import expected_gain, first_version_due
-from trainer.tracking import NullTracker, Tracker
+from trainer.tracking import Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
 
 __all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
@@ -62,69 +60,57 @@ MIN_DOMAIN_POSITIONS = 128
 class TrainerWorker:
     """Reads records, trains the adapters, judges and publishes them.
 
+    Built by :func:`trainer.wiring.wire_trainer`, which makes every part from the config; the
+    worker builds none.
+
     Args:
-        config: the deployment's config (`model`, `log`, `adapters`, `trainer`, `wandb`).
-        redis_url: the log buffer's Redis (and the adapter store's, for the redis store).
-        draft: the base draft, already loaded; default: `osd.model_sources.load_draft`.
-        base_model_id: manifests' name of the base draft (default: where it was loaded from).
-        store: adapter store; default: the one `config.adapters` names.
-        tracker: where round metrics go (default: nowhere; the CLI opens W&B).
-        consumer: consumer name; default `trainer.consumer` or ``<hostname>-<pid>``.
+        config: the deployment's config (`model`, `trainer`).
+        trainer: the draft trainer (the base draft and the adapters' current / candidate slots).
+        store: the adapter store the publisher writes to.
+        publisher: judged versions out (and the adapters' published versions).
+        reader: the log stream, as one consumer of `trainer.group`.
+        routing: content routing's trainer.
+        tracker: where round metrics go.
+        heartbeat: makes the heartbeat from the worker's progress function.
     """
 
     def __init__(
         self,
         config: OSDConfig,
-        redis_url: str,
         *,
-        draft: Any = None,
-        base_model_id: str | None = None,
-        store: AdapterStore | None = None,
-        tracker: Tracker | None = None,
-        consumer: str | None = None,
+        trainer: DraftTrainer,
+        store: AdapterStore,
+        publisher: Publisher,
+        reader: LogReader,
+        routing: RoutingTrainer,
+        tracker: Tracker,
+        heartbeat: Callable[[Callable[[], tuple[float, float, int, int]]], Heartbeat],
     ) -> None:
         cfg = self.cfg = config.trainer
         self.config, self.adapters = config, list(config.model.adapters)
-        self.trainer = build_draft_trainer(config, self.adapters, draft, base_model_id)
+        self.trainer, self.store, self.publisher = trainer, store, publisher
+        self.reader, self.routing, self.tracker = reader, routing, tracker
         self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
-        self.store = store or open_adapter_store(adapter_store_location(config, redis_url))
-        retention = config.adapters
-        self.publisher = Publisher(
-            self.store,
-            self.trainer,
-            keep_versions=retention.keep_versions,
-            gc_grace_s=retention.gc_grace_s,
-        )
-        self.tracker: Tracker = tracker or NullTracker()
-        self.reader = LogReader(
-            redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None
-        )
         key = functools.partial(example_window, adapter_names=tuple(self.adapters))
-        self.data = {
-            a: AdapterData(
-                cfg.replay_size,
-                cfg.holdout_size,
-                cfg.max_domains,
-                key,
-                holdout_fraction=cfg.holdout_fraction,
-                min_holdout=cfg.min_holdout_records,
+        # One object per adapter: its windows and bookkeeping (trainer.adapter_state).
+        self.states = {
+            a: AdapterState(
+                a,
+                AdapterData(
+                    cfg.replay_size,
+                    cfg.holdout_size,
+                    cfg.max_domains,
+                    key,
+                    holdout_fraction=cfg.holdout_fraction,
+                    min_holdout=cfg.min_holdout_records,
+                ),
             )
             for a in self.adapters
         }
-        self._started: set[str] = set()  # adapters that ran a round in this process
-        self.routing = RoutingTrainer(
-            self.adapters,
-            lambda adapter, records: self.trainer.record_acceptance(adapter, "current", records),
-            self.publisher.versions,
-            config.routing,
-            RouterStore(redis_url, config.log.stream, keep_versions=retention.keep_versions),
-            min_records=2 * cfg.min_holdout_records,
-        )
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
         self.fresh_limit = max(cfg.min_records, cfg.steps_per_round * cfg.batch_records)
-        self._unpublished: dict[str, list[float]] = {a: [] for a in self.adapters}
         self._last_claim = time.monotonic()
         self._claim_all_due = False  # the start-up claim found Redis down: claim all again
         self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
@@ -132,15 +118,16 @@ class TrainerWorker:
         self.on_trained: Callable[[str, list[str]], None] | None = None
         self.loop_at = time.time()  # the loop last came round (or a step ended): the heartbeat
         self.judging = 0  # entries held only to judge on, as of loop_at (for the heartbeat)
-        self.heartbeat = Heartbeat(
-            redis_url,
-            config.log.stream,
-            cfg.group,
-            lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds, self.judging),
+        self.heartbeat = heartbeat(
+            lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds, self.judging)
         )
-        self._resume()
 
-    def _resume(self) -> None:
+    @property
+    def data(self) -> dict[str, AdapterData]:
+        """Each adapter's record windows."""
+        return {a: state.data for a, state in self.states.items()}
+
+    def resume(self) -> None:
         """Loads the published versions, then claims every entry the group left pending (a
         crashed predecessor's records, read but not trained on).
 
@@ -194,14 +181,14 @@ class TrainerWorker:
                 self.acks.expect_more(example.entry_id)
             else:  # acknowledged already: trained on without holding it again
                 example = dataclasses.replace(example, entry_id="")
-            self.data[domain].add(dataclasses.replace(example, domain=domain))
+            self.states[domain].data.add(dataclasses.replace(example, domain=domain))
         return len(done) + len(usable)
 
     def _add(self, example: Example) -> None:
         adapters = adapters_for(example.record, self.adapters, example.domain)
         self.acks.expect(example.entry_id, len(adapters))
         for adapter in adapters:
-            self.data[adapter].add(example)
+            self.states[adapter].data.add(example)
         self.stats.held_out += 1
         self.stats.by_domain[example.record.domain or example.domain or "-"] += 1
 
@@ -247,7 +234,7 @@ class TrainerWorker:
         """Only before an adapter's first round: one refused then waits like the others."""
         versions, least = self.publisher.versions, self.cfg.min_holdout_records
         due = first_version_due(versions[adapter], self.data[adapter], least)
-        return due and adapter not in self._started
+        return due and not self.states[adapter].started
 
     def _first_version_waits(self, training: str) -> bool:
         """Whether records read while `training` (which has a version) trains make another
@@ -261,10 +248,11 @@ class TrainerWorker:
     def train_round(self, adapter: str) -> RoundReport:
         """`steps_per_round` steps of `adapter`, acknowledging what they used, then the judge;
         a round that yields to a first version (`_first_version_waits`) ends unjudged."""
-        data, cfg = self.data[adapter], self.cfg
+        state, cfg = self.states[adapter], self.cfg
+        data = state.data
         report = RoundReport(adapter=adapter)
-        if adapter not in self._started:  # an adapter with no version starts from the best
-            self._started.add(adapter)
+        if not state.started:  # an adapter with no version starts from the best
+            state.started = True
             self.publisher.start_from_best(adapter, [e.record for e in data.holdout])
         started, yielded = time.perf_counter(), False
         for _ in range(cfg.steps_per_round):
@@ -283,7 +271,7 @@ class TrainerWorker:
             data.trained(fresh)
             if self.on_trained is not None:
                 self.on_trained(adapter, [e.entry_id for e in fresh])
-            self._unpublished[adapter].extend(e.arrived_at for e in fresh)
+            state.unpublished.extend(e.arrived_at for e in fresh)
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
             self.loop_at = time.time()
@@ -339,8 +327,8 @@ class TrainerWorker:
             return report
         now = time.time()
         report.outcome, report.version = "published", manifest.version
-        report.record_to_version_s = [now - t for t in self._unpublished[adapter] if t > 0]
-        self._unpublished[adapter].clear()
+        arrived = self.states[adapter].published()
+        report.record_to_version_s = [now - t for t in arrived if t > 0]
         self.stats.published += 1
         self.stats.latencies.extend(report.record_to_version_s)
         return report

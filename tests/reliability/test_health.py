@@ -16,6 +16,7 @@ from pathlib import Path
 from osd.adapters import open_adapter_store
 from serving.health import HealthLimits
 from tests.trainer.conftest import headroom_draft, make_config
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 from .conftest import STREAM, metric, running_replica, toy_config, wait_for
@@ -27,7 +28,7 @@ LIMITS = HealthLimits(trainer_silent_s=3.0, drop_window_s=1.0)
 def running_trainer(tmp_path: Path, url: str) -> Iterator[TrainerWorker]:
     """A real trainer of the toy draft consuming the replica's stream in a thread."""
     config = make_config(tmp_path, STREAM, "adapters.store=redis", group="trainer")
-    worker = TrainerWorker(config, url, draft=headroom_draft(), base_model_id="toy")
+    worker = wire_trainer(config, url, draft=headroom_draft(), base_model_id="toy")
     stop = threading.Event()
     thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
     thread.start()

@@ -29,6 +29,7 @@ from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.testing import tiny_llama
 from tests.trainer.conftest import make_config, push
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 from .conftest import STREAM, Replica, running_replica, toy_config, wait_for
@@ -128,7 +129,7 @@ def trainer_for(tmp_path: Path, url: str) -> TrainerWorker:
         holdout_fraction=HOLDOUT_FRACTION,
         max_record_wait_s=0.2,
     )
-    return TrainerWorker(config, url)
+    return wire_trainer(config, url)
 
 
 def train_until_idle(worker: TrainerWorker) -> list[Any]:

@@ -32,6 +32,7 @@ from osd.config import ModelConfig
 from tests.trainer.conftest import generate_records, headroom_draft, make_config, push
 from trainer.draft_trainer import DraftTrainer
 from trainer.publisher import Publisher
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 from .conftest import STREAM, wait_for
@@ -174,7 +175,7 @@ def test_redis_killed_and_restarted_while_training_loses_no_version_and_trains_e
         claim_idle_ms=1000,  # claims run every 0.5 s, also right after the restart
     )
     store = open_adapter_store(url)
-    worker = TrainerWorker(config, url, draft=headroom_draft(), base_model_id="toy")
+    worker = wire_trainer(config, url, draft=headroom_draft(), base_model_id="toy")
     with Feeder(url, rate=40) as feeder, WorkerThread(worker) as trainer:
         feeder.feed(relabelled(logged_records, 96, "before"))
         trainer.wait_for(lambda: store.current("general") is not None, 60)
@@ -424,7 +425,7 @@ def test_trainer_started_while_redis_is_down_claims_the_pending_entries_once_it_
     # claim_idle_ms of an hour: without the retried start-up claim these entries would wait.
     config = make_config(tmp_path, STREAM, min_records=10_000, claim_idle_ms=3_600_000)
     push(url, STREAM, relabelled(logged_records, 24, "pending"))
-    crashed = TrainerWorker(config, url, draft=headroom_draft(), consumer="crashed")
+    crashed = wire_trainer(config, url, draft=headroom_draft(), consumer="crashed")
     read = crashed.ingest()
     assert read == 24  # read, never acknowledged (the held-out ones were): then the crash
     client = connect(url)
@@ -433,7 +434,7 @@ def test_trainer_started_while_redis_is_down_claims_the_pending_entries_once_it_
     assert pending > 0
 
     redis_server.kill()
-    worker = TrainerWorker(config, url, draft=headroom_draft(), consumer="restarted")
+    worker = wire_trainer(config, url, draft=headroom_draft(), consumer="restarted")
     assert worker.stats.claimed == 0  # Redis did not answer the start-up claim
     redis_server.restart()
     claimed = 0

@@ -11,7 +11,7 @@ import pytest
 from osd.adapters import adapter_store_location, open_adapter_store
 from osd.config import load_config
 from serving.replica import wire_replica
-from trainer.worker import TrainerWorker
+from trainer.wiring import wire_trainer
 
 
 @pytest.mark.parametrize("root", ["", "shared-adapters"])
@@ -34,7 +34,7 @@ def test_a_version_the_trainer_publishes_is_loaded_by_a_replica_of_the_same_conf
             "wandb.mode=disabled",
         ],
     )
-    worker = TrainerWorker(config, redis_url)  # its store from the config, as in production
+    worker = wire_trainer(config, redis_url)  # its store from the config, as in production
     try:
         manifest = worker.publisher.publish("general", acceptance_estimate=0.5)
     finally:

@@ -7,7 +7,7 @@ from osd.adapters import open_adapter_store
 from osd.adapters.lora import lora_state_dict
 from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, push
-from trainer.worker import TrainerWorker
+from trainer.wiring import wire_trainer
 
 
 def test_publishing_deletes_versions_beyond_the_kept_predecessors(
@@ -18,7 +18,7 @@ def test_publishing_deletes_versions_beyond_the_kept_predecessors(
     )
     store = open_adapter_store(tmp_path / "adapters")
     base = attach_lora_adapters(headroom_draft(), config.model, ["general@0"])
-    worker = TrainerWorker(config, redis_url, draft=headroom_draft(), base_model_id="toy")
+    worker = wire_trainer(config, redis_url, draft=headroom_draft(), base_model_id="toy")
     spec, weights = worker.trainer.spec("general"), lora_state_dict(base, "general@0")
     for expected in (None, 1, 2):  # earlier versions, e.g. from a previous run
         store.publish("general", weights, spec, expected_current=expected)

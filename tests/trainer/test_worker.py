@@ -17,6 +17,7 @@ from osd.model_sources import attach_lora_adapters
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
 from tests.trainer.routing_fakes import FakeScorer, topic_examples
 from trainer.schedule import expected_gain
+from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
 
@@ -32,7 +33,7 @@ def run_until_idle(worker: TrainerWorker, max_calls: int = 200) -> list:
 
 
 def new_worker(config, redis_url, **kwargs) -> TrainerWorker:
-    return TrainerWorker(config, redis_url, draft=headroom_draft(), base_model_id="toy", **kwargs)
+    return wire_trainer(config, redis_url, draft=headroom_draft(), base_model_id="toy", **kwargs)
 
 
 def pending_count(redis_url: str, stream: str, group: str) -> int:

@@ -1,0 +1,79 @@
+"""The trainer's explicit wiring: every part of a worker built from the config in one place, as
+:func:`serving.replica.wire_replica` builds a replica's.
+
+A worker's parts: the draft trainer (the base draft with its LoRA adapters and their current /
+candidate slots), the adapter store and the publisher that writes versions to it, the log
+reader (one consumer of the group), the routing trainer (content routing's model, with its own
+store), the tracker (W&B or nothing) and the heartbeat. :class:`trainer.worker.TrainerWorker`
+takes them as they are and builds nothing; :func:`wire_trainer` builds them, then resumes the
+worker (published versions loaded, the group's pending entries claimed).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from osd.adapters import adapter_store_location, open_adapter_store
+from osd.adapters.store import AdapterStore
+from osd.buffer.reader import LogReader
+from osd.config import OSDConfig
+from osd.routing.store import RouterStore
+from trainer.draft_trainer import build_draft_trainer
+from trainer.heartbeat import Heartbeat
+from trainer.publisher import Publisher
+from trainer.routing import RoutingTrainer
+from trainer.tracking import NullTracker, Tracker
+from trainer.worker import TrainerWorker
+
+__all__ = ["wire_trainer"]
+
+
+def wire_trainer(
+    config: OSDConfig,
+    redis_url: str,
+    *,
+    draft: Any = None,
+    base_model_id: str | None = None,
+    store: AdapterStore | None = None,
+    tracker: Tracker | None = None,
+    consumer: str | None = None,
+) -> TrainerWorker:
+    """Builds and resumes one trainer worker.
+
+    Args:
+        config: the deployment's config (`model`, `log`, `adapters`, `routing`, `trainer`).
+        redis_url: the log buffer's Redis (and the adapter store's, for the redis store).
+        draft: the base draft, already loaded; default: `osd.model_sources.load_draft`.
+        base_model_id: manifests' name of the base draft (default: where it was loaded from).
+        store: adapter store; default: the one `config.adapters` names.
+        tracker: where round metrics go (default: nowhere; the CLI opens W&B).
+        consumer: consumer name; default `trainer.consumer` or ``<hostname>-<pid>``.
+    """
+    cfg, retention = config.trainer, config.adapters
+    adapters = list(config.model.adapters)
+    trainer = build_draft_trainer(config, adapters, draft, base_model_id)
+    store = store or open_adapter_store(adapter_store_location(config, redis_url))
+    publisher = Publisher(
+        store, trainer, keep_versions=retention.keep_versions, gc_grace_s=retention.gc_grace_s
+    )
+    routing = RoutingTrainer(
+        adapters,
+        lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
+        publisher.versions,
+        config.routing,
+        RouterStore(redis_url, config.log.stream, keep_versions=retention.keep_versions),
+        min_records=2 * cfg.min_holdout_records,
+    )
+    worker = TrainerWorker(
+        config,
+        trainer=trainer,
+        store=store,
+        publisher=publisher,
+        reader=LogReader(redis_url, config.log.stream, cfg.group, consumer or cfg.consumer or None),
+        routing=routing,
+        tracker=tracker or NullTracker(),
+        heartbeat=functools.partial(Heartbeat, redis_url, config.log.stream, cfg.group),
+    )
+    worker.resume()
+    return worker
