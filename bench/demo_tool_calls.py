@@ -56,10 +56,9 @@ def main() -> None:
             forced = engine.generate(
                 prompt, max_tokens=args.max_tokens, temperature=0, method="none", grammar=grammar
             )
-            counts["required: valid calls"] += bool(_calls(forced.text, names))
-            counts["required: the expected function first"] += (
-                _calls(forced.text, names)[:1] == expected[:1]
-            )
+            made = _calls(forced.text, names)
+            counts["required: valid calls"] += bool(made)
+            counts["required: the expected function first"] += made[:1] == expected[:1]
     for key in sorted(counts):
         print(f"{key:40s} {counts[key]}")
 

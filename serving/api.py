@@ -322,7 +322,8 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
                 if chunk.logprobs is not None:
                     # The prompt's (echo's) come with the first chunk only.
                     held[i] = [*(held[i] or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
-                text, finish = chunk.text, str(chunk.finish_reason or "") or None
+                text: str = chunk.text
+                finish: str | None = chunk.finish_reason
                 calls: list[dict[str, Any]] = []
                 reply = replies[i]
                 if reply is not None:

@@ -214,15 +214,16 @@ class _Common(BaseModel):
         asked = (self.max_completion_tokens, self.max_tokens)
         return next((m for m in asked if m is not None), 16)
 
-    def options(self, defaults: SpecConfig) -> RequestOptions:
+    def options(self, defaults: SpecConfig, **replica: Any) -> RequestOptions:
         """The request's options (:mod:`osd.decode.options`), built here once: fields that
-        mean the same in both are taken by name; the rest are spelled out below. The replica
-        adds what only it knows (the compiled grammar, whether it logs, the tokens that end
-        generation) over it; the router picks the adapter later."""
+        mean the same in both are taken by name; the rest are spelled out below. ``replica``:
+        what only the replica knows (the compiled grammar, whether it logs, the tokens that end
+        generation); the router picks the adapter later."""
         spec = self.spec or SpecOptions()
         same = {name: getattr(self, name) for name in _SAME_AS_OPTIONS}
         return RequestOptions.of(
             **same,
+            **replica,
             max_tokens=self.requested_tokens,
             logit_bias=self.token_bias,
             stop=self.stop_list,

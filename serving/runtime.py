@@ -30,7 +30,6 @@ from osd.decode.engine import SpeculativeDecoder
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.grammar import Grammar
 from osd.decode.loop import BatchedEngine, EngineFull
-from osd.decode.options import RequestOptions
 from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
 from osd.threads import single_threaded_torch
@@ -237,8 +236,8 @@ class ReplicaRuntime:
         tools: ToolPlan | None,
     ) -> DecodeRequest:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
-        options = RequestOptions.of(
-            request.options(self.config.spec),
+        options = request.options(
+            self.config.spec,
             stop_token_ids=self._stop_token_ids(request.stop_token_ids),
             log=self.log_writer is not None and request.log,
             grammar=grammar,

@@ -52,12 +52,9 @@ class ToolReply:
         head, first = self.feed(text)
         tail, last = self.finish()
         calls = [_without_index(call) for call in first + last]
-        content = head + tail
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls:
-            message["tool_calls"] = calls
-        else:
-            message["content"] = content
+        if not calls:
+            return {"role": "assistant", "content": head + tail}, reason
+        message = {"role": "assistant", "content": head + tail or None, "tool_calls": calls}
         return message, self.finish_reason(reason)
 
     def _deltas(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:

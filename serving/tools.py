@@ -17,6 +17,7 @@ asks of the replica (:class:`ToolPlan`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -106,22 +107,24 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 @dataclass(frozen=True)
 class ToolPlan:
-    """What a request's tool fields ask of the replica.
+    """What a request's tool fields ask of the replica (a request with a plan has its reply
+    read for tool calls).
 
     Attributes:
-        tools: the tools for the chat template (None: none rendered).
-        parse: whether the reply is read for tool calls.
+        tools: the tools for the chat template (OpenAI's objects).
         forced: the functions a grammar makes the reply call (``required``: all offered;
             a named choice: that one); empty: no grammar.
         parallel: more than one call allowed.
-        names: the offered functions' names.
     """
 
-    tools: list[dict[str, Any]] | None
-    parse: bool
+    tools: list[dict[str, Any]]
     forced: tuple[dict[str, Any], ...]
     parallel: bool
-    names: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The offered functions' names."""
+        return tuple(tool["function"]["name"] for tool in self.tools)
 
 
 def plan_tools(
@@ -136,29 +139,24 @@ def plan_tools(
         if choice in (None, "none", "auto"):
             return None
         raise ParamError("tool_choice", "tool_choice asks for a tool call, but no tools are given")
-    names = [tool.function.name for tool in tools]
+    offered = [tool.model_dump(exclude_none=True) for tool in tools]
+    plan = ToolPlan(offered, (), parallel is not False and not isinstance(choice, NamedToolChoice))
+    names = plan.names
     if len(set(names)) != len(names):
         raise ParamError("tools", "two tools have the same function name")
     if choice == "none":
         return None
-    functions = [tool.function.model_dump(exclude_none=True) for tool in tools]
-    forced: list[dict[str, Any]] = []
+    functions = tuple(tool["function"] for tool in offered)
     if choice == "required":
-        forced = functions
-    elif isinstance(choice, NamedToolChoice):
+        return dataclasses.replace(plan, forced=functions)
+    if isinstance(choice, NamedToolChoice):
         wanted = choice.function.name
         if wanted not in names:
             raise ParamError(
                 "tool_choice", f"tool_choice names {wanted!r}, which is not among the tools"
             )
-        forced = [functions[names.index(wanted)]]
-    return ToolPlan(
-        tools=[tool.model_dump(exclude_none=True) for tool in tools],
-        parse=True,
-        forced=tuple(forced),
-        parallel=parallel is not False and not isinstance(choice, NamedToolChoice),
-        names=tuple(names),
-    )
+        return dataclasses.replace(plan, forced=(functions[names.index(wanted)],))
+    return plan
 
 
 def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
@@ -170,16 +168,22 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """
     out = []
     for index, message in enumerate(messages):
-        item = message.model_dump(exclude_none=True)
+        item = message.model_dump()  # what the client sent (ChatMessage leaves out the unsent)
         for j, call in enumerate(item.get("tool_calls") or []):
             arguments = call["function"]["arguments"]
             if isinstance(arguments, str):
-                try:
-                    call["function"]["arguments"] = json.loads(arguments or "{}")
-                except json.JSONDecodeError:
-                    raise ParamError(
-                        f"messages[{index}].tool_calls[{j}].function.arguments",
-                        "an earlier call's arguments must be a JSON object's text",
-                    ) from None
+                call["function"]["arguments"] = _object_of(
+                    arguments, f"messages[{index}].tool_calls[{j}].function.arguments"
+                )
         out.append(item)
     return out
+
+
+def _object_of(text: str, param: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text or "{}")
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ParamError(param, "an earlier call's arguments must be a JSON object's text")
+    return value

@@ -124,7 +124,7 @@ class TrainerWorker:
 
     @property
     def data(self) -> dict[str, AdapterData]:
-        """Each adapter's record windows."""
+        """Each adapter's record windows (a view for callers; the worker reads ``states``)."""
         return {a: state.data for a, state in self.states.items()}
 
     def resume(self) -> None:
@@ -206,7 +206,7 @@ class TrainerWorker:
         elif idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
             self._last_claim = time.monotonic()
             claimed = self._claim(idle_ms, _MAX_READ)
-        room = self.fresh_limit - max(len(d.fresh) for d in self.data.values())
+        room = self.fresh_limit - max(len(s.data.fresh) for s in self.states.values())
         if room > 0:
             read = self._accept(self.reader.read(count=min(room, _MAX_READ), block_ms=block_ms))
         self.stats.claimed += claimed
@@ -220,7 +220,8 @@ class TrainerWorker:
         due a first version."""
         now = time.time() if now is None else now
         ready = []
-        for adapter, data in self.data.items():
+        for adapter, state in self.states.items():
+            data = state.data
             oldest = data.oldest_fresh_at()
             if (
                 len(data.fresh) >= self.cfg.min_records
@@ -233,7 +234,7 @@ class TrainerWorker:
     def _first_version_due(self, adapter: str) -> bool:
         """Only before an adapter's first round: one refused then waits like the others."""
         versions, least = self.publisher.versions, self.cfg.min_holdout_records
-        due = first_version_due(versions[adapter], self.data[adapter], least)
+        due = first_version_due(versions[adapter], self.states[adapter].data, least)
         return due and not self.states[adapter].started
 
     def _first_version_waits(self, training: str) -> bool:
@@ -275,7 +276,7 @@ class TrainerWorker:
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
             self.loop_at = time.time()
-            self.judging = held_for_judging(self.acks, self.data.values())
+            self.judging = held_for_judging(self.acks, [s.data for s in self.states.values()])
         report.train_s = time.perf_counter() - started
         self.stats.add_round(report)
         if yielded:
@@ -292,7 +293,7 @@ class TrainerWorker:
             `report` (a new one if None) with the verdict and outcome filled in.
         """
         report = report or RoundReport(adapter=adapter)
-        holdout = self.data[adapter].holdout
+        holdout = self.states[adapter].data.holdout
         if len(holdout) < self.cfg.min_holdout_records:
             report.outcome = "waiting"
             return report
@@ -355,7 +356,11 @@ class TrainerWorker:
             return None
         return self.train_round(
             max(
-                ready, key=lambda a: (self._first_version_due(a), expected_gain(self.data[a].fresh))
+                ready,
+                key=lambda a: (
+                    self._first_version_due(a),
+                    expected_gain(self.states[a].data.fresh),
+                ),
             )
         )
 
@@ -385,7 +390,7 @@ class TrainerWorker:
             self.heartbeat.start()  # replicas' /health sees the trainer consume
         while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
             self.loop_at = time.time()
-            self.judging = held_for_judging(self.acks, self.data.values())
+            self.judging = held_for_judging(self.acks, [s.data for s in self.states.values()])
             before = self.stats.read + self.stats.claimed
             report = self.run_once(block_ms=200 if exit_when_idle_s is not None else 1000)
             rounds += report is not None
@@ -394,7 +399,7 @@ class TrainerWorker:
             elif (
                 exit_when_idle_s is not None
                 and time.monotonic() - idle_since > exit_when_idle_s
-                and not any(d.fresh for d in self.data.values())
+                and not any(s.data.fresh for s in self.states.values())
             ):
                 break
         return rounds

@@ -34,7 +34,7 @@ from osd.decode.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.decode.options import RequestOptions
 from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.request import DecodeRequest
-from osd.decode.request_checks import check_bias, check_options, prompt_ids
+from osd.decode.request_checks import check_bias, prompt_ids
 from osd.decode.rows import Row
 from osd.decode.step import VERIFIERS, prefill, run_step
 from osd.errors import ParamError
@@ -240,18 +240,8 @@ class SpeculativeDecoder:
         """
         ids = prompt_ids(prompt, self.tokenizer, self.vocab_size)  # the prompt's errors first
         options = RequestOptions.of(options, **keywords)
-        auto_spec = options.num_spec_tokens == "auto"
-        num_spec_tokens = self.max_spec_tokens if auto_spec else options.num_spec_tokens
-        check_options(
-            method=options.method,
-            num_spec_tokens=num_spec_tokens,
-            num_drafts=options.num_drafts,
-            max_tokens=options.max_tokens,
-            logprobs=options.logprobs,
-            prompt_logprobs=options.prompt_logprobs,
-            proposer=options.proposer,
-        )
-        assert isinstance(num_spec_tokens, int)  # checked above
+        auto_spec = options.num_spec_tokens == "auto"  # options.check() bounds a fixed k
+        num_spec_tokens = self.max_spec_tokens if auto_spec else int(options.num_spec_tokens)
         params = options.sampling
         check_bias(params, self.vocab_size)
         self.draft.check_adapter(options.adapter)
@@ -272,7 +262,6 @@ class SpeculativeDecoder:
             prompt_ids=tuple(ids),
             seed=secrets.randbits(62) if options.seed is None else options.seed,
             max_new_tokens=max_new,
-            params=params,
             num_spec_tokens=num_spec_tokens,
             # Greedy drafts would all be identical: one suffices.
             num_drafts=1 if params.is_greedy else options.num_drafts,

@@ -77,10 +77,13 @@ class RequestOptions:
         by their own names, in the Python API's looser spellings: ``logit_bias`` a mapping,
         ``stop`` one string, ids any sequence.
 
+        The value is checked (:meth:`check`) either way; ``base`` alone comes back unchanged.
+
         Raises:
-            ParamError: a keyword that is not an option, or a sampling value out of range.
+            ParamError: a keyword that is not an option, or a value out of range.
         """
         if not keywords and base is not None:
+            base.check()
             return base  # carried unchanged
         base = base or cls()
         unknown = sorted(set(keywords) - OPTION_NAMES)

@@ -31,7 +31,6 @@ class DecodeRequest:
         prompt_ids: the prompt's token ids.
         seed: the seed of its random streams (drawn when the options name none).
         max_new_tokens: tokens it may generate (``max_tokens`` within the context).
-        params: the sampling parameters.
         num_spec_tokens: the most tokens drafted a step (``max_spec_tokens`` with ``"auto"``).
         num_drafts: draft sequences (1 when greedy: greedy drafts would all be identical).
         adapter: the draft's adapter it decodes with (serving: the leased version).
@@ -46,7 +45,6 @@ class DecodeRequest:
     prompt_ids: tuple[int, ...]
     seed: int
     max_new_tokens: int
-    params: SamplingParams
     num_spec_tokens: int
     num_drafts: int
     adapter: str | None
@@ -54,6 +52,11 @@ class DecodeRequest:
     log_top_m: int | None
     adaptive_threshold: float
     auto_spec: bool = False
+
+    @property
+    def params(self) -> SamplingParams:
+        """The sampling parameters."""
+        return self.options.sampling
 
     @property
     def method(self) -> Method:
