@@ -241,6 +241,23 @@ def test_a_conversation_with_calls_and_results_is_rendered_for_the_model(client,
             },
             "messages[0].tool_calls[0].function.arguments",
         ),
+        *(
+            (
+                {
+                    "messages": [
+                        {
+                            "role": "assistant",
+                            "content": None,
+                            "tool_calls": [
+                                {"type": "function", "function": {"name": "calc", "arguments": a}}
+                            ],
+                        }
+                    ]
+                },
+                "messages[0].tool_calls[0].function.arguments",
+            )
+            for a in ("[1]", '"text"')  # JSON, but not an object
+        ),
     ],
 )
 def test_bad_tool_requests_are_400s_naming_the_field(replica, fields, param):
