@@ -50,7 +50,7 @@ from osd.buffer.redis_server import LocalRedis
 from osd.buffer.writer import LogWriter
 from osd.demo import parse_schedule
 from osd.routing import stack_features
-from osd.routing.store import RouterStore
+from osd.routing.store import RoutingStats
 from trainer.wiring import wire_trainer
 from trainer.worker import TrainerWorker
 
@@ -99,7 +99,7 @@ def run_loop(
             final[domain] = _routed(worker, records, picks)
             adapter, count = Counter(picks).most_common(1)[0]
             served_by[domain], chosen_share[domain] = adapter, round(count / len(picks), 2)
-        points = RouterStore(server.url, config.log.stream).stats()
+        points = RoutingStats(server.url, config.log.stream).all()
         worker.close()
     out = {
         "run": name,

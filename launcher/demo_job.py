@@ -156,7 +156,7 @@ def run(
 
 def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
     from osd.adapters import adapter_store_location, open_adapter_store
-    from osd.adapters.store import AdapterNotFound
+    from osd.versions.errors import VersionNotFound
 
     store = open_adapter_store(adapter_store_location(config, redis_url))
     out = []
@@ -164,7 +164,7 @@ def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any
         for version in store.list_versions(name):
             try:
                 manifest = store.manifest(name, version)
-            except AdapterNotFound:  # the trainer deleted it meanwhile (bounded history)
+            except VersionNotFound:  # the trainer deleted it meanwhile (bounded history)
                 continue
             out.append(
                 {
@@ -179,15 +179,16 @@ def _published_versions(redis_url: str, config: OSDConfig) -> list[dict[str, Any
 
 def _routing_stats(redis_url: str, config: OSDConfig) -> list[dict[str, Any]]:
     """The content router's accuracy points, oldest first ([]: none, or Redis is gone)."""
-    from osd.routing.store import RouterStore, RouterStoreError
+    from osd.routing.store import RoutingStats
+    from osd.versions.errors import StoreError
 
-    store = RouterStore(redis_url, config.log.stream)
+    stats = RoutingStats(redis_url, config.log.stream)
     try:
-        return store.stats()
-    except (RouterStoreError, ValueError):  # ValueError: a stats entry that is not JSON
+        return stats.all()
+    except (StoreError, ValueError):  # ValueError: a stats entry that is not JSON
         return []
     finally:
-        store.close()
+        stats.close()
 
 
 def describe_routing(routing: dict[str, Any]) -> str:

@@ -120,7 +120,7 @@ def first_versions(
 
 
 def routing_summary(points: list[dict[str, Any]], start: float) -> dict[str, Any]:
-    """The content router's accuracy points (``osd.routing.store.RouterStore.stats``) over the
+    """The content router's accuracy points (``osd.routing.store.RoutingStats``) over the
     run: each one's time since the traffic started, the share of unlabeled requests since the
     previous point served by the best adapter per the logs (``served_accuracy``), the router
     model's own accuracy, its version and outcome; the first and last served accuracy known,

@@ -20,10 +20,11 @@ from typing import Any
 
 import redis
 
-from osd.adapters.store import AdapterStore, AdapterStoreError
+from osd.adapters.codec import AdapterStore
 from osd.buffer.loop_status import read_beat, trainer_beat_key
 from osd.buffer.redis_server import connect, redact_url
 from osd.buffer.stream_info import read_group_info
+from osd.versions.errors import StoreError
 from serving.adapter_slots import AdapterSlots
 from serving.metrics import ReplicaMetrics
 
@@ -190,7 +191,7 @@ class LoopHealth:
             return _broken(f"unreachable ({unreachable})")
         try:
             pointers = {name: self.store.current(name) for name in self.slots.adapters}
-        except AdapterStoreError as exc:
+        except StoreError as exc:
             return _broken(f"unreachable ({exc})")
         return {"status": "ok", "published": pointers}
 

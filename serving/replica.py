@@ -1,8 +1,10 @@
 """One replica, wired explicitly: every part built here and handed to the parts that use it.
 
 The runtime (serving.runtime) receives its engine, batched loop, adapter slots, router, metrics,
-log writer, live monitor, adapter-event sink and loop health probe; the adapter watcher
-(serving.watcher) receives the slots, the store, the monitor, the metrics and the event sink.
+log writer, live monitor, adapter-event sink and loop health probe; one version watcher
+(serving.watcher) follows the adapter store with the slots as its holder
+(serving.adapter_holder), another the routing model with the router's trial
+(serving.router_trial), both appending to the event sink.
 No part builds another or writes into another's fields, so a reader sees here what talks to
 what. The Ray deployment (serving.app) and the Ray-free replicas of the tests both wire through
 :func:`wire_replica`.
@@ -15,24 +17,25 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from osd.adapters.store import AdapterStore
+from osd.adapters.codec import AdapterStore
 from osd.config import OSDConfig, ServeConfig
 from osd.decode.engine import SpeculativeDecoder
 from osd.decode.loop import BatchedEngine
 from osd.decode.scheduler import BatchLimits
 from osd.device_memory import forward_peak_bytes, kv_budget_bytes
 from osd.model_sources import attach_lora_adapters, load_model_pair
-from osd.routing.store import RouterStore
+from osd.routing.store import open_routing_store, routing_model_name
 from osd.threads import threads_for
+from serving.adapter_holder import AdapterHolder
 from serving.adapter_slots import AdapterSlots, peft_adapter_name
 from serving.health import HealthLimits, LoopHealth
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.router import AdapterRouter
-from serving.router_watcher import RouterWatcher
+from serving.router_trial import RouterTrial
 from serving.runtime import ReplicaRuntime
 from serving.suffix_warmup import SuffixWarmup
-from serving.watcher import AdapterWatcher
+from serving.watcher import VersionWatcher
 
 __all__ = ["WiredReplica", "build_runtime", "wire_replica"]
 
@@ -139,9 +142,9 @@ class WiredReplica:
     """A replica's running parts; ``close`` stops them, the probe and watcher first."""
 
     runtime: ReplicaRuntime
-    watcher: AdapterWatcher | None
+    watcher: VersionWatcher | None
     health: LoopHealth
-    router_watcher: RouterWatcher | None = None
+    router_watcher: VersionWatcher | None = None
     suffix_warmup: SuffixWarmup | None = None
 
     def close(self) -> None:
@@ -150,6 +153,7 @@ class WiredReplica:
             self.watcher.stop()
         if self.router_watcher is not None:
             self.router_watcher.stop()
+            self.router_watcher.store.close()
         self.runtime.close()
 
 
@@ -173,6 +177,7 @@ def wire_replica(
     models = load_replica_models(config)
     metrics = ReplicaMetrics(model_name=config.serve.model_name)
     events: deque[dict[str, Any]] = deque(maxlen=RECENT_ADAPTER_EVENTS)
+    interval_s = a.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
     monitor, watcher = None, None
     routes_by_content = bool(redis_url) and config.routing.enabled
     if store is not None or routes_by_content:
@@ -181,15 +186,12 @@ def wire_replica(
         )
     if store is not None:
         assert monitor is not None
-        watcher = AdapterWatcher(
-            models.slots,
+        watcher = VersionWatcher(
             store,
-            monitor=monitor,
-            metrics=metrics,
+            AdapterHolder(models.slots, monitor, metrics),
             events=events,
-            reconcile_interval_s=(
-                a.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
-            ),
+            reconcile_interval_s=interval_s,
+            name="adapter-watcher",
         )
     health = LoopHealth(
         models.slots,
@@ -216,15 +218,18 @@ def wire_replica(
         watcher.start()
     router_watcher = None
     if routes_by_content and monitor is not None:  # the routing model is in the log's Redis
-        router_watcher = RouterWatcher(
-            runtime.router,
-            RouterStore(redis_url, config.log.stream, keep_versions=a.keep_versions),
-            monitor=monitor,
-            events=events,
-            trial_share=config.routing.trial_share,
-            interval_s=(
-                a.reconcile_interval_s if reconcile_interval_s is None else reconcile_interval_s
+        router_watcher = VersionWatcher(
+            open_routing_store(redis_url),
+            RouterTrial(
+                runtime.router,
+                monitor,
+                config.routing.trial_share,
+                routing_model_name(config.log.stream),
             ),
+            events=events,
+            reconcile_interval_s=interval_s,
+            replica_id=watcher.replica_id if watcher is not None else None,
+            name="router-watcher",
         )
         router_watcher.start()
     health.start()

@@ -2,7 +2,7 @@
 
 In order: the request's ``draft`` field (an adapter name, or a domain that has its own
 adapter), else its ``domain`` label, else (a request that names neither) the **content router**:
-the published routing model (`osd.routing.model`, kept current by `serving.router_watcher`)
+the published routing model (`osd.routing.model`, kept current by `serving.watcher` with `serving.router_trial`)
 picks the adapter from the prompt's token ids when it is at least `min_confidence` sure; else a
 learned rule: an epsilon-greedy bandit per route over the recent acceptance rate of each adapter.
 An unknown adapter falls back to the general one and the fallback is reported.
@@ -83,7 +83,7 @@ class AdapterRouter:
         """Routes unlabeled requests by `model` (version `version`) from now on; None: by the
         bandit alone. With `baseline` (a model and its version), a `baseline_share` of them is
         routed by it instead, at random: the A/B trial that judges the new version on the same
-        traffic as its predecessor (`serving.router_watcher`)."""
+        traffic as its predecessor (`serving.router_trial`)."""
         with self._lock:
             self.model, self.model_version = model, version
             self._baseline, self._baseline_share = baseline, baseline_share

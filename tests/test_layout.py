@@ -7,8 +7,11 @@ Every ``import`` and ``from ... import`` of every module of ``osd``, ``serving``
   imports no I/O backend (redis, ray, fastapi, subprocess, wandb ...) and none of osd's I/O
   modules, and importing all of it loads none of them either (checked in a fresh interpreter,
   so imports of imports count);
-* the decode core (``osd.decode``) and the stores (``osd.buffer``, ``osd.adapters``) stay apart:
-  the decode core imports none of them, and they import only its names and its log type;
+* the decode core (``osd.decode``) and the stores (``osd.buffer``, ``osd.versions``,
+  ``osd.adapters``, ``osd.routing``) stay apart: the decode core imports none of them, and they
+  import only its names and its log type;
+* the versioned store (``osd.versions``) knows no artefact: it imports neither the adapters nor
+  the routing model, nor torch;
 * no import cycle, between files or between folders;
 * nothing in ``osd`` imports ``serving``, ``trainer`` or ``launcher``;
 * ``serving`` and ``trainer`` never import each other, and nothing but ``launcher`` imports
@@ -49,6 +52,7 @@ IO_MODULES = frozenset(
         "osd.buffer.loop_status",
         "osd.buffer.stream_info",
         "osd.adapters",
+        "osd.versions",
         "osd.process",
         "launcher",
         "serving",
@@ -95,7 +99,7 @@ def test_every_package_is_read():
     assert {"osd.decode.sampling", "osd.decode.step", "serving.runtime", "trainer.worker"} <= set(
         MODULES
     )
-    assert {"launcher.cli", "osd.buffer.record", "osd.adapters.store"} <= set(MODULES)
+    assert {"launcher.cli", "osd.buffer.record", "osd.versions.store"} <= set(MODULES)
 
 
 def offenders(importers, imported) -> dict[str, list[str]]:
@@ -150,16 +154,23 @@ def test_the_decode_core_and_the_stores_stay_apart():
     """The decode core (``osd.decode``) imports none of the stores, the demo or the config; the
     stores import from it only the names it owns (``osd.decode.methods``) and, the record, the
     type of a finished generation's log it is built from."""
-    beside = ("osd.adapters", "osd.buffer", "osd.routing", "osd.demo", "osd.config")
-    assert not offenders(("osd.decode",), beside), "the decode core"
+    stores = ("osd.adapters", "osd.buffer", "osd.routing", "osd.versions")
+    assert not offenders(("osd.decode",), (*stores, "osd.demo", "osd.config")), "the decode core"
     allowed = ("osd.decode.methods", "osd.decode.generation")
     beyond = {
         module: [i for i in names if not within(i, allowed)]
-        for module, names in offenders(("osd.buffer", "osd.adapters"), ("osd.decode",)).items()
+        for module, names in offenders(stores, ("osd.decode",)).items()
     }
     assert not {m: i for m, i in beyond.items() if i}, "the stores, beyond the decode's names"
-    assert not offenders(("osd.buffer", "osd.adapters"), ("osd.demo",)), "the stores"
-    assert not offenders(("osd.buffer",), ("osd.adapters",)), "the log buffer"
+    assert not offenders(stores, ("osd.demo",)), "the stores"
+    assert not offenders(("osd.buffer",), ("osd.adapters", "osd.versions")), "the log buffer"
+
+
+def test_the_versioned_store_knows_no_artefact():
+    """``osd.versions`` keeps versions of anything through a codec: the adapters and the
+    routing model depend on it, never the other way, and it needs no torch."""
+    artefacts = ("osd.adapters", "osd.routing", "torch", "safetensors", "peft")
+    assert not offenders(("osd.versions",), artefacts), "osd.versions"
 
 
 def _own_modules(names: set[str]) -> set[str]:

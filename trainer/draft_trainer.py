@@ -207,7 +207,7 @@ class DraftTrainer:
         """Copies `weights` (keyed like `weights()`) into the given slots of `adapter`.
 
         Raises:
-            AdapterIntegrityError: keys or shapes that are not this adapter's layout.
+            VersionIntegrityError: keys or shapes that are not this adapter's layout.
         """
         from peft import set_peft_model_state_dict
 

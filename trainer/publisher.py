@@ -1,7 +1,7 @@
 """Between the trainer's adapters and the adapter store: restore, publish with compare-and-set.
 
 Each adapter remembers the store version its weights descend from (`versions`). Publishing moves
-the store's pointer only if it still names that version (`AdapterStore.publish(...,
+the store's pointer only if it still names that version (`VersionedStore.publish(...,
 expected_current=...)`); if another trainer, or a replica's rollback, moved it meanwhile, the
 store raises `PublishConflict`, the new version stays stored but not current, and the trainer
 reloads the version that is current into both slots and goes on training from it (after a
@@ -9,7 +9,7 @@ rollback to the base draft, `BASE_VERSION`, it starts over from the base draft).
 clobbered.
 
 After each publish the store deletes the versions no one needs any more
-(`AdapterStore.collect_garbage`: `keep_versions` predecessors, held and young versions stay), so
+(`VersionedStore.collect_garbage`: `keep_versions` predecessors, held and young versions stay), so
 the store's memory stays bounded; a failure there is logged and tried again next time.
 
 An adapter with no version yet (a new domain's) can start from another adapter's current version
@@ -21,16 +21,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import base_model_hash
-from osd.adapters.manifest import (
-    BASE_VERSION,
-    AdapterManifest,
-    AdapterStoreError,
-    AdapterStoreUnavailable,
-    PublishConflict,
-)
-from osd.adapters.store import AdapterStore
+from osd.adapters.manifest import AdapterManifest
 from osd.buffer.record import Record
+from osd.versions.errors import BASE_VERSION, PublishConflict, StoreError, StoreUnavailable
 from trainer.draft_trainer import DraftTrainer
 
 __all__ = ["Publisher"]
@@ -45,7 +40,7 @@ class Publisher:
         store: the adapter store the replicas follow.
         trainer: holds the candidate and current slots of every adapter.
         keep_versions, gc_grace_s: the bounded history (`adapters.keep_versions`,
-            `adapters.gc_grace_s`); see `AdapterStore.collect_garbage`.
+            `adapters.gc_grace_s`); see `VersionedStore.collect_garbage`.
     """
 
     def __init__(
@@ -72,7 +67,7 @@ class Publisher:
             The current version (None when none was published), now the expected one.
 
         Raises:
-            AdapterStoreUnavailable: the store cannot be reached; nothing changed, so the next
+            StoreUnavailable: the store cannot be reached; nothing changed, so the next
                 publish still expects the version these weights really descend from (and
                 conflicts, and restores again, if the pointer moved).
         """
@@ -82,7 +77,7 @@ class Publisher:
             _log.warning("%s: rolled back to the base draft; training from it again", adapter)
         elif version is not None:
             self._load(adapter, version)
-        self.versions[adapter] = version  # only once nothing raised AdapterStoreUnavailable
+        self.versions[adapter] = version  # only once nothing raised StoreUnavailable
         return version
 
     def _load(self, adapter: str, version: int) -> None:
@@ -93,9 +88,9 @@ class Publisher:
                 expected_base_model_hash=self.base_hash,
                 expected_shapes=self.trainer.shapes(adapter),
             )
-        except AdapterStoreUnavailable:
+        except StoreUnavailable:
             raise
-        except (AdapterStoreError, ValueError) as exc:
+        except (StoreError, ValueError) as exc:
             _log.warning("%s v%d does not load (%s); training on without it", adapter, version, exc)
             return
         self.trainer.set_weights(adapter, weights, ["candidate", "current"])
@@ -149,7 +144,7 @@ class Publisher:
             manifest = self.store.publish(
                 adapter,
                 self.trainer.weights(adapter),
-                self.trainer.spec(adapter),
+                spec=self.trainer.spec(adapter),
                 expected_current=expected,
                 acceptance_estimate=min(1.0, max(0.0, acceptance_estimate)),
             )
@@ -174,7 +169,7 @@ class Publisher:
             deleted = self.store.collect_garbage(
                 adapter, keep_versions=self.keep_versions, grace_s=self.gc_grace_s
             )
-        except AdapterStoreError as exc:
+        except StoreError as exc:
             _log.warning("%s: old versions not deleted now (%s)", adapter, exc)
             return []
         if deleted:

@@ -15,14 +15,14 @@ that beats the current model's on the same records by `routing.publish_margin`, 
 none. Scores are recomputed for an adapter whose version changed since (its labels would be
 stale), at most `RESCORE_PER_FIT` records per fit, the same share from each domain's window; a
 record keeps its older scores until then (one never scored under a candidate sits out).
-Replicas roll a published model back when its requests do worse (`serving.router_watcher`); the
+Replicas roll a published model back when its requests do worse (`serving.router_trial`); the
 trainer then judges against the version they went back to.
 
 Unlabeled records are assigned to domain adapters by `trainer.topics.TopicMap`. Routing accuracy
 (the share of the unlabeled records scored since the previous point whose serving adapter scored
 within `SERVED_TOLERANCE` of the best; adapters of near-equal scores are both right) and regret
-(how far below the best the served adapter's score was) go to the store's stats list, the
-tracker and the log.
+(how far below the best the served adapter's score was) go to the stats list
+(`osd.routing.store.RoutingStats`), the tracker and the log.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import numpy.typing as npt
 from osd.config import RoutingConfig
 from osd.routing.features import prompt_features
 from osd.routing.model import RoutingModel, fit_routing_model
-from osd.routing.store import RouterConflict, RouterStore, RouterStoreError
+from osd.routing.store import RoutingStats, RoutingStore
+from osd.versions.errors import PublishConflict, StoreError
 from trainer.examples import Example, window_key
 from trainer.replay import DomainWindows
 from trainer.topics import TopicMap
@@ -82,6 +83,10 @@ class RoutingTrainer:
         versions: adapter -> its current version (None: none yet), read live.
         config: `routing` settings.
         store: where models are published (None: fit and judge only, e.g. in tests).
+        name: the model's name in `store` (`osd.routing.store.routing_model_name`).
+        stats: where routing-accuracy points go (None: the log only).
+        keep_versions, gc_grace_s: the store's bounded history after each publish
+            (`adapters.keep_versions`, `adapters.gc_grace_s`, as for the adapters).
         min_records: records of one new topic that open a domain adapter for it.
     """
 
@@ -91,13 +96,19 @@ class RoutingTrainer:
         score: Callable[[str, list[Any]], list[float]],
         versions: Mapping[str, int | None],
         config: RoutingConfig,
-        store: RouterStore | None = None,
+        store: RoutingStore | None = None,
         *,
+        name: str = "log",
+        stats: RoutingStats | None = None,
+        keep_versions: int = 4,
+        gc_grace_s: float = 60.0,
         min_records: int = 16,
     ) -> None:
         self.adapters = list(adapters)
         self.general, *self.domains = adapters
         self.score_fn, self.versions, self.cfg, self.store = score, versions, config, store
+        self.name, self.stats = name, stats
+        self.keep_versions, self.gc_grace_s = keep_versions, gc_grace_s
         self.topics = TopicMap(
             self.domains,
             self.general,
@@ -126,15 +137,15 @@ class RoutingTrainer:
         if self.store is None:
             return
         try:
-            self._load(self.store.current())
-        except RouterStoreError as exc:
+            self._load(self.store.current(self.name))
+        except StoreError as exc:
             _log.warning("routing model: cannot load the current one (%s); fitting anew", exc)
 
     def _load(self, version: int | None) -> None:
         self.version = version
-        self.model = (
-            None if version is None or self.store is None else self.store.load(version).model
-        )
+        self.model = None
+        if version and self.store is not None:  # None or 0 (rolled back past the first): none
+            self.model = self.store.load(self.name, version)[1]
 
     def candidates(self) -> list[str]:
         """The general adapter and every domain adapter with a version."""
@@ -270,11 +281,11 @@ class RoutingTrainer:
         if self.store is None:
             return
         try:
-            pointer = self.store.current()
+            pointer = self.store.current(self.name)
             if pointer != self.version:
                 _log.info("routing model: the pointer is at v%s, not v%s", pointer, self.version)
                 self._load(pointer)
-        except RouterStoreError as exc:
+        except StoreError as exc:
             _log.warning("routing model: cannot read the pointer (%s)", exc)
 
     @staticmethod
@@ -292,15 +303,26 @@ class RoutingTrainer:
             self.model = model
             return "published"
         try:
-            self.version = self.store.publish(model, expected_current=self.version, score=score)
-        except RouterConflict as exc:  # a replica rolled ours back: judge against theirs
+            manifest = self.store.publish(
+                self.name, model, expected_current=self.version, score=score
+            )
+        except PublishConflict as exc:  # a replica rolled ours back: judge against theirs
             _log.info("routing model: %s; judging against it from now on", exc)
-            self._load(exc.actual)
+            try:
+                self._load(exc.actual)
+            except StoreError as load_exc:
+                _log.warning("routing model: cannot load v%s (%s)", exc.actual, load_exc)
             return "conflict"
-        except RouterStoreError as exc:
+        except StoreError as exc:
             _log.warning("routing model: cannot publish (%s); trying again later", exc)
             return "unavailable"
-        self.model = model
+        self.version, self.model = manifest.version, model
+        try:
+            self.store.collect_garbage(
+                self.name, keep_versions=self.keep_versions, grace_s=self.gc_grace_s
+            )
+        except StoreError as exc:
+            _log.warning("routing model: old versions not collected (%s)", exc)
         return "published"
 
     def _note_served(self, served: str, scores: Mapping[str, float]) -> None:
@@ -328,12 +350,13 @@ class RoutingTrainer:
             f"routing/{k}": float(v) for k, v in point.items() if isinstance(v, int | float)
         }
         _log.info("routing %s", {k: v for k, v in point.items() if k != "time"})
-        if self.store is not None:
+        if self.stats is not None:
             try:
-                self.store.add_stats(point)
-            except RouterStoreError as exc:
+                self.stats.add(point)
+            except StoreError as exc:
                 _log.warning("routing stats not written: %s", exc)
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        for part in (self.store, self.stats):
+            if part is not None:
+                part.close()

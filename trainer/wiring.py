@@ -15,10 +15,10 @@ import functools
 from typing import Any
 
 from osd.adapters import adapter_store_location, open_adapter_store
-from osd.adapters.store import AdapterStore
+from osd.adapters.codec import AdapterStore
 from osd.buffer.reader import LogReader
 from osd.config import OSDConfig
-from osd.routing.store import RouterStore
+from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
 from trainer.draft_trainer import build_draft_trainer
 from trainer.heartbeat import Heartbeat
 from trainer.publisher import Publisher
@@ -62,7 +62,11 @@ def wire_trainer(
         lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
         publisher.versions,
         config.routing,
-        RouterStore(redis_url, config.log.stream, keep_versions=retention.keep_versions),
+        open_routing_store(redis_url),
+        name=routing_model_name(config.log.stream),
+        stats=RoutingStats(redis_url, config.log.stream),
+        keep_versions=retention.keep_versions,
+        gc_grace_s=retention.gc_grace_s,
         min_records=2 * cfg.min_holdout_records,
     )
     worker = TrainerWorker(

@@ -30,11 +30,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from osd.adapters.store import AdapterStore, AdapterStoreUnavailable
+from osd.adapters.codec import AdapterStore
 from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.config import OSDConfig
 from osd.threads import threads_applied
+from osd.versions.errors import StoreUnavailable
 from trainer.adapter_state import AdapterState
 from trainer.draft_trainer import DraftTrainer
 from trainer.examples import Example, adapters_for, entry_time, example_window
@@ -138,7 +139,7 @@ class TrainerWorker:
         for adapter in self.adapters:
             try:
                 self.publisher.restore(adapter)
-            except AdapterStoreUnavailable as exc:
+            except StoreUnavailable as exc:
                 _log.warning("%s: adapter store unreachable (%s); resuming later", adapter, exc)
         self.stats.claimed += self._claim(0, _MAX_CLAIM)
 
@@ -315,7 +316,7 @@ class TrainerWorker:
             return report
         try:
             manifest = self.publisher.publish(adapter, verdict.candidate.lower)
-        except AdapterStoreUnavailable as exc:
+        except StoreUnavailable as exc:
             # Redis is down or restarting: keep training; the next round judges and publishes
             # again (a version this attempt stored but did not make current stays a gap).
             _log.warning("%s: adapter store unreachable (%s); publishing later", adapter, exc)

@@ -1,11 +1,10 @@
 """Draft adapters: LoRA weights, their versions, and the stores that keep them.
 
-Owns: attaching and extracting LoRA weights and their safetensors codec (``lora``), a version's
-manifest and the store's errors (``manifest``), which versions a store may delete
-(``retention``), the store contract (``store``) and its two backends, a shared directory
-(``store_dir``) and Redis (``store_redis``). The factory lives here, above the backends, so the
-contract and its backends never import each other. May import torch, peft, safetensors and Redis;
-never serving, the trainer or the decode loop. The trainer publishes here; replicas follow.
+Owns: attaching and extracting LoRA weights (``lora``), a version's manifest (``manifest``) and
+the codec that makes adapters an artefact of the versioned store (``codec``, over
+``osd.versions``, which keeps versions, pointers and retention for every artefact). May import
+torch, peft, safetensors and ``osd.versions``; never serving, the trainer or the decode loop.
+The trainer publishes here; replicas follow.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from osd.adapters.store import AdapterStore
+from osd.adapters.codec import LORA_CODEC, AdapterStore
+from osd.versions import open_store
 
 __all__ = ["adapter_store_location", "open_adapter_store"]
 
@@ -30,13 +30,7 @@ def adapter_store_location(config: Any, redis_url: str) -> str:
 
 
 def open_adapter_store(location: str | Path, **kwargs: Any) -> AdapterStore:
-    """A `RedisAdapterStore` for a ``redis://``/``rediss://``/``unix://`` URL, else a
-    `DirectoryAdapterStore` rooted at the path; `kwargs` go to the constructor."""
-    text = str(location)
-    if text.startswith(("redis://", "rediss://", "unix://")):
-        from osd.adapters.store_redis import RedisAdapterStore
-
-        return RedisAdapterStore(text, **kwargs)
-    from osd.adapters.store_dir import DirectoryAdapterStore
-
-    return DirectoryAdapterStore(text, **kwargs)
+    """The adapters' store (`LORA_CODEC`): a `RedisStore` under namespace ``adapter`` for a
+    ``redis://``/``rediss://``/``unix://`` URL, else a `DirectoryStore` rooted at the path;
+    `kwargs` go to the constructor (`max_bytes`, `poll_interval_s`, `socket_timeout_s`)."""
+    return open_store(location, LORA_CODEC, namespace="adapter", **kwargs)

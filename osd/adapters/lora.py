@@ -1,8 +1,9 @@
 """LoRA weights in and out of peft models, their safetensors codec, and the base-model hash.
 
-The adapter store (`osd.adapters.store`) moves bytes; this module turns a peft adapter into checked
-safetensors bytes and back, and installs checked weights into a peft model under a new adapter
-name, which the engine then selects per request through peft's ``adapter_names`` forward kwarg.
+The versioned store (`osd.versions`) moves bytes; this module, through the LoRA codec
+(`osd.adapters.codec`), turns a peft adapter into checked safetensors bytes and back, and
+installs checked weights into a peft model under a new adapter name, which the engine then
+selects per request through peft's ``adapter_names`` forward kwarg.
 
 Only safetensors is read: a weights file that is anything else (a pickle under a .safetensors
 name, say) is refused before and by the safetensors parser; `torch.load` is never called.
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +28,9 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
-from osd.adapters.manifest import AdapterIntegrityError, AdapterManifest, AdapterSpec
+from osd.adapters.manifest import AdapterManifest, AdapterSpec
+from osd.versions.codec import check_payload, check_safetensors_frame
+from osd.versions.errors import VersionIntegrityError
 
 __all__ = [
     "adapter_spec",
@@ -40,8 +42,6 @@ __all__ = [
     "lora_shapes",
     "lora_state_dict",
 ]
-
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 
 # Config keys that do not change what the weights compute: bookkeeping, runtime switches, the
 # dtype the checkpoint was loaded in, and token ids.
@@ -74,27 +74,27 @@ def _is_base_copy(key: str) -> bool:
 
 def _check_tensors(weights: Mapping[str, Tensor], rank: int) -> None:
     if not weights:
-        raise AdapterIntegrityError("adapter has no tensors", "not_lora")
+        raise VersionIntegrityError("adapter has no tensors", "not_lora")
     num_lora = 0
     for key, tensor in weights.items():
         if not isinstance(tensor, Tensor) or not tensor.is_floating_point():
             kind = getattr(tensor, "dtype", type(tensor).__name__)
-            raise AdapterIntegrityError(
+            raise VersionIntegrityError(
                 f"tensor {key!r} must be a floating tensor, got {kind}", "not_lora"
             )
         if not bool(torch.isfinite(tensor).all()):
-            raise AdapterIntegrityError(f"tensor {key!r} has NaN or infinite values", "non_finite")
+            raise VersionIntegrityError(f"tensor {key!r} has NaN or infinite values", "non_finite")
         dim = _lora_rank_dim(key)
         if dim is None:
             continue
         num_lora += 1
         if tensor.dim() != 2 or tensor.shape[dim] != rank:
-            raise AdapterIntegrityError(
+            raise VersionIntegrityError(
                 f"tensor {key!r} has shape {tuple(tensor.shape)}, not that of a rank-{rank} LoRA",
                 "shape_mismatch",
             )
     if num_lora == 0:
-        raise AdapterIntegrityError(f"no LoRA A/B tensors among {sorted(weights)[:4]}", "not_lora")
+        raise VersionIntegrityError(f"no LoRA A/B tensors among {sorted(weights)[:4]}", "not_lora")
 
 
 def check_lora_shapes(
@@ -103,19 +103,19 @@ def check_lora_shapes(
     """Checks that `weights` has exactly the keys and shapes of `expected_shapes`.
 
     Raises:
-        AdapterIntegrityError: naming missing or unexpected keys, or the first shape mismatch.
+        VersionIntegrityError: naming missing or unexpected keys, or the first shape mismatch.
     """
     missing = sorted(set(expected_shapes) - set(weights))
     unexpected = sorted(set(weights) - set(expected_shapes))
     if missing or unexpected:
-        raise AdapterIntegrityError(
+        raise VersionIntegrityError(
             f"adapter does not fit the expected LoRA layout: missing {missing[:3]} "
             f"({len(missing)}), unexpected {unexpected[:3]} ({len(unexpected)})",
             "shape_mismatch",
         )
     for key, shape in expected_shapes.items():
         if tuple(weights[key].shape) != tuple(shape):
-            raise AdapterIntegrityError(
+            raise VersionIntegrityError(
                 f"tensor {key!r} has shape {tuple(weights[key].shape)}, expected {tuple(shape)}",
                 "shape_mismatch",
             )
@@ -129,22 +129,6 @@ def encode_weights(weights: Mapping[str, Tensor], rank: int) -> bytes:
     return safetensors.torch.save(tensors, metadata={"format": "pt"})
 
 
-def _check_safetensors_frame(payload: bytes) -> None:
-    """Refuses bytes that cannot be safetensors before the parser sees them (a pickle starts
-    with 0x80, a safetensors file with an 8-byte header length and then '{')."""
-    if len(payload) < 9:
-        raise AdapterIntegrityError(
-            f"weights are not a safetensors file ({len(payload)} bytes)", "not_safetensors"
-        )
-    (header_len,) = struct.unpack("<Q", payload[:8])
-    if header_len > min(len(payload) - 8, _MAX_HEADER_BYTES) or payload[8:9] != b"{":
-        raise AdapterIntegrityError(
-            f"weights are not a safetensors file (starts with {payload[:12]!r}); refusing to "
-            "load them (pickled weights are never accepted)",
-            "not_safetensors",
-        )
-
-
 def decode_weights(
     manifest: AdapterManifest,
     payload: bytes,
@@ -153,27 +137,17 @@ def decode_weights(
     """Checks `payload` against `manifest` and parses it as safetensors (CPU tensors).
 
     Raises:
-        AdapterIntegrityError: wrong size (truncated), wrong sha256, not safetensors, non-finite
+        VersionIntegrityError: wrong size (truncated), wrong sha256, not safetensors, non-finite
             values, rank other than the manifest's, or shapes other than `expected_shapes`.
     """
-    if len(payload) != manifest.num_weight_bytes:
-        what = "truncated" if len(payload) < manifest.num_weight_bytes else "too long"
-        raise AdapterIntegrityError(
-            f"{manifest.ref}: weights {what}: {len(payload)} bytes, manifest says "
-            f"{manifest.num_weight_bytes}",
-            "size_mismatch",
-        )
-    digest = hashlib.sha256(payload).hexdigest()
-    if digest != manifest.weights_sha256:
-        raise AdapterIntegrityError(
-            f"{manifest.ref}: weights sha256 {digest} != manifest's {manifest.weights_sha256}",
-            "sha256_mismatch",
-        )
-    _check_safetensors_frame(payload)
+    check_payload(
+        manifest.ref, payload, num_bytes=manifest.num_weight_bytes, sha256=manifest.weights_sha256
+    )
+    check_safetensors_frame(payload)
     try:
         weights = safetensors.torch.load(payload)
     except Exception as exc:  # the parser's own error type is not part of its API
-        raise AdapterIntegrityError(
+        raise VersionIntegrityError(
             f"{manifest.ref}: weights are not valid safetensors: {exc}", "not_safetensors"
         ) from exc
     _check_tensors(weights, manifest.rank)
@@ -235,7 +209,7 @@ def _lora_config(peft_model: Any, adapter_name: str) -> Any:
 
 
 def adapter_spec(peft_model: Any, adapter_name: str, base_model_id: str) -> AdapterSpec:
-    """The `AdapterSpec` of one LoRA adapter of a peft model, for `AdapterStore.publish`.
+    """The `AdapterSpec` of one LoRA adapter of a peft model, for the store's `publish(spec=...)`.
 
     Raises:
         ValueError: unknown adapter, or a LoRA option the store does not carry.
@@ -277,7 +251,7 @@ def lora_state_dict(peft_model: Any, adapter_name: str) -> dict[str, Tensor]:
 
 
 def lora_shapes(peft_model: Any, adapter_name: str) -> dict[str, tuple[int, ...]]:
-    """The key -> shape layout of one adapter, for `AdapterStore.load(expected_shapes=...)`."""
+    """The key -> shape layout of one adapter, for the store's `load(expected_shapes=...)`."""
     from peft import get_peft_model_state_dict
 
     _lora_config(peft_model, adapter_name)
@@ -304,7 +278,7 @@ def install_adapter(
 
     Raises:
         ValueError: `adapter_name` exists already or is not a valid module key.
-        AdapterIntegrityError: foreign base model, or shapes that do not fit.
+        VersionIntegrityError: foreign base model, or shapes that do not fit.
     """
     from peft import LoraConfig, set_peft_model_state_dict
 
@@ -313,7 +287,7 @@ def install_adapter(
     if not adapter_name or "." in adapter_name:
         raise ValueError(f"peft adapter names must be non-empty without '.', got {adapter_name!r}")
     if base_model_hash(peft_model) != manifest.base_model_hash:
-        raise AdapterIntegrityError(
+        raise VersionIntegrityError(
             f"{manifest.ref} was trained on another base model", "base_model_mismatch"
         )
     targets = manifest.target_modules
@@ -334,7 +308,7 @@ def install_adapter(
         result = set_peft_model_state_dict(peft_model, dict(weights), adapter_name=adapter_name)
         unexpected = list(getattr(result, "unexpected_keys", []))
         if unexpected:
-            raise AdapterIntegrityError(f"peft did not use keys {unexpected[:3]}", "shape_mismatch")
+            raise VersionIntegrityError(f"peft did not use keys {unexpected[:3]}", "shape_mismatch")
     except BaseException:
         peft_model.delete_adapter(adapter_name)
         raise

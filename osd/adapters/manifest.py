@@ -1,4 +1,5 @@
-"""The manifest of one adapter version, and the names, events and errors of the adapter store.
+"""The manifest of one adapter version: what the LoRA codec (`osd.adapters.codec`) writes
+beside the weights in the versioned store (`osd.versions`).
 
 docs/design.md, "Adapter version": name, version, base draft model id and hash, rank, target
 modules, sha256 of the weights, creation time and the acceptance estimate that justified it; here
@@ -11,122 +12,14 @@ Pure: the standard library only. JSON in and out, unknown or missing keys reject
 from __future__ import annotations
 
 import json
-import math
-import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
-__all__ = [
-    "BASE_VERSION",
-    "MANIFEST_FORMAT_VERSION",
-    "AdapterEvent",
-    "AdapterIntegrityError",
-    "AdapterManifest",
-    "AdapterNotFound",
-    "AdapterSpec",
-    "AdapterStoreError",
-    "AdapterStoreUnavailable",
-    "AdapterTooLarge",
-    "PublishConflict",
-    "RefusalReason",
-    "check_adapter_name",
-    "check_version",
-]
+from osd.versions.errors import check_name, check_number, check_sha256, check_version
+
+__all__ = ["MANIFEST_FORMAT_VERSION", "AdapterManifest", "AdapterSpec"]
 
 MANIFEST_FORMAT_VERSION = 1
-
-# What a pointer names after a rollback past the first published version: the base draft
-# itself (no LoRA weights). Never a stored version; stored versions start at 1.
-BASE_VERSION = 0
-
-# Safe as a directory name, a Redis key part (no ':') and a JSON string.
-_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
-
-
-class AdapterStoreError(RuntimeError):
-    """Base of the adapter store's errors; also raised for backend I/O failures."""
-
-
-class AdapterStoreUnavailable(AdapterStoreError):
-    """The store could not be reached (Redis down, restarting or timing out). Nothing is known
-    about the outcome of a write that raised it: retry later, after re-reading `current`."""
-
-
-class PublishConflict(AdapterStoreError):
-    """The pointer did not name `expected` when it was to be moved: another publisher (or a
-    rollback) got there first. Re-read `current`, then decide whether to publish again."""
-
-    def __init__(self, name: str, expected: int | None, actual: int | None, new: int) -> None:
-        super().__init__(
-            f"adapter {name!r}: pointer names version {actual}, not the expected {expected}; "
-            f"version {new} was not made current"
-        )
-        self.name, self.expected, self.actual, self.new = name, expected, actual, new
-
-
-class AdapterNotFound(AdapterStoreError, LookupError):
-    """No complete version with that name and number exists."""
-
-
-# Why a version fails a check, as data (the `reason` of osd_adapter_refusals_total), so an
-# operator can tell tampering (sha256, size, not safetensors) from a deployment mismatch (base
-# model, LoRA layout) without anyone parsing messages.
-RefusalReason = Literal[
-    "sha256_mismatch",
-    "size_mismatch",
-    "not_safetensors",
-    "non_finite",
-    "not_lora",
-    "base_model_mismatch",
-    "shape_mismatch",
-    "bad_manifest",
-    "weights_missing",
-    "too_large",
-]
-
-
-class AdapterIntegrityError(AdapterStoreError, ValueError):
-    """Stored bytes or manifest fail a check: tampered, truncated, not safetensors, made for
-    another base model, or shaped for another LoRA layout; ``reason`` says which."""
-
-    def __init__(self, message: str, reason: RefusalReason) -> None:
-        super().__init__(message)
-        self.reason: RefusalReason = reason
-
-
-class AdapterTooLarge(AdapterStoreError, ValueError):
-    """The adapter's weights are over the store's `max_bytes`."""
-
-    reason: RefusalReason = "too_large"
-
-
-def check_adapter_name(name: Any) -> None:
-    """Raises ValueError unless `name` is 1-64 of [A-Za-z0-9_.-], starting alphanumeric."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(
-            f"adapter name must be 1-64 characters of [A-Za-z0-9_.-] starting with a letter or "
-            f"digit, got {name!r:.80}"
-        )
-
-
-def check_version(field: str, value: Any, *, base: bool = False) -> None:
-    """Raises ValueError unless `value` is an int >= 1 (or `BASE_VERSION`, with `base`)."""
-    least = BASE_VERSION if base else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{field} must be an int >= {least}, got {value!r:.80}")
-
-
-def _check_sha256(field: str, value: Any) -> None:
-    if not isinstance(value, str) or not _SHA256_RE.fullmatch(value):
-        raise ValueError(f"{field} must be 64 lowercase hex digits, got {value!r:.80}")
-
-
-def _check_number(field: str, value: Any, low: float, high: float = math.inf) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{field} must be a number, got {value!r:.80}")
-    if not (math.isfinite(value) and low <= value <= high):
-        raise ValueError(f"{field} must be finite and in [{low}, {high}], got {value}")
 
 
 def _normalize_targets(value: Any) -> tuple[str, ...] | str:
@@ -169,10 +62,10 @@ class AdapterSpec:
             raise ValueError(
                 f"base_model_id must be printable and <= 512 chars, got {self.base_model_id!r:.80}"
             )
-        _check_sha256("base_model_hash", self.base_model_hash)
+        check_sha256("base_model_hash", self.base_model_hash)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ValueError(f"rank must be an int >= 1, got {self.rank!r}")
-        _check_number("lora_alpha", self.lora_alpha, low=1e-12)
+        check_number("lora_alpha", self.lora_alpha, low=1e-12)
         object.__setattr__(self, "target_modules", _normalize_targets(self.target_modules))
 
 
@@ -207,15 +100,15 @@ class AdapterManifest:
     format_version: int = MANIFEST_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        check_adapter_name(self.name)
+        check_name(self.name, "adapter")
         check_version("version", self.version)
         spec = self.spec  # validates the fields shared with AdapterSpec
         object.__setattr__(self, "target_modules", spec.target_modules)
-        _check_sha256("weights_sha256", self.weights_sha256)
+        check_sha256("weights_sha256", self.weights_sha256)
         check_version("num_weight_bytes", self.num_weight_bytes)
-        _check_number("created_at", self.created_at, low=0.0)
+        check_number("created_at", self.created_at, low=0.0)
         if self.acceptance_estimate is not None:
-            _check_number("acceptance_estimate", self.acceptance_estimate, low=0.0, high=1.0)
+            check_number("acceptance_estimate", self.acceptance_estimate, low=0.0, high=1.0)
         if self.parent_version is not None:
             check_version("parent_version", self.parent_version)
         if self.format_version != MANIFEST_FORMAT_VERSION:
@@ -239,6 +132,11 @@ class AdapterManifest:
             lora_alpha=self.lora_alpha,
             target_modules=self.target_modules,
         )
+
+    @property
+    def num_bytes(self) -> int:
+        """The weights' size (the store's name for a payload's size)."""
+        return self.num_weight_bytes
 
     @property
     def ref(self) -> str:
@@ -270,11 +168,3 @@ class AdapterManifest:
         if unknown or missing:
             raise ValueError(f"manifest has unknown keys {unknown} and lacks keys {missing}")
         return cls(**data)
-
-
-@dataclass(frozen=True)
-class AdapterEvent:
-    """A pointer move: adapter `name` now names `version` (None: no version)."""
-
-    name: str
-    version: int | None

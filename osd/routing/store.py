@@ -1,195 +1,205 @@
-"""Versions of the content router's model in Redis: published, pointed at, rolled back.
+"""The content router's model as an artefact of the versioned store, and its accuracy points.
 
-The routing model follows the adapters' rules (`osd.adapters.store`): a version is immutable once
-written, one pointer names the current one and moves only by compare-and-set, so a replica that
-rolls a loser back and a trainer that publishes over it never both win. Keys, under the log
-stream's name (the log's Redis is the one every replica and the trainer reach)::
+The routing model is versioned exactly like the adapters (`osd.versions`): a version is immutable
+once written, one pointer names the current one and moves only by compare-and-set (so a replica
+that rolls a loser back and a trainer that publishes over it never both win), history is bounded
+and never drops a version a replica reports holding, and a pointer move is published on a
+channel. It lives in the log's Redis (every replica and the trainer reach it) under namespace
+``router``, named after the log stream (`routing_model_name`: one model per stream, as the
+records it is fitted on); `BASE_VERSION` (0) stands for "no model, route as before".
 
-    <stream>:router:last_version   INCR counter handing out version numbers
-    <stream>:router:v<version>     hash: model (safetensors bytes), created_at, score
-    <stream>:router:current        the pointer ("" or missing: no model, route as before)
-    <stream>:router:stats          list of JSON routing-accuracy points (newest last, capped)
+Its codec: the model's safetensors bytes (`RoutingModel.to_bytes`) and a `RoutingManifest`
+(sha256, size, creation time, the held-out score that justified it, the parent version).
 
-Old versions are deleted past the newest `keep_versions + 1` (so a rollback always finds its
-predecessor), never the current one.
+Beside the versions, the trainer appends routing-accuracy points to a capped list,
+``<stream>:router:stats`` (`RoutingStats`), which the demo's report reads.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
-from typing import Any
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Any, TypeAlias
 
 import redis
 
 from osd.buffer.redis_server import connect
-from osd.routing.model import RoutingModel
+from osd.routing.model import MAX_MODEL_BYTES, RoutingModel
+from osd.versions.codec import NewVersion, check_payload, check_safetensors_frame
+from osd.versions.errors import (
+    StoreUnavailable,
+    VersionIntegrityError,
+    check_name,
+    check_number,
+    check_sha256,
+    check_version,
+)
+from osd.versions.store import VersionedStore
+from osd.versions.store_redis import RedisStore
 
 __all__ = [
-    "RouterConflict",
-    "RouterStore",
-    "RouterStoreError",
-    "RouterStoreUnavailable",
-    "RouterVersion",
+    "ROUTING_CODEC",
+    "RoutingCodec",
+    "RoutingManifest",
+    "RoutingStats",
+    "RoutingStore",
+    "open_routing_store",
+    "routing_model_name",
 ]
 
 MAX_STATS = 2000
-
-# KEYS: pointer. ARGV: expected ('' = none), new, the new version's hash key. The version key is
-# an argument, not a declared key, so a replica's Redis user needs only read access to it
-# (Redis asks write access for every declared key; docs/reliability.md, "Redis ACL").
-# Returns {1, actual} moved, {0, actual} the pointer was not `expected`, {-1, actual} no version.
-_CAS_SCRIPT = """
-local actual = redis.call('GET', KEYS[1]) or ''
-if actual ~= ARGV[1] then return {0, actual} end
-if ARGV[2] ~= '' and redis.call('EXISTS', ARGV[3]) == 0 then return {-1, actual} end
-redis.call('SET', KEYS[1], ARGV[2])
-return {1, actual}
-"""
-
-
-class RouterStoreError(RuntimeError):
-    """Redis failed or holds something that is not a routing model."""
-
-
-class RouterStoreUnavailable(RouterStoreError):
-    """Redis did not answer (or failed): says nothing about the version asked for."""
-
-
-class RouterConflict(RouterStoreError):
-    """The pointer had moved (a replica rolled back, or another trainer published)."""
-
-    def __init__(self, expected: int | None, actual: int | None) -> None:
-        super().__init__(f"router pointer is at {actual}, not {expected}")
-        self.expected, self.actual = expected, actual
+_FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
-class RouterVersion:
+class RoutingManifest:
+    """The manifest of one routing-model version.
+
+    Attributes:
+        name: `routing_model_name` of the log stream.
+        version: >= 1.
+        sha256, num_bytes: of the model's safetensors bytes.
+        created_at: publish time, Unix seconds.
+        score: the held-out routing score that justified publishing it, or None.
+        parent_version: the version it was published over, or None.
+        format_version: manifest schema version.
+    """
+
+    name: str
     version: int
-    model: RoutingModel
+    sha256: str
+    num_bytes: int
     created_at: float
     score: float | None
+    parent_version: int | None
+    format_version: int = _FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        check_name(self.name, "routing model")
+        check_version("version", self.version)
+        check_sha256("sha256", self.sha256)
+        check_version("num_bytes", self.num_bytes)
+        check_number("created_at", self.created_at, low=0.0)
+        if self.score is not None:
+            check_number("score", self.score, low=-1e9, high=1e9)
+        if self.parent_version is not None:
+            check_version("parent_version", self.parent_version)
+        if self.format_version != _FORMAT_VERSION:
+            raise ValueError(f"routing manifest format_version {self.format_version!r} unknown")
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name} v{self.version}"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> RoutingManifest:
+        """Parses and validates; ValueError for anything else."""
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"manifest is not JSON: {exc}") from exc
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ValueError(f"a routing manifest has exactly the keys {sorted(names)}")
+        return cls(**data)
 
 
-def _version(raw: Any) -> int | None:
-    text = raw.decode() if isinstance(raw, bytes) else (raw or "")
-    if not text:
-        return None
-    if not str(text).isdigit():
-        raise RouterStoreError(f"router pointer holds {str(text)[:40]!r}, not a version")
-    return int(text)
+class RoutingCodec:
+    """`RoutingModel` <-> safetensors bytes; `publish` takes `score`, `load` nothing more."""
+
+    kind = "routing model"
+    payload_file = "router.safetensors"
+    payload_key = "model"
+
+    def encode(self, artefact: RoutingModel, **meta: Any) -> bytes:
+        if set(meta) - {"score"}:
+            raise TypeError(f"a routing model version takes score, not {sorted(meta)}")
+        return artefact.to_bytes()
+
+    def manifest(self, new: NewVersion, **meta: Any) -> RoutingManifest:
+        score = meta.get("score")
+        return RoutingManifest(
+            name=new.name,
+            version=new.version,
+            sha256=new.sha256,
+            num_bytes=new.num_bytes,
+            created_at=new.created_at,
+            score=None if score is None else float(score),
+            parent_version=new.parent_version,
+        )
+
+    def parse_manifest(self, raw: bytes) -> RoutingManifest:
+        return RoutingManifest.from_json(raw)
+
+    def decode(self, manifest: RoutingManifest, payload: bytes, **expected: Any) -> RoutingModel:
+        if expected:
+            raise TypeError(f"a routing model is loaded without expectations, got {expected}")
+        check_payload(manifest.ref, payload, num_bytes=manifest.num_bytes, sha256=manifest.sha256)
+        check_safetensors_frame(payload)
+        try:
+            return RoutingModel.from_bytes(payload)
+        except ValueError as exc:
+            raise VersionIntegrityError(f"{manifest.ref}: {exc}", "not_a_routing_model") from exc
 
 
-class RouterStore:
-    """The routing model's versions in the log's Redis.
+ROUTING_CODEC = RoutingCodec()
+
+RoutingStore: TypeAlias = VersionedStore[RoutingModel, RoutingManifest]
+"""A versioned store holding routing models (`ROUTING_CODEC`)."""
+
+
+def routing_model_name(stream: str) -> str:
+    """The routing model's name in the store for log stream `stream`: the stream's name made
+    safe for a key part (``osd:log`` -> ``osd.log``)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", ".", stream).lstrip("._-")[:64]
+    return name or "log"
+
+
+def open_routing_store(redis_url: str) -> RoutingStore:
+    """The routing model's versions in the log's Redis (namespace ``router``)."""
+    return RedisStore(redis_url, ROUTING_CODEC, namespace="router", max_bytes=MAX_MODEL_BYTES)
+
+
+class RoutingStats:
+    """The trainer's routing-accuracy points: a capped JSON list in the log's Redis.
 
     Args:
         url: the log buffer's Redis URL.
-        stream: the log stream's name (keys live under it).
-        keep_versions: versions kept besides the newest (at least 1, for rollbacks).
+        stream: the log stream's name (the key lives under it).
     """
 
-    def __init__(self, url: str, stream: str, *, keep_versions: int = 4) -> None:
+    def __init__(self, url: str, stream: str) -> None:
         self._client = connect(url)
-        self.prefix = f"{stream}:router"
-        self.keep_versions = max(1, keep_versions)
-        self._cas = self._client.register_script(_CAS_SCRIPT)
+        self.key = f"{stream}:router:stats"
 
-    def _key(self, suffix: str) -> str:
-        return f"{self.prefix}:{suffix}"
-
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except redis.RedisError as exc:
-            raise RouterStoreUnavailable(f"Redis failed while {what}: {exc}") from exc
-
-    def current(self) -> int | None:
-        """The version the pointer names, or None."""
-        return _version(
-            self._call("reading the router pointer", self._client.get, self._key("current"))
-        )
-
-    def load(self, version: int) -> RouterVersion:
-        """Reads and checks one version.
+    def add(self, point: dict[str, Any]) -> None:
+        """Appends one point, keeping the newest `MAX_STATS`.
 
         Raises:
-            RouterStoreError: missing, or not a routing model.
+            StoreUnavailable: Redis failed.
         """
-        raw = self._call("loading a router version", self._client.hgetall, self._key(f"v{version}"))
-        if not raw or b"model" not in raw:
-            raise RouterStoreError(f"router version {version} is not stored")
-        try:
-            model = RoutingModel.from_bytes(raw[b"model"])
-            created_at = float(raw.get(b"created_at", b"0"))
-            score = raw.get(b"score")
-            return RouterVersion(version, model, created_at, float(score) if score else None)
-        except ValueError as exc:
-            raise RouterStoreError(f"router version {version}: {exc}") from exc
-
-    def publish(self, model: RoutingModel, *, expected_current: int | None, score: float) -> int:
-        """Stores `model` as a new version and moves the pointer to it if it still names
-        `expected_current`; returns the new version.
-
-        Raises:
-            RouterConflict: the pointer had moved (the version stays stored, not current).
-        """
-        version = int(
-            self._call("numbering a router version", self._client.incr, self._key("last_version"))
-        )
-        fields = {"model": model.to_bytes(), "created_at": repr(time.time()), "score": repr(score)}
-        self._call(
-            "writing a router version", self._client.hset, self._key(f"v{version}"), mapping=fields
-        )
-        self._move(expected_current, version)
-        self._collect(version)
-        return version
-
-    def rollback(self, to_version: int | None, *, expected_current: int | None) -> None:
-        """Points back at `to_version` (None: no model) if the pointer names `expected_current`.
-
-        Raises:
-            RouterConflict: it did not.
-        """
-        self._move(expected_current, to_version)
-
-    def _move(self, expected: int | None, new: int | None) -> None:
-        status, actual = self._call(
-            "moving the router pointer",
-            self._cas,
-            keys=[self._key("current")],
-            args=[
-                "" if expected is None else str(expected),
-                "" if new is None else str(new),
-                self._key(f"v{new}"),
-            ],
-        )
-        if int(status) != 1:
-            raise RouterConflict(expected, _version(actual))
-
-    def _collect(self, newest: int) -> None:
-        """Deletes versions older than the newest `keep_versions + 1`, bar the current one."""
-        current = self.current()
-        cutoff = newest - self.keep_versions - 1  # and the 16 before it, left by a crash
-        doomed = [
-            self._key(f"v{v}") for v in range(max(1, cutoff - 16), cutoff + 1) if v != current
-        ]
-        if doomed:
-            self._call("deleting old router versions", self._client.unlink, *doomed)
-
-    def add_stats(self, point: dict[str, Any]) -> None:
-        """Appends one routing-accuracy point (JSON), keeping the newest `MAX_STATS`."""
-        key = self._key("stats")
         pipe = self._client.pipeline()
-        pipe.rpush(key, json.dumps(point, sort_keys=True))
-        pipe.ltrim(key, -MAX_STATS, -1)
-        self._call("writing routing stats", pipe.execute)
+        pipe.rpush(self.key, json.dumps(point, sort_keys=True))
+        pipe.ltrim(self.key, -MAX_STATS, -1)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis failed while writing routing stats: {exc}") from exc
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Every kept routing-accuracy point, oldest first."""
-        raw = self._call("reading routing stats", self._client.lrange, self._key("stats"), 0, -1)
+    def all(self) -> list[dict[str, Any]]:
+        """Every kept point, oldest first.
+
+        Raises:
+            StoreUnavailable: Redis failed.
+        """
+        try:
+            raw = self._client.lrange(self.key, 0, -1)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"Redis failed while reading routing stats: {exc}") from exc
         return [json.loads(item) for item in raw]
 
     def close(self) -> None:

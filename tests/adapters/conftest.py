@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from osd.adapters import open_adapter_store
+from osd.adapters.codec import LORA_CODEC, AdapterStore
 from osd.adapters.lora import adapter_spec, lora_state_dict
 from osd.adapters.manifest import AdapterSpec
-from osd.adapters.store import AdapterStore
-from osd.adapters.store_dir import MANIFEST_FILE, WEIGHTS_FILE, DirectoryAdapterStore
-from osd.adapters.store_redis import RedisAdapterStore
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.testing import tiny_llama, with_lora_adapters
+from osd.versions.store_dir import MANIFEST_FILE, DirectoryStore
 
 BASE_MODEL_ID = "tiny-llama-test"
 
@@ -68,7 +68,7 @@ class RawAccess:
         self.client: redis.Redis | None = connect(redis_url) if redis_url else None
 
     def _path(self, name: str, version: int, file: str) -> Path:
-        assert isinstance(self.store, DirectoryAdapterStore)
+        assert isinstance(self.store, DirectoryStore)
         return self.store.root / name / f"v{version}" / file
 
     def _overwrite(self, path: Path, data: bytes) -> None:
@@ -78,13 +78,13 @@ class RawAccess:
     def read_weights(self, name: str, version: int) -> bytes:
         if self.client is not None:
             return self.client.get(f"osd:adapter:{name}:v{version}:weights")
-        return self._path(name, version, WEIGHTS_FILE).read_bytes()
+        return self._path(name, version, LORA_CODEC.payload_file).read_bytes()
 
     def write_weights(self, name: str, version: int, data: bytes) -> None:
         if self.client is not None:
             self.client.set(f"osd:adapter:{name}:v{version}:weights", data)
         else:
-            self._overwrite(self._path(name, version, WEIGHTS_FILE), data)
+            self._overwrite(self._path(name, version, LORA_CODEC.payload_file), data)
 
     def write_manifest(self, name: str, version: int, data: bytes) -> None:
         if self.client is not None:
@@ -102,7 +102,7 @@ class RawAccess:
         else:
             tmp = self.store.root / name / f".tmp-v{version}-crashed"
             tmp.mkdir()
-            (tmp / WEIGHTS_FILE).write_bytes(payload)
+            (tmp / LORA_CODEC.payload_file).write_bytes(payload)
         return version
 
 
@@ -113,8 +113,8 @@ def backend(request, tmp_path) -> str:
 
 def make_store(backend: str, tmp_path: Path, request, **kwargs) -> AdapterStore:
     if backend == "directory":
-        return DirectoryAdapterStore(tmp_path / "adapters", poll_interval_s=0.02, **kwargs)
-    store = RedisAdapterStore(request.getfixturevalue("redis_url"), **kwargs)
+        return open_adapter_store(tmp_path / "adapters", poll_interval_s=0.02, **kwargs)
+    store = open_adapter_store(request.getfixturevalue("redis_url"), **kwargs)
     request.addfinalizer(store.close)
     return store
 

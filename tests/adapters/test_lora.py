@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from osd.adapters import open_adapter_store
 from osd.adapters.lora import (
     adapter_spec,
     base_model_hash,
@@ -15,9 +16,8 @@ from osd.adapters.lora import (
     lora_shapes,
     lora_state_dict,
 )
-from osd.adapters.manifest import AdapterIntegrityError
-from osd.adapters.store_dir import DirectoryAdapterStore
 from osd.testing import with_lora_adapters
+from osd.versions.errors import VersionIntegrityError
 
 from .conftest import BASE_MODEL_ID, tiny_base
 
@@ -79,8 +79,8 @@ def test_state_dict_keys_do_not_name_the_adapter(trainer_draft, code_weights):
 def test_published_adapter_installs_in_a_replica_and_computes_the_same_logits(
     tmp_path, trainer_draft, spec, code_weights
 ):
-    store = DirectoryAdapterStore(tmp_path)
-    store.publish("code", code_weights, spec, expected_current=None)
+    store = open_adapter_store(tmp_path)
+    store.publish("code", code_weights, spec=spec, expected_current=None)
 
     replica = with_lora_adapters(tiny_base(), ["general"], seed=5)
     manifest, weights = store.load(
@@ -102,25 +102,25 @@ def test_published_adapter_installs_in_a_replica_and_computes_the_same_logits(
 
 
 def test_install_refuses_without_leaving_a_half_installed_adapter(tmp_path, spec, code_weights):
-    store = DirectoryAdapterStore(tmp_path)
-    store.publish("code", code_weights, spec, expected_current=None)
+    store = open_adapter_store(tmp_path)
+    store.publish("code", code_weights, spec=spec, expected_current=None)
     manifest, weights = store.load("code", 1, expected_base_model_hash=None)
     replica = with_lora_adapters(tiny_base(), ["general"], seed=5)
 
     with pytest.raises(ValueError, match="already exists"):
         install_adapter(replica, "general", manifest, weights)
-    with pytest.raises(AdapterIntegrityError, match="expected"):
+    with pytest.raises(VersionIntegrityError, match="expected"):
         install_adapter(replica, "wide", replace(manifest, rank=8), weights)
     foreign = with_lora_adapters(tiny_base(seed=3), ["general"], seed=5)
-    with pytest.raises(AdapterIntegrityError, match="another base model"):
+    with pytest.raises(VersionIntegrityError, match="another base model"):
         install_adapter(foreign, "code-v1", manifest, weights)
     assert sorted(replica.peft_config) == ["general"]
     assert sorted(foreign.peft_config) == ["general"]
 
 
 def test_installed_adapter_can_be_made_trainable(spec, code_weights, tmp_path):
-    store = DirectoryAdapterStore(tmp_path)
-    store.publish("code", code_weights, spec, expected_current=None)
+    store = open_adapter_store(tmp_path)
+    store.publish("code", code_weights, spec=spec, expected_current=None)
     manifest, weights = store.load("code", 1, expected_base_model_hash=spec.base_model_hash)
     model = with_lora_adapters(tiny_base(), ["general"], seed=5)
     install_adapter(model, "code-v1", manifest, weights, trainable=True)
@@ -148,9 +148,11 @@ def test_versions_carry_lora_tensors_only_not_the_base_lm_head(tmp_path):
     # A version stored before carries the base lm_head too: it still loads, without it.
     base_copy = "base_model.model.lm_head.base_layer.weight"
     lm_head = trained.get_output_embeddings().base_layer.weight
-    store = DirectoryAdapterStore(tmp_path)
-    store.publish("general", weights, spec, expected_current=None)
-    store.publish("general", {**weights, base_copy: lm_head.detach()}, spec, expected_current=1)
+    store = open_adapter_store(tmp_path)
+    store.publish("general", weights, spec=spec, expected_current=None)
+    store.publish(
+        "general", {**weights, base_copy: lm_head.detach()}, spec=spec, expected_current=1
+    )
     shapes = lora_shapes(replica, "general")
     slim, fat = (store.manifest("general", v).num_weight_bytes for v in (1, 2))
     assert fat - slim >= lm_head.numel() * 4

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from osd.adapters.manifest import BASE_VERSION, AdapterNotFound
-from osd.adapters.retention import (
+from osd.versions.errors import BASE_VERSION, VersionNotFound
+from osd.versions.retention import (
     check_replica_id,
     decode_held,
     encode_held,
@@ -58,7 +58,7 @@ def test_replica_ids_are_key_safe():
 
 def _publish(store, name, spec, weights, count):
     for _ in range(count):
-        store.publish(name, weights, spec, expected_current=store.current(name))
+        store.publish(name, weights, spec=spec, expected_current=store.current(name))
     return store.current(name)
 
 
@@ -71,10 +71,10 @@ def test_collect_garbage_keeps_current_and_predecessors_and_deletes_the_rest(
     assert store.collect_garbage(adapter_name, keep_versions=2, grace_s=0) == []  # idempotent
     for version in (5, 6, 7):
         store.load(adapter_name, version, expected_base_model_hash=spec.base_model_hash)
-    with pytest.raises(AdapterNotFound):
+    with pytest.raises(VersionNotFound):
         store.load(adapter_name, 1, expected_base_model_hash=spec.base_model_hash)
     # Numbers are never reused, and the store goes on as before.
-    assert store.publish(adapter_name, code_weights, spec, expected_current=7).version == 8
+    assert store.publish(adapter_name, code_weights, spec=spec, expected_current=7).version == 8
 
 
 def test_young_versions_wait_out_the_grace_period(store, adapter_name, spec, code_weights):
@@ -120,7 +120,7 @@ def test_loads_racing_garbage_collection_get_the_version_or_not_found(
     store, other_store, adapter_name, spec, code_weights
 ):
     """Replicas load old and new versions while the trainer publishes and collects: each load
-    returns checked weights or AdapterNotFound (the watcher's refusal), nothing else."""
+    returns checked weights or VersionNotFound (the watcher's refusal), nothing else."""
     _publish(store, adapter_name, spec, code_weights, 2)
     stop = threading.Event()
     outcomes: dict[str, int] = {"loaded": 0, "not_found": 0}
@@ -132,7 +132,7 @@ def test_loads_racing_garbage_collection_get_the_version_or_not_found(
             try:
                 other_store.load(adapter_name, version, expected_base_model_hash=None)
                 outcomes["loaded"] += 1
-            except AdapterNotFound:
+            except VersionNotFound:
                 outcomes["not_found"] += 1
             except BaseException as exc:  # noqa: BLE001 - the test reports it
                 errors.append(exc)

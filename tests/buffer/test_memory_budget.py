@@ -14,12 +14,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from osd.adapters.manifest import AdapterSpec, AdapterStoreUnavailable
-from osd.adapters.store_redis import RedisAdapterStore
+from osd.adapters import open_adapter_store
+from osd.adapters.manifest import AdapterSpec
 from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.buffer.writer import LogWriter
+from osd.versions.errors import StoreUnavailable
+from osd.versions.store_redis import RedisStore
 
 MiB = 2**20
 MAXMEMORY = 48 * MiB
@@ -79,8 +81,8 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
 SPEC = AdapterSpec("synthetic", "0" * 64, RANK, 32.0, ("q_proj",))
 
 
-def _publish(store: RedisAdapterStore, name: str, seed: int) -> int:
-    version = store.publish(name, _weights(seed), SPEC, expected_current=store.current(name))
+def _publish(store: RedisStore, name: str, seed: int) -> int:
+    version = store.publish(name, _weights(seed), spec=SPEC, expected_current=store.current(name))
     store.collect_garbage(name, keep_versions=KEEP_VERSIONS, grace_s=0)
     return version.version
 
@@ -88,7 +90,7 @@ def _publish(store: RedisAdapterStore, name: str, seed: int) -> int:
 def test_log_and_store_past_their_budgets_keep_redis_under_maxmemory(redis_server):
     url, stream, name = redis_server.url, "test:records", "general"
     records = [Record.make_dummy(seed=i, num_generated=48, m=32, prompt_len=32) for i in range(20)]
-    store = RedisAdapterStore(url)
+    store = open_adapter_store(url)
     admin = connect(url)
     writer = LogWriter(url, stream, maxlen=10**6, max_bytes=LOG_BUDGET, batch_size=64)
     try:
@@ -117,8 +119,8 @@ def test_log_and_store_past_their_budgets_keep_redis_under_maxmemory(redis_serve
         # Redis too small now (another tenant, a bad budget): the log gives way, nothing else.
         used = int(admin.info("memory")["used_memory"])
         admin.config_set("maxmemory", used - MiB)
-        with pytest.raises(AdapterStoreUnavailable, match="Redis is full"):
-            store.publish(name, _weights(99), SPEC, expected_current=40)
+        with pytest.raises(StoreUnavailable, match="Redis is full"):
+            store.publish(name, _weights(99), spec=SPEC, expected_current=40)
         for record in records * 5:
             writer.log(record)
         assert writer.flush(10)

@@ -1,7 +1,7 @@
 """Fixtures for the reliability tests: toy replicas, real redis-servers, and helpers to read them.
 
 Most tests drive a Ray-free replica: a `ReplicaRuntime` with its FastAPI app behind Starlette's
-`TestClient`, wired with its `LogWriter`, `AdapterWatcher` and loop health probe by the same
+`TestClient`, wired with its `LogWriter`, adapter `VersionWatcher` and loop health probe by the same
 `serving.replica.wire_replica` the Ray Serve replica uses (`serving.app.OSDReplica`). Only the tests
 about Ray Serve itself start the Serve app, once per module. Faults are real: redis-server processes
 are SIGKILLed and restarted, stored bytes are edited in Redis or on disk, replica processes are
@@ -22,8 +22,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import adapter_spec, lora_state_dict
-from osd.adapters.store import AdapterStore
 from osd.buffer.redis_server import LocalRedis
 from osd.buffer.writer import LogWriter
 from osd.config import OSDConfig, load_config
@@ -31,7 +31,7 @@ from serving.api import create_api
 from serving.health import HealthLimits
 from serving.replica import wire_replica
 from serving.runtime import ReplicaRuntime
-from serving.watcher import AdapterWatcher
+from serving.watcher import VersionWatcher
 
 TOY = [
     "model.target=toy:target",
@@ -116,7 +116,7 @@ class Replica:
     runtime: ReplicaRuntime
     client: TestClient
     writer: LogWriter | None
-    watcher: AdapterWatcher | None
+    watcher: VersionWatcher | None
 
     def complete(self, **fields: Any) -> Any:
         return self.client.post("/v1/completions", json=completion(**fields))

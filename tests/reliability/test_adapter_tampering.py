@@ -21,12 +21,14 @@ import pytest
 import safetensors.torch
 import torch
 
+from osd.adapters import open_adapter_store
+from osd.adapters.codec import LORA_CODEC, AdapterStore
 from osd.adapters.lora import base_model_hash
-from osd.adapters.manifest import AdapterSpec, PublishConflict
-from osd.adapters.store import AdapterStore
-from osd.adapters.store_dir import MANIFEST_FILE, WEIGHTS_FILE, DirectoryAdapterStore
-from osd.adapters.store_redis import RedisAdapterStore
+from osd.adapters.manifest import AdapterSpec
 from osd.buffer.redis_server import connect
+from osd.versions.errors import PublishConflict
+from osd.versions.store_dir import MANIFEST_FILE, DirectoryStore
+from osd.versions.store_redis import RedisStore
 
 from .conftest import Replica, metric, replica_adapter, running_replica, toy_config, wait_for
 
@@ -38,25 +40,25 @@ class RawStore:
 
     def __init__(self, store: AdapterStore) -> None:
         self.store = store
-        if isinstance(store, RedisAdapterStore):
+        if isinstance(store, RedisStore):
             self._redis = connect(store.url)
 
     def _path(self, version: int, file: str) -> Path:
-        assert isinstance(self.store, DirectoryAdapterStore)
+        assert isinstance(self.store, DirectoryStore)
         return self.store.root / ADAPTER / f"v{version}" / file
 
     def read_weights(self, version: int) -> bytes:
-        if isinstance(self.store, RedisAdapterStore):
+        if isinstance(self.store, RedisStore):
             return self._redis.get(f"osd:adapter:{ADAPTER}:v{version}:weights")
-        return self._path(version, WEIGHTS_FILE).read_bytes()
+        return self._path(version, LORA_CODEC.payload_file).read_bytes()
 
     def write(self, version: int, weights: bytes, manifest: bytes | None = None) -> None:
-        if isinstance(self.store, RedisAdapterStore):
+        if isinstance(self.store, RedisStore):
             self._redis.set(f"osd:adapter:{ADAPTER}:v{version}:weights", weights)
             if manifest is not None:
                 self._redis.set(f"osd:adapter:{ADAPTER}:v{version}:manifest", manifest)
             return
-        for file, data in ((WEIGHTS_FILE, weights), (MANIFEST_FILE, manifest)):
+        for file, data in ((LORA_CODEC.payload_file, weights), (MANIFEST_FILE, manifest)):
             if data is not None:
                 path = self._path(version, file)
                 os.chmod(path, 0o644)  # published files are read-only; an attacker chmods
@@ -84,7 +86,7 @@ class Rig:
     def stage(self, weights: dict[str, torch.Tensor], spec: AdapterSpec | None = None) -> int:
         """Stores a version without making it current (its publisher lost the race)."""
         with pytest.raises(PublishConflict) as conflict:
-            self.store.publish(ADAPTER, weights, spec or self.spec, expected_current=None)
+            self.store.publish(ADAPTER, weights, spec=spec or self.spec, expected_current=None)
         return conflict.value.new
 
     def point_at(self, version: int) -> None:
@@ -97,15 +99,15 @@ def rig(request, module_redis, tmp_path_factory) -> Iterator[Rig]:
     """A replica following a store of each kind, at a good version 1."""
     tmp = tmp_path_factory.mktemp(request.param)
     if request.param == "redis":
-        store: AdapterStore = RedisAdapterStore(module_redis.url)
+        store: AdapterStore = open_adapter_store(module_redis.url)
     else:
-        store = DirectoryAdapterStore(tmp / "store", poll_interval_s=0.2)
+        store = open_adapter_store(tmp / "store", poll_interval_s=0.2)
     with running_replica(toy_config(), store=store) as replica:
         spec, identity = replica_adapter(replica.runtime.slots.model)
-        good = store.publish(ADAPTER, identity, spec, expected_current=None).version
+        good = store.publish(ADAPTER, identity, spec=spec, expected_current=None).version
         wait_for(lambda: replica.current() == good, 10)
         yield Rig(replica, store, RawStore(store), spec, identity, tmp)
-    if isinstance(store, RedisAdapterStore):
+    if isinstance(store, RedisStore):
         store.close()
 
 
@@ -233,6 +235,6 @@ def test_version_for_another_model_or_layout_is_refused_and_serving_continues(ri
 
 def test_good_version_after_refusals_is_swapped_in(rig):
     current = rig.store.current(ADAPTER)
-    good = rig.store.publish(ADAPTER, rig.identity, rig.spec, expected_current=current)
+    good = rig.store.publish(ADAPTER, rig.identity, spec=rig.spec, expected_current=current)
     wait_for(lambda: rig.replica.current() == good.version, 10)
     assert rig.replica.complete(draft=ADAPTER).json()["osd"]["adapter_version"] == good.version

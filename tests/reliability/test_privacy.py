@@ -18,7 +18,7 @@ from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.buffer.writer import LogWriter
 from osd.routing import fit_routing_model, stack_features
-from osd.routing.store import RouterStore
+from osd.routing.store import open_routing_store, routing_model_name
 
 from .conftest import STREAM, replica_adapter, running_replica, toy_config, wait_for
 
@@ -26,17 +26,18 @@ from .conftest import STREAM, replica_adapter, running_replica, toy_config, wait
 # credentials, XADD appends; nothing can be read or deleted. (redis-py also sends CLIENT SETINFO,
 # which it lets fail; on Redis >= 7.2 add +client|setinfo to keep the ACL log quiet.)
 WRITER_ACL = "on >{pw} resetkeys ~{stream} resetchannels -@all +ping +xadd"
-# A whole replica (log writer and adapter watcher on one URL, as serving.app builds it): also
-# read adapter versions, hear notifications, and move a pointer back on rollback. The rollback
+# A whole replica (log writer and version watchers on one URL, as serving.app builds it): also
+# read adapter and routing-model versions, hear notifications, and move a pointer back on
+# rollback. The rollback
 # is a Lua compare-and-set (GET/EXISTS/SET/PUBLISH) that declares the pointer and the target's
 # manifest as its keys, and Redis wants write access to every key a script declares; weights
 # stay read-only. Its health probe reads the trainer's heartbeat and the group's lag; its watcher
 # reports the versions it holds (a SET with a TTL), so that they are not deleted.
 REPLICA_ACL = (
-    "on >{pw} resetkeys ~{stream} %R~{stream}:trainer:* %R~osd:adapter:* "
-    "%R~{stream}:router:* %RW~{stream}:router:current "
-    "%RW~osd:adapter:*:current %RW~osd:adapter:*:manifest %W~osd:adapters:held:* "
-    "resetchannels &osd:adapters "
+    "on >{pw} resetkeys ~{stream} %R~{stream}:trainer:* "
+    "%R~osd:adapter:* %RW~osd:adapter:*:current %RW~osd:adapter:*:manifest "
+    "%W~osd:adapters:held:* %R~osd:router:* %RW~osd:router:*:current "
+    "%RW~osd:router:*:manifest %W~osd:routers:held:* resetchannels &osd:adapters &osd:routers "
     "-@all +ping +xadd +get +exists +set +publish +subscribe +evalsha +script|load "
     "+hgetall +xinfo|groups"
 )
@@ -185,8 +186,8 @@ def test_whole_replica_runs_as_a_user_that_cannot_write_adapter_versions(acl_red
     config = toy_config("spec.suffix_warm_records=0")
     with running_replica(config, redis_url=url, store=replica_store) as replica:
         spec, identity = replica_adapter(replica.runtime.slots.model)
-        first = store.publish("general", identity, spec, expected_current=None).version
-        second = store.publish("general", identity, spec, expected_current=first).version
+        first = store.publish("general", identity, spec=spec, expected_current=None).version
+        second = store.publish("general", identity, spec=spec, expected_current=first).version
         wait_for(lambda: replica.current() == second, 10)
         wait_for(lambda: second in store.held_versions("general"), 5)  # its report got through
         assert replica.complete().status_code == 200
@@ -198,22 +199,25 @@ def test_whole_replica_runs_as_a_user_that_cannot_write_adapter_versions(acl_red
     replica_store.rollback("general", first, expected_current=second)
     assert store.current("general") == first
     # The routing-model watcher's reads and its trial rollback, as this user too.
-    trainer_router, replica_router = RouterStore(server.url, STREAM), RouterStore(url, STREAM)
+    trainer_router, replica_router = open_routing_store(server.url), open_routing_store(url)
+    name = routing_model_name(STREAM)
     model = fit_routing_model(stack_features([[1, 2], [3, 4]]), ["general"] * 2, ["general"])
-    old = trainer_router.publish(model, expected_current=None, score=0.5)
-    new = trainer_router.publish(model, expected_current=old, score=0.6)
-    assert replica_router.current() == new and replica_router.load(new).model.classes == (
-        "general",
-    )
-    replica_router.rollback(old, expected_current=new)
-    assert trainer_router.current() == old
+    old = trainer_router.publish(name, model, expected_current=None, score=0.5).version
+    new = trainer_router.publish(name, model, expected_current=old, score=0.6).version
+    assert replica_router.current(name) == new
+    assert replica_router.load(name, new)[1].classes == ("general",)
+    replica_router.report_held("replica-1", {name: [new, old]}, ttl_s=10)
+    replica_router.rollback(name, old, expected_current=new)
+    assert trainer_router.current(name) == old
     trainer_router.close()
     replica_router.close()
     user = connect(url)
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.set(f"osd:adapter:general:v{first}:weights", b"evil")
     with pytest.raises(redis.exceptions.NoPermissionError):
+        user.set(f"osd:router:{name}:v{new}:model", b"evil")
+    with pytest.raises(redis.exceptions.NoPermissionError):
         user.xrange(STREAM)
     user.close()
     denied = [entry for entry in admin.acl_log(count=100) if entry.get("username") == "replica"]
-    assert len(denied) == 2  # the two attempts above, nothing from the replica itself
+    assert len(denied) == 3  # the three attempts above, nothing from the replica itself

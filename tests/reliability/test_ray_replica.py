@@ -142,7 +142,7 @@ def test_replica_killed_right_after_publish_comes_back_on_the_published_version(
     try:
         time.sleep(0.5)
         current = store.current("general")
-        version = store.publish("general", identity, spec, expected_current=current).version
+        version = store.publish("general", identity, spec=spec, expected_current=current).version
         os.kill(old_pid, signal.SIGKILL)  # mid-swap: the notification was just sent
         killed_at = time.perf_counter()
 

@@ -13,10 +13,10 @@ import time
 from collections import Counter
 
 from osd.adapters import open_adapter_store
-from osd.adapters.manifest import AdapterEvent
 from osd.buffer.record import Record
 from osd.buffer.redis_server import connect
 from osd.buffer.writer import LogWriter
+from osd.versions.errors import PointerEvent
 
 from .conftest import STREAM, metric, replica_adapter, running_replica, toy_config, wait_for
 
@@ -78,7 +78,7 @@ def test_redis_sigkill_and_restart_under_traffic_loses_only_counted_records(redi
     with running_replica(config, redis_url=redis_server.url, store=store) as replica:
         writer: LogWriter = replica.writer
         spec, identity = replica_adapter(replica.runtime.slots.model)
-        v1 = store.publish("general", identity, spec, expected_current=None).version
+        v1 = store.publish("general", identity, spec=spec, expected_current=None).version
         wait_for(lambda: replica.current() == v1, 10)
 
         with Traffic(replica) as traffic:
@@ -103,7 +103,7 @@ def test_redis_sigkill_and_restart_under_traffic_loses_only_counted_records(redi
             # A fresh client: the test's own pooled connection died with the old server.
             store = open_adapter_store(redis_server.url)
             pointer_after_restart = store.current("general")
-            v2 = store.publish("general", identity, spec, expected_current=v1).version
+            v2 = store.publish("general", identity, spec=spec, expected_current=v1).version
             swap_s = wait_for(lambda: replica.current() == v2, 15)
             traffic.phase = "end"
         sent_after = traffic.count("after")
@@ -191,9 +191,9 @@ def test_a_version_fetched_while_redis_is_down_is_not_refused_and_swaps_in_once_
         replica.watcher.stop()  # the test drives the watcher's steps itself
         wait_for(lambda: not replica.watcher.alive, 10)
         spec, identity = replica_adapter(replica.runtime.slots.model)
-        version = store.publish("general", identity, spec, expected_current=None).version
+        version = store.publish("general", identity, spec=spec, expected_current=None).version
         redis_server.kill()
-        replica.watcher.handle(AdapterEvent("general", version))  # the fetch fails
+        replica.watcher.handle(PointerEvent("general", version))  # the fetch fails
         failed_metrics = replica.metrics()
         redis_server.restart()
         replica.watcher.reconcile()

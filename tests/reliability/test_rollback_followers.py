@@ -5,8 +5,8 @@ version worse and move the pointer forward to the loser again. docs/reliability.
 from __future__ import annotations
 
 from osd.adapters import open_adapter_store
-from osd.adapters.manifest import BASE_VERSION
 from osd.buffer.redis_server import LocalRedis
+from osd.versions.errors import BASE_VERSION
 
 from .conftest import completion, replica_adapter, running_replica, toy_config, wait_for
 
@@ -18,7 +18,7 @@ def test_a_replica_follows_a_rollback_to_the_base_draft_and_drops_the_loser(
     with running_replica(toy_config(), store=store, rollback_window=32) as replica:
         slots = replica.runtime.slots
         spec, identity = replica_adapter(slots.model)
-        loser = store.publish("general", identity, spec, expected_current=None).version
+        loser = store.publish("general", identity, spec=spec, expected_current=None).version
         wait_for(lambda: replica.current() == loser, 10)
         # Another replica's live monitor rolls the version back to the base draft.
         store.rollback("general", BASE_VERSION, expected_current=loser)

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from osd.adapters import open_adapter_store
+from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import base_model_hash
-from osd.adapters.store import AdapterStore
 from osd.buffer.record import Record
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.buffer.writer import LogWriter
@@ -261,7 +261,7 @@ def publish_until_killed(location: str, trainer: DraftTrainer, phase: Any, ready
 
     Runs in a forked child (it inherits `trainer`) until the test SIGKILLs it. It resumes as a
     restarted trainer does (`Publisher.restore`), then publishes random candidates; `phase`
-    (shared memory) says which step of `AdapterStore.publish` it is in, for the test's tally.
+    (shared memory) says which step of `VersionedStore.publish` it is in, for the test's tally.
     """
     store = open_adapter_store(location)  # its own connection, not the parent's
     steps = {"_allocate_version": "allocating", "_write_version": "writing"}

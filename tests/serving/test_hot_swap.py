@@ -96,7 +96,9 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
         wait_for(lambda: num_served() >= 4, timeout_s=120)
         current = store.current("general")
         for _ in range(5):
-            current = store.publish("general", identity, spec, expected_current=current).version
+            current = store.publish(
+                "general", identity, spec=spec, expected_current=current
+            ).version
             published.append(current)
             wait_for(lambda v=current: served_version(base_url) == v, timeout_s=60)
             wait_for(lambda v=current: was_served_by(v), timeout_s=60)  # traffic on each one
@@ -105,7 +107,7 @@ def test_versions_swap_in_under_load_and_a_bad_one_is_rolled_back(ray_serve_app,
         # request drafts about 24): otherwise it is unproven and no baseline for the next one.
         enough = num_served() + 4
         wait_for(lambda: num_served() >= enough, timeout_s=120)
-        bad = store.publish("general", harmful, spec, expected_current=good).version
+        bad = store.publish("general", harmful, spec=spec, expected_current=good).version
 
         def rolled_back():  # it may be swapped in and rolled back between two looks
             events = httpx.get(f"{base_url}/health", timeout=5).json()["adapter_events"]

@@ -1,5 +1,6 @@
-"""RouterWatcher (serving.router_watcher): a replica follows the published routing model,
-refuses a bad one, and rolls back one its requests do worse with; against a real redis-server."""
+"""The version watcher (serving.watcher) with the router's trial (serving.router_trial): a
+replica follows the published routing model, refuses a bad one, and rolls back one its
+requests do worse with; against a real redis-server."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import pytest
 
 from osd.buffer.redis_server import connect
 from osd.routing import fit_routing_model, stack_features
-from osd.routing.store import RouterStore
+from osd.routing.store import open_routing_store
+from osd.versions.errors import BASE_VERSION
 from serving.live_monitor import LiveMonitor
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
-from serving.router_watcher import RouterWatcher
+from serving.router_trial import RouterTrial
+from serving.watcher import VersionWatcher
 
 CODE, PROSE = [1, 2, 3, 4], [40, 41, 42, 43]
 
@@ -25,18 +28,40 @@ def model_to(adapter: str):
     return fit_routing_model(features, [adapter] * 4 + ["general"] * 4, ["general", adapter])
 
 
+class Publisher:
+    """The trainer's side of one routing model's versions, for the tests."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.store, self.name = open_routing_store(url), name
+
+    def publish(self, model, *, expected_current, score) -> int:
+        return self.store.publish(
+            self.name, model, expected_current=expected_current, score=score
+        ).version
+
+    def current(self):
+        return self.store.current(self.name)
+
+    def rollback(self, to_version, *, expected_current) -> None:
+        self.store.rollback(self.name, to_version, expected_current=expected_current)
+
+    def key(self, version: int) -> str:
+        return f"osd:router:{self.name}:v{version}:model"
+
+
 @pytest.fixture
 def parts(serving_redis):
-    stream = f"test:{uuid.uuid4().hex[:8]}"
-    store = RouterStore(serving_redis.url, stream)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    store = Publisher(serving_redis.url, name)
     router = AdapterRouter(["general", "code", "sql"], epsilon=0.0)
     monitor = LiveMonitor(window=100, margin=0.05)
     events: deque = deque(maxlen=50)
-    watcher = RouterWatcher(
-        router, RouterStore(serving_redis.url, stream), monitor=monitor, events=events
-    )
+    trial = RouterTrial(router, monitor, trial_share=0.2, name=name)
+    watcher = VersionWatcher(open_routing_store(serving_redis.url), trial, events=events)
     yield store, router, monitor, events, watcher
-    store.close()
+    watcher.stop()
+    watcher.store.close()
+    store.store.close()
 
 
 def serve(monitor: LiveMonitor, version: int, rate: float, requests: int = 10) -> None:
@@ -65,7 +90,7 @@ def test_a_corrupt_version_is_refused_and_the_current_one_stays(parts, serving_r
     good = store.publish(model_to("code"), expected_current=None, score=0.5)
     watcher.reconcile()
     bad = store.publish(model_to("sql"), expected_current=good, score=0.6)
-    connect(serving_redis.url).hset(f"{store.prefix}:v{bad}", "model", b"\x80\x04 not it")
+    connect(serving_redis.url).set(store.key(bad), b"\x80\x04 not it")
     watcher.reconcile()
     watcher.reconcile()  # refused once, never fetched again
     assert router.choose(prompt_ids=CODE).adapter == "code"
@@ -82,7 +107,7 @@ def test_a_new_version_is_on_trial_against_its_predecessor_on_the_same_traffic(p
     serve(monitor, first, 0.7)
     serve(monitor, 0, 0.7)
     watcher.reconcile()  # both windows full, not worse: kept, the trial ends
-    assert events[-1]["event"] == "kept" and watcher.previous is None
+    assert events[-1]["event"] == "kept" and watcher.holder.previous is None
     assert {router.choose(prompt_ids=CODE).router_version for _ in range(50)} == {first}
 
 
@@ -113,7 +138,7 @@ def test_a_pointer_moved_back_elsewhere_is_followed_without_a_trial(parts):
     watcher.reconcile()
     store.rollback(first, expected_current=second)  # another replica judged `second` worse
     watcher.reconcile()
-    assert watcher.previous is None  # the version rolled back elsewhere routes nothing here
+    assert watcher.holder.previous is None  # the version rolled back elsewhere routes nothing here
     assert {router.choose(prompt_ids=CODE).router_version for _ in range(50)} == {first}
 
 
@@ -133,13 +158,29 @@ def test_the_watcher_thread_picks_up_versions_and_stops(parts):
     assert not watcher.alive
 
 
-def test_store_keeps_a_bounded_history_but_never_the_current_version(serving_redis):
-    store = RouterStore(serving_redis.url, f"test:{uuid.uuid4().hex[:8]}", keep_versions=2)
+def test_store_keeps_a_bounded_history_but_never_a_version_a_replica_holds(parts):
+    store, _, _, _, watcher = parts
     current = None
-    for _ in range(6):
+    for _ in range(3):
         current = store.publish(model_to("code"), expected_current=current, score=0.5)
-    assert store.current() == 6
-    kept = [v for v in range(1, 7) if connect(serving_redis.url).exists(f"{store.prefix}:v{v}")]
-    assert kept == [4, 5, 6]  # the newest and 2 before it
-    assert np.array_equal(store.load(6).model.weights, model_to("code").weights)
-    store.close()
+    watcher.reconcile()  # serves v3 on trial against no model; reports holding v3
+    for _ in range(3):
+        current = store.publish(model_to("code"), expected_current=current, score=0.5)
+    name = store.name
+    deleted = store.store.collect_garbage(name, keep_versions=2, grace_s=0.0)
+    assert deleted == [1, 2]  # v3 is held by the replica, v4-v5 kept, v6 current
+    assert store.store.list_versions(name) == [3, 4, 5, 6]
+    _, model = store.store.load(name, 6)
+    assert np.array_equal(model.weights, model_to("code").weights)
+
+
+def test_a_rollback_past_the_first_version_routes_by_no_model(parts):
+    store, router, monitor, events, watcher = parts
+    first = store.publish(model_to("code"), expected_current=None, score=0.5)
+    watcher.reconcile()
+    serve(monitor, first, 0.1)
+    serve(monitor, BASE_VERSION, 0.8)
+    watcher.reconcile()
+    assert store.current() == BASE_VERSION
+    assert events[-1]["event"] == "rollback" and events[-1]["to_version"] == BASE_VERSION
+    assert {router.choose(prompt_ids=CODE).router_version for _ in range(20)} == {BASE_VERSION}

@@ -4,17 +4,21 @@ routing model fit, judged and published by the acceptance it routes to."""
 from __future__ import annotations
 
 from osd.config import RoutingConfig
-from osd.routing.store import RouterStore
+from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
+from osd.versions.errors import BASE_VERSION
 from tests.trainer.routing_fakes import FakeScorer, topic_examples, topic_record
 from trainer.routing import RoutingTrainer
 
 ADAPTERS = ["general", "code", "sql", "math"]
 
 
-def routing(versions, store=None, **config) -> tuple[RoutingTrainer, FakeScorer]:
+def routing(versions, store=None, *, name="log", stats=None, **config):
     scorer = FakeScorer()
     cfg = RoutingConfig(fit_every=8, **config)
-    return RoutingTrainer(ADAPTERS, scorer, versions, cfg, store, min_records=8), scorer
+    trainer = RoutingTrainer(
+        ADAPTERS, scorer, versions, cfg, store, name=name, stats=stats, min_records=8
+    )
+    return trainer, scorer
 
 
 def test_a_shift_opens_a_topic_and_the_router_learns_to_send_it_there():
@@ -78,29 +82,33 @@ def test_routing_can_be_switched_off():
 
 def test_published_models_and_accuracy_points_reach_the_store(redis_url, stream):
     versions = {"general": 1, "code": 1, "sql": None, "math": None}
-    store = RouterStore(redis_url, stream)
-    router, _ = routing(versions, store)
+    store, stats = open_routing_store(redis_url), RoutingStats(redis_url, stream)
+    name = routing_model_name(stream)
+    router, _ = routing(versions, store, name=name, stats=stats)
     served_well = topic_examples("code", 8, served="code") + topic_examples("prose", 8)
     router.observe(served_well + topic_examples("code", 8, start=8))  # these went to general
     assert router.maybe_fit() == "published"
-    assert store.current() == router.version == 1
-    assert store.load(1).model.classes == ("general", "code")
-    (point,) = store.stats()
+    assert store.current(name) == router.version == 1
+    assert store.load(name, 1)[1].classes == ("general", "code")
+    (point,) = stats.all()
     assert point["outcome"] == "published" and point["served_accuracy"] == 16 / 24
     # A replica rolled it back meanwhile: the next fit judges against what replicas serve.
-    store.rollback(None, expected_current=1)
+    store.rollback(name, BASE_VERSION, expected_current=1)
     versions["code"] = 2
     router.observe(topic_examples("code", 8, start=16))
     assert router.maybe_fit() == "published"  # against no model: anything routes better
-    assert store.current() == router.version == 2
-    store.rollback(1, expected_current=2)
+    assert store.current(name) == router.version == 2
+    store.rollback(name, 1, expected_current=2)
     router.observe(topic_examples("code", 8, start=24))
     # The trainer follows the pointer back to v1 and judges against it: no better, refused.
     assert router.maybe_fit() == "refused"
-    assert router.version == store.current() == 1
+    assert router.version == store.current(name) == 1
     # A trainer that restarts resumes from the pointer.
-    assert routing(versions, RouterStore(redis_url, stream))[0].version == store.current()
+    restarted = routing(versions, open_routing_store(redis_url), name=name)[0]
+    assert restarted.version == store.current(name)
+    restarted.close()
     store.close()
+    stats.close()
 
 
 def test_a_busy_domain_does_not_starve_the_others_rescoring(monkeypatch):

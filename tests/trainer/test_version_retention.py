@@ -21,7 +21,7 @@ def test_publishing_deletes_versions_beyond_the_kept_predecessors(
     worker = wire_trainer(config, redis_url, draft=headroom_draft(), base_model_id="toy")
     spec, weights = worker.trainer.spec("general"), lora_state_dict(base, "general@0")
     for expected in (None, 1, 2):  # earlier versions, e.g. from a previous run
-        store.publish("general", weights, spec, expected_current=expected)
+        store.publish("general", weights, spec=spec, expected_current=expected)
     worker.publisher.restore("general")
     push(redis_url, stream, records)
     worker.ingest()

@@ -11,9 +11,9 @@ import torch
 
 from osd.adapters import open_adapter_store
 from osd.adapters.lora import base_model_hash, install_adapter, lora_shapes, lora_state_dict
-from osd.adapters.manifest import BASE_VERSION
 from osd.buffer.redis_server import connect
 from osd.model_sources import attach_lora_adapters
+from osd.versions.errors import BASE_VERSION
 from tests.trainer.conftest import headroom_draft, make_config, model_acceptance, push
 from tests.trainer.routing_fakes import FakeScorer, topic_examples
 from trainer.schedule import expected_gain
@@ -132,7 +132,7 @@ def test_concurrent_publish_is_a_handled_conflict_not_a_clobber(
     rival = store.publish(
         name,
         lora_state_dict(other, f"{name}@0"),
-        worker.trainer.spec(name),
+        spec=worker.trainer.spec(name),
         expected_current=None,
         acceptance_estimate=0.5,
     )

@@ -1,19 +1,19 @@
-"""Which adapter versions a store may delete: a bounded history, never what a replica may load.
+"""Which versions a store may delete: a bounded history, never what a replica may load.
 
 Issue 17 ("Bounded memory, planned"): every published version used to be kept forever. A store
-now keeps, per adapter name,
+now keeps, per name (an adapter, the routing model),
 
 - the current version (what the pointer names),
 - `keep_versions` predecessors (the newest versions below the current one), so that a replica's
   rollback (`serving.watcher`) and the trainer's restore after one find the version they need,
-- every version a live replica reports holding (its current and previous slot; reports expire
-  after a TTL, so a dead replica pins nothing for long),
+- every version a live replica reports holding (its current and the one it may roll back to;
+  reports expire after a TTL, so a dead replica pins nothing for long),
 - every version published less than `grace_s` ago (a version between its write and the pointer
   move, or one a replica was told about and is fetching right now);
 
-and deletes the rest (`osd.adapters.store.AdapterStore.collect_garbage`). The pointer is checked
+and deletes the rest (`osd.versions.store.VersionedStore.collect_garbage`). The pointer is checked
 again atomically with the delete, so the pointer never names a deleted version; a load racing
-a delete gets `AdapterNotFound`, which replicas treat as a refused version, never a crash.
+a delete gets `VersionNotFound`, which replicas treat as a refused version, never a crash.
 
 Pure: the standard library only. The stores call these functions; the I/O is theirs.
 """
@@ -27,7 +27,7 @@ import socket
 import uuid
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
-from osd.adapters.manifest import BASE_VERSION
+from osd.versions.errors import BASE_VERSION
 
 __all__ = [
     "check_replica_id",
@@ -82,7 +82,7 @@ def unkept_versions(versions: Sequence[int], current: int | None, keep_versions:
 
 
 def encode_held(held: Mapping[str, Iterable[int]], ttl_s: float) -> bytes:
-    """A replica's report: adapter name -> versions it holds, and how long the report lasts."""
+    """A replica's report: name -> versions it holds, and how long the report lasts."""
     versions = {
         name: sorted({int(v) for v in vs if v != BASE_VERSION}) for name, vs in held.items()
     }

@@ -1,9 +1,10 @@
-"""The adapter store on a shared filesystem (local disk, NFS with working `flock`).
+"""The versioned store on a shared filesystem (local disk, NFS with working `flock`).
 
 Layout under `root`::
 
-    <name>/v<version>/adapter.safetensors   weights, read-only once published
-    <name>/v<version>/manifest.json         `AdapterManifest`, read-only once published
+    <name>/v<version>/<payload_file>        the codec's payload (`adapter.safetensors`),
+                                            read-only once published
+    <name>/v<version>/manifest.json         the codec's manifest, read-only once published
     <name>/CURRENT                          the pointer: the current version number
     <name>/LAST_VERSION                     the last version number handed out
     <name>/.lock                            `flock`ed around allocation and pointer moves
@@ -20,9 +21,9 @@ by renaming it to a `.tmp-*` name first, so a reader finds it whole or not at al
 open reads on). There is no message channel: `subscribe` polls the pointers.
 
 Filesystem errors that may pass by themselves (disk full, over quota, I/O or network-filesystem
-trouble) raise `AdapterStoreUnavailable`, like a Redis outage: a trainer keeps training and
+trouble) raise `StoreUnavailable`, like a Redis outage: a trainer keeps training and
 publishes later, a replica fetches again. Others (permissions, a read-only mount) raise
-`AdapterStoreError`: a deployment to fix.
+`StoreError`: a deployment to fix.
 """
 
 from __future__ import annotations
@@ -38,23 +39,22 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from osd.adapters.manifest import (
+from osd.versions.codec import Codec
+from osd.versions.errors import (
     BASE_VERSION,
-    AdapterEvent,
-    AdapterManifest,
-    AdapterNotFound,
-    AdapterStoreError,
-    AdapterStoreUnavailable,
+    PointerEvent,
     PublishConflict,
-    check_adapter_name,
+    StoreError,
+    StoreUnavailable,
+    check_name,
 )
-from osd.adapters.retention import decode_held
-from osd.adapters.store import DEFAULT_MAX_BYTES, AdapterStore, AdapterSubscription
+from osd.versions.retention import decode_held
+from osd.versions.store import DEFAULT_MAX_BYTES, Subscription, VersionedStore
 
-__all__ = ["DirectoryAdapterStore", "PointerPollSubscription"]
+__all__ = ["DirectoryStore", "PointerPollSubscription"]
 
-WEIGHTS_FILE = "adapter.safetensors"
 MANIFEST_FILE = "manifest.json"
 HELD_DIR = ".held"
 _VERSION_DIR_RE = re.compile(r"v([1-9][0-9]*)")
@@ -73,7 +73,7 @@ def _os_errors(what: str) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        kind = AdapterStoreUnavailable if exc.errno in _TRANSIENT_ERRNOS else AdapterStoreError
+        kind = StoreUnavailable if exc.errno in _TRANSIENT_ERRNOS else StoreError
         raise kind(f"could not {what}: {exc}") from exc
 
 
@@ -123,36 +123,41 @@ def _read_int(path: Path) -> int | None:
     except FileNotFoundError:
         return None
     if not text.isdigit():
-        raise AdapterStoreError(f"{path} should hold a version number, holds {text[:40]!r}")
+        raise StoreError(f"{path} should hold a version number, holds {text[:40]!r}")
     return int(text)
 
 
-class DirectoryAdapterStore(AdapterStore):
-    """Adapter versions as files under `root`, shared by trainers and replicas.
+class DirectoryStore(VersionedStore[Any, Any]):
+    """Versions as files under `root`, shared by trainers and replicas.
 
     Args:
         root: the store's directory; created if missing.
-        max_bytes: largest weights file accepted.
+        codec: what a version holds (`osd.versions.codec`).
+        max_bytes: largest payload file accepted.
         poll_interval_s: how often `subscribe` re-reads the pointers.
     """
 
     def __init__(
         self,
         root: str | os.PathLike[str],
+        codec: Codec[Any, Any],
         *,
         max_bytes: int = DEFAULT_MAX_BYTES,
         poll_interval_s: float = 1.0,
     ) -> None:
-        super().__init__(max_bytes=max_bytes)
+        super().__init__(codec, max_bytes=max_bytes)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.poll_interval_s = poll_interval_s
 
     def __repr__(self) -> str:
-        return f"DirectoryAdapterStore({str(self.root)!r})"
+        return f"DirectoryStore({str(self.root)!r}, {self.codec.kind})"
+
+    def close(self) -> None:
+        """Nothing to free: files are opened per call."""
 
     def _dir(self, name: str) -> Path:
-        check_adapter_name(name)
+        check_name(name, self.codec.kind)
         return self.root / name
 
     def _version_dir(self, name: str, version: int) -> Path:
@@ -160,7 +165,7 @@ class DirectoryAdapterStore(AdapterStore):
 
     @contextlib.contextmanager
     def _locked(self, name: str) -> Iterator[Path]:
-        """Holds the adapter's lock file; each call opens it anew, so threads exclude too."""
+        """Holds the name's lock file; each call opens it anew, so threads exclude too."""
         directory = self._dir(name)
         directory.mkdir(exist_ok=True)
         with open(directory / ".lock", "a+b") as lock:
@@ -188,7 +193,7 @@ class DirectoryAdapterStore(AdapterStore):
 
     def names(self) -> list[str]:
         found = []
-        with _os_errors(f"list the adapters under {self.root}"):
+        with _os_errors(f"list the names under {self.root}"):
             for entry in self.root.iterdir():
                 with contextlib.suppress(ValueError):
                     if entry.is_dir() and self.list_versions(entry.name):
@@ -205,14 +210,14 @@ class DirectoryAdapterStore(AdapterStore):
             _replace_durably(directory / "LAST_VERSION", f"{last + 1}\n".encode())
         return last + 1
 
-    def _write_version(self, manifest: AdapterManifest, payload: bytes) -> None:
+    def _write_version(self, manifest: Any, payload: bytes) -> None:
         directory = self._dir(manifest.name)
         tmp = directory / f".tmp-v{manifest.version}-{uuid.uuid4().hex}"
         with _os_errors(f"store {manifest.ref} under {directory}"):
             tmp.mkdir()
             _remove_stale_temps(directory, tmp)
             try:
-                _write_durably(tmp / WEIGHTS_FILE, payload, mode=0o444)
+                _write_durably(tmp / self.codec.payload_file, payload, mode=0o444)
                 _write_durably(tmp / MANIFEST_FILE, manifest.to_json(), mode=0o444)
                 _fsync_dir(tmp)
                 # Fails if the version exists (a non-empty directory): never rewritten.
@@ -225,8 +230,8 @@ class DirectoryAdapterStore(AdapterStore):
     def _read_manifest(self, name: str, version: int) -> bytes | None:
         return self._read_file(name, version, MANIFEST_FILE)
 
-    def _read_weights(self, name: str, version: int) -> bytes | None:
-        return self._read_file(name, version, WEIGHTS_FILE)
+    def _read_payload(self, name: str, version: int) -> bytes | None:
+        return self._read_file(name, version, self.codec.payload_file)
 
     def _read_file(self, name: str, version: int, file: str) -> bytes | None:
         path = self._version_dir(name, version) / file
@@ -240,7 +245,7 @@ class DirectoryAdapterStore(AdapterStore):
             if actual != expected:
                 raise PublishConflict(name, expected, actual, new)
             if new != BASE_VERSION and not (self._version_dir(name, new) / MANIFEST_FILE).is_file():
-                raise AdapterNotFound(f"adapter {name!r} has no version {new}")
+                raise self._not_found(name, new)
             _replace_durably(directory / "CURRENT", f"{new}\n".encode())
 
     def _delete_version(self, name: str, version: int) -> bool:
@@ -283,23 +288,23 @@ class DirectoryAdapterStore(AdapterStore):
         return reports
 
 
-class PointerPollSubscription(AdapterSubscription):
+class PointerPollSubscription(Subscription):
     """Notifications made by polling every pointer (`changed_pointers`) every `interval_s`.
 
     The notification of backends without a message channel (a shared filesystem); it reports
     the moves since it was created, coalescing several moves of one name into one event.
     """
 
-    def __init__(self, store: AdapterStore, interval_s: float = 1.0) -> None:
+    def __init__(self, store: VersionedStore[Any, Any], interval_s: float = 1.0) -> None:
         if not (math.isfinite(interval_s) and interval_s > 0):
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self._store = store
         self._interval_s = interval_s
         self._known: dict[str, int | None] = {n: store.current(n) for n in store.names()}
-        self._pending: list[AdapterEvent] = []
+        self._pending: list[PointerEvent] = []
         self._closed = False
 
-    def get(self, timeout_s: float) -> AdapterEvent | None:
+    def get(self, timeout_s: float) -> PointerEvent | None:
         deadline = time.monotonic() + max(0.0, timeout_s)
         while not self._closed:
             if not self._pending:
