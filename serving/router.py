@@ -2,10 +2,11 @@
 
 In order: the request's ``draft`` field (an adapter name, or a domain that has its own
 adapter), else its ``domain`` label, else (a request that names neither) the **content router**:
-the published routing model (`osd.routing.model`, kept current by `serving.watcher` with `serving.router_trial`)
-picks the adapter from the prompt's token ids when it is at least `min_confidence` sure; else a
-learned rule: an epsilon-greedy bandit per route over the recent acceptance rate of each adapter.
-An unknown adapter falls back to the general one and the fallback is reported.
+the published routing model (`osd.routing.model`, kept current by `serving.watcher` with
+`serving.router_trial`) picks the adapter from the prompt's token ids when it is at least
+`min_confidence` sure; else a learned rule: an epsilon-greedy bandit per route over the recent
+acceptance rate of each adapter. An unknown adapter falls back to the general one and the
+fallback is reported.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Between the trainer's adapters and the adapter store: restore, publish with compare-and-set.
 
-Each adapter remembers the store version its weights descend from (`versions`). Publishing moves
+Each adapter's state (`trainer.adapter_state.AdapterState.version`) remembers the store version
+its weights descend from. Publishing moves
 the store's pointer only if it still names that version (`VersionedStore.publish(...,
 expected_current=...)`); if another trainer, or a replica's rollback, moved it meanwhile, the
 store raises `PublishConflict`, the new version stays stored but not current, and the trainer
@@ -19,13 +20,15 @@ An adapter with no version yet (a new domain's) can start from another adapter's
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import base_model_hash
 from osd.adapters.manifest import AdapterManifest
 from osd.buffer.record import Record
+from osd.config import TrainerConfig
 from osd.versions.errors import BASE_VERSION, PublishConflict, StoreError, StoreUnavailable
+from trainer.adapter_state import AdapterState, AdapterVersions, adapter_states
 from trainer.draft_trainer import DraftTrainer
 
 __all__ = ["Publisher"]
@@ -39,6 +42,8 @@ class Publisher:
     Args:
         store: the adapter store the replicas follow.
         trainer: holds the candidate and current slots of every adapter.
+        states: each adapter's state, whose `version` this keeps (default: fresh states with
+            no version, for tools and tests that publish without a worker).
         keep_versions, gc_grace_s: the bounded history (`adapters.keep_versions`,
             `adapters.gc_grace_s`); see `VersionedStore.collect_garbage`.
     """
@@ -47,6 +52,7 @@ class Publisher:
         self,
         store: AdapterStore,
         trainer: DraftTrainer,
+        states: Mapping[str, AdapterState] | None = None,
         *,
         keep_versions: int = 4,
         gc_grace_s: float = 60.0,
@@ -54,7 +60,8 @@ class Publisher:
         self.store, self.trainer = store, trainer
         self.keep_versions, self.gc_grace_s = keep_versions, gc_grace_s
         self.base_hash = base_model_hash(trainer.model)
-        self.versions: dict[str, int | None] = dict.fromkeys(trainer.adapters)
+        self.states = states or adapter_states(TrainerConfig(), list(trainer.adapters))
+        self.versions = AdapterVersions(self.states)  # read-only; the states hold them
         self.num_conflicts = self.num_deleted = 0
 
     def restore(self, adapter: str) -> int | None:
@@ -77,7 +84,7 @@ class Publisher:
             _log.warning("%s: rolled back to the base draft; training from it again", adapter)
         elif version is not None:
             self._load(adapter, version)
-        self.versions[adapter] = version  # only once nothing raised StoreUnavailable
+        self.states[adapter].version = version  # only once nothing raised StoreUnavailable
         return version
 
     def _load(self, adapter: str, version: int) -> None:
@@ -157,7 +164,7 @@ class Publisher:
             )
             self.restore(adapter)
             return None
-        self.versions[adapter] = manifest.version
+        self.states[adapter].version = manifest.version
         self.trainer.promote(adapter)
         self.collect_garbage(adapter)
         return manifest

@@ -19,6 +19,7 @@ from osd.adapters.codec import AdapterStore
 from osd.buffer.reader import LogReader
 from osd.config import OSDConfig
 from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
+from trainer.adapter_state import adapter_states
 from trainer.draft_trainer import build_draft_trainer
 from trainer.heartbeat import Heartbeat
 from trainer.publisher import Publisher
@@ -54,8 +55,13 @@ def wire_trainer(
     adapters = list(config.model.adapters)
     trainer = build_draft_trainer(config, adapters, draft, base_model_id)
     store = store or open_adapter_store(adapter_store_location(config, redis_url))
+    states = adapter_states(cfg, adapters)  # one object per adapter, shared by the parts
     publisher = Publisher(
-        store, trainer, keep_versions=retention.keep_versions, gc_grace_s=retention.gc_grace_s
+        store,
+        trainer,
+        states,
+        keep_versions=retention.keep_versions,
+        gc_grace_s=retention.gc_grace_s,
     )
     routing = RoutingTrainer(
         adapters,

@@ -22,7 +22,6 @@ One trainer per consumer group: at start-up it claims all of the group's pending
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -36,9 +35,8 @@ from osd.buffer.record import Record
 from osd.config import OSDConfig
 from osd.threads import threads_applied
 from osd.versions.errors import StoreUnavailable
-from trainer.adapter_state import AdapterState
 from trainer.draft_trainer import DraftTrainer
-from trainer.examples import Example, adapters_for, entry_time, example_window
+from trainer.examples import Example, adapters_for, entry_time
 from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
@@ -68,7 +66,8 @@ class TrainerWorker:
         config: the deployment's config (`model`, `trainer`).
         trainer: the draft trainer (the base draft and the adapters' current / candidate slots).
         store: the adapter store the publisher writes to.
-        publisher: judged versions out (and the adapters' published versions).
+        publisher: judged versions out; its `states` (one `AdapterState` per adapter: windows,
+            version, bookkeeping) are the worker's too.
         reader: the log stream, as one consumer of `trainer.group`.
         routing: content routing's trainer.
         tracker: where round metrics go.
@@ -92,22 +91,9 @@ class TrainerWorker:
         self.trainer, self.store, self.publisher = trainer, store, publisher
         self.reader, self.routing, self.tracker = reader, routing, tracker
         self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
-        key = functools.partial(example_window, adapter_names=tuple(self.adapters))
-        # One object per adapter: its windows and bookkeeping (trainer.adapter_state).
-        self.states = {
-            a: AdapterState(
-                a,
-                AdapterData(
-                    cfg.replay_size,
-                    cfg.holdout_size,
-                    cfg.max_domains,
-                    key,
-                    holdout_fraction=cfg.holdout_fraction,
-                    min_holdout=cfg.min_holdout_records,
-                ),
-            )
-            for a in self.adapters
-        }
+        # One object per adapter: its windows, version and bookkeeping, shared with the
+        # publisher (trainer.adapter_state).
+        self.states = publisher.states
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -234,14 +220,14 @@ class TrainerWorker:
 
     def _first_version_due(self, adapter: str) -> bool:
         """Only before an adapter's first round: one refused then waits like the others."""
-        versions, least = self.publisher.versions, self.cfg.min_holdout_records
-        due = first_version_due(versions[adapter], self.states[adapter].data, least)
-        return due and not self.states[adapter].started
+        state = self.states[adapter]
+        due = first_version_due(state.version, state.data, self.cfg.min_holdout_records)
+        return due and not state.started
 
     def _first_version_waits(self, training: str) -> bool:
         """Whether records read while `training` (which has a version) trains make another
         adapter due its first version (the round yields), reading only while Redis answers."""
-        if self.publisher.versions[training] is None:
+        if self.states[training].version is None:
             return False
         if self.reader.connected:
             self.ingest()
