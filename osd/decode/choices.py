@@ -7,11 +7,12 @@ plain request with seed ``s``) and a splitmix hash of ``(s, i)`` for the others,
 has its own draft and verify streams (:mod:`osd.decode.rng`), independent of its siblings'.
 
 The group shares its prompt's prefill. The first choice is the group's *leader*: only it runs
-the prompt through the models (:func:`osd.decode.step.prefill`, chunked as any prompt); its
+the prompt through the target (:func:`osd.decode.step.prefill`, chunked as any prompt); its
 ``followers`` (the other choices' rows, admitted with it, each in KV slots of its own) wait.
 When the leader's prompt is complete, :func:`share_prompt` copies the prompt's keys and values
-from the leader's slot into each follower's, in the target's cache and the draft's, and
-gives every choice the leader's logits after the prompt, from which each samples its own first
+from the leader's slot into each follower's target cache (the draft reads a prompt only when it
+first drafts for a row, each choice for itself: :mod:`osd.decode.drafting`), and gives every
+choice the leader's logits after the prompt, from which each samples its own first
 token with its own stream. From then on the choices are independent rows of the batch. Token for
 token, choice ``i`` equals a request decoded alone with seed ``choice_seed(s, i)``: the prompt's
 KV and first logits are the same numbers, and every draw after is addressed by the row's own
@@ -84,11 +85,12 @@ def share_prompt(
     moves: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
     for p, follower in followers:
         leader = rows[p]
-        prompt = [(leader.slots[0], follower.slots[0], pos) for pos in range(leader.target_len)]
-        moves["target"] += prompt
-        if leader.request.method != "none":  # its draft cache holds the prompt only if it drafts
-            moves["draft"] += prompt
-            follower.draft_len = leader.draft_len
+        slots = (leader.slots[0], follower.slots[0])
+        moves["target"] += [(*slots, pos) for pos in range(leader.target_len)]
+        # The draft's cache holds what the leader drafted from (nothing yet: the draft reads
+        # a prompt only when it first drafts, osd.decode.drafting).
+        moves["draft"] += [(*slots, pos) for pos in range(leader.draft_len)]
+        follower.draft_len = leader.draft_len
         follower.target_len = leader.target_len
         follower.prompt_logprobs = leader.prompt_logprobs  # echo's: the same prompt's
     for row in rows:

@@ -1,5 +1,11 @@
 """The draft's half of a step: k tokens per row (K sequences for SpecTr rows) in batched
-forwards, each position's q from the same processing as the target's p (osd.decode.sampling)."""
+forwards, each position's q from the same processing as the target's p (osd.decode.sampling).
+
+The draft's cache is filled lazily: a row's prompt, and the tokens of steps in which it drafted
+nothing (the controller's k = 0, or a model-free proposer's draft), are read by the draft only
+when it next drafts for the row, in that step's first forward. A row far behind is caught up in
+a forward of its own first, so the other rows' first forward is not padded to its length.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,11 @@ from osd.decode.prefix_history import History, extend_history
 from osd.decode.rows import Row
 from osd.decode.sampling import RowSampling, rows_to_probs, sample_from_probs
 
-__all__ = ["Drafts", "propose"]
+__all__ = ["CATCH_UP_TOKENS", "Drafts", "propose"]
+
+# A drafting row with more unread tokens than this, beside rows with fewer, is caught up in a
+# forward of its own (a prompt, typically), not padded into everyone's first draft forward.
+CATCH_UP_TOKENS = 8
 
 
 @dataclass
@@ -60,22 +70,11 @@ def propose(
 
     # Position 0: one forward over each row's pending tokens, shared by its branches.
     members = [rows[b] for b in drafting]
+    behind = [row for row in members if len(row.seq) - row.draft_len > CATCH_UP_TOKENS]
+    if behind and len(behind) < len(members):
+        _catch_up(pair, behind)
     index = as_tensor(drafting, device)
-    input_ids, left, num_real = left_padded([row.seq[row.draft_len :] for row in members], device)
-    logits = run_model(
-        pair,
-        pair.draft,
-        pair.draft_cache,
-        input_ids,
-        start=[row.draft_len for row in members],
-        left=left,
-        num_real=num_real,
-        own=[row.slots[0] for row in members],
-        base=[row.slots[0] for row in members],
-        prefix=[0] * len(members),
-        num_logits=1,
-        adapters=[row.request.adapter for row in members],
-    )
+    logits = _read_unread(pair, members, [len(row.seq) for row in members])
     allowed = None if masks is None else masks.draft_allowed(drafting, [0] * len(drafting), 0)
     q = rows_to_probs(
         logits[:, 0], sampling.select(index), history_rows(history, index), allowed
@@ -121,6 +120,34 @@ def propose(
         if adaptive:
             own_k = _adaptive_stop(own_k, probs, ids, thresholds, real_branch, i)
     return Drafts(ids, probs, own_k)
+
+
+def _catch_up(pair: ModelPair, rows: list[Row]) -> None:
+    """Reads every token but the last of each row into the draft's cache, in one forward."""
+    _read_unread(pair, rows, [len(row.seq) - 1 for row in rows])
+    for row in rows:
+        row.draft_len = len(row.seq) - 1
+
+
+def _read_unread(pair: ModelPair, rows: list[Row], ends: list[int]) -> torch.Tensor:
+    """One draft forward over each row's tokens from ``draft_len`` to its ``ends`` entry, into
+    its first slot, with its adapter: (len(rows), 1, V) logits after each row's last one."""
+    tokens = [row.seq[row.draft_len : end] for row, end in zip(rows, ends, strict=True)]
+    input_ids, left, num_real = left_padded(tokens, pair.device)
+    return run_model(
+        pair,
+        pair.draft,
+        pair.draft_cache,
+        input_ids,
+        start=[row.draft_len for row in rows],
+        left=left,
+        num_real=num_real,
+        own=[row.slots[0] for row in rows],
+        base=[row.slots[0] for row in rows],
+        prefix=[0] * len(rows),
+        num_logits=1,
+        adapters=[row.request.adapter for row in rows],
+    )
 
 
 def _adaptive_stop(

@@ -53,7 +53,12 @@ _SAMPLE_POSITION = 1023
 
 @torch.inference_mode()
 def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
-    """Runs up to ``budget`` prompt tokens of ``rows`` through both models (chunked prefill).
+    """Runs up to ``budget`` prompt tokens of ``rows`` through the target (chunked prefill).
+
+    The draft model reads a prompt only when it first drafts for the row
+    (:func:`osd.decode.drafting.propose` catches its cache up): a row that the controller, a
+    model-free proposer or ``method: none`` keeps off the draft model never pays for it, so
+    speculation that does not help costs what the target alone costs.
 
     A row whose prompt is now complete gets its first token sampled from the target's
     distribution after the prompt (exactly the target alone's first token: no draft is needed
@@ -72,15 +77,9 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
     if not pieces:
         return []
     # (P, V) after each piece's last token; rows asking for prompt logprobs get them too.
-    target_logits = prefill_target(pieces, lambda some, n: _prefill_forward(pair, False, some, n))
-    # A row that generates nothing (max_tokens 0: prompt scoring) never needs the draft's KV.
-    drafting = [p for p in pieces if p[0].request.method != "none" and p[0].remaining > 0]
-    if drafting:
-        _prefill_forward(pair, True, drafting, 1)
+    target_logits = prefill_target(pieces, lambda some, n: _prefill_forward(pair, some, n))
     for row, size in pieces:
         row.target_len += size
-        if row.request.method != "none":
-            row.draft_len = row.target_len
     complete = [i for i, (row, _) in enumerate(pieces) if row.prefill_left == 0]
     if not complete:
         return []
@@ -90,15 +89,15 @@ def prefill(pair: ModelPair, rows: list[Row], budget: int) -> list[StreamChunk]:
 
 
 def _prefill_forward(
-    pair: ModelPair, draft: bool, members: list[tuple[Row, int]], num_logits: int
+    pair: ModelPair, members: list[tuple[Row, int]], num_logits: int
 ) -> torch.Tensor:
-    """One model's forward over prefill pieces: (len(members), num_logits, V) last logits."""
+    """The target's forward over prefill pieces: (len(members), num_logits, V) last logits."""
     tokens = [row.seq[row.target_len : row.target_len + size] for row, size in members]
     ids, left, num_real = left_padded(tokens, pair.device)
     return run_model(
         pair,
-        pair.draft if draft else pair.target,
-        pair.draft_cache if draft else pair.target_cache,
+        pair.target,
+        pair.target_cache,
         ids,
         start=[row.target_len for row, _ in members],
         left=left,
@@ -107,7 +106,6 @@ def _prefill_forward(
         base=[row.slots[0] for row, _ in members],
         prefix=[0] * len(members),
         num_logits=num_logits,
-        adapters=[row.request.adapter for row, _ in members] if draft else None,
     )
 
 

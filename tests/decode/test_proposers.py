@@ -208,3 +208,66 @@ def test_a_pinned_proposer_is_checked_and_reported(text_decoder):
     )
     result = plain.generate("abc abc abc abc", max_tokens=8, temperature=0, proposer="suffix")
     assert set(result.stats.by_proposer) <= {"draft"}  # no lookups: the model drafts
+
+
+def test_rows_the_draft_model_never_drafts_for_never_run_it_not_even_on_their_prompts(
+    text_decoder, monkeypatch
+):
+    """Speculation that does not use the draft model costs what the target alone costs: no
+    draft forward at any step and no draft prefill (the draft reads a prompt only when it
+    first drafts for the row)."""
+    read = []
+    real_run = text_decoder.draft.run
+    monkeypatch.setattr(
+        text_decoder.draft,
+        "run",
+        lambda plan, cache, **kw: read.append(1) or real_run(plan, cache, **kw),
+    )
+    engine = BatchedEngine(text_decoder, BatchLimits(max_num_seqs=8))
+    try:
+        prompt = "abc abc abc abc abc abc abc"
+        lookups = [
+            engine.submit(
+                text_decoder.prepare(prompt, max_tokens=12, temperature=0, proposer="ngram")
+            )
+            for _ in range(3)
+        ]
+        alone = engine.submit(text_decoder.prepare(prompt, max_tokens=12, method="none"))
+        results = [h.result() for h in [*lookups, alone]]
+    finally:
+        engine.close()
+    assert all(r.stats.by_proposer.get("ngram", [0, 0])[1] > 0 for r in results[:3])
+    assert read == []
+
+
+def test_a_row_far_behind_catches_the_draft_up_in_its_own_forward(text_decoder, monkeypatch):
+    """A long prompt beside short ones: the draft reads it in a forward of its own before the
+    step's first draft forward, and every row's greedy output is the target's."""
+    from osd.decode import drafting
+
+    caught = []
+    real_catch_up = drafting._catch_up
+    monkeypatch.setattr(
+        drafting,
+        "_catch_up",
+        lambda pair, rows: (
+            caught.append([len(r.seq) - r.draft_len for r in rows]) or real_catch_up(pair, rows)
+        ),
+    )
+    prompts = ["ab", "select a, b from t where a = 1; select a, b from t where", "ba"]
+    alone = [text_decoder.generate(p, max_tokens=16, temperature=0, method="none") for p in prompts]
+    engine = BatchedEngine(text_decoder, BatchLimits(max_num_seqs=8))
+    try:
+        handles = [
+            engine.submit(
+                text_decoder.prepare(
+                    p, max_tokens=16, temperature=0, method="block", proposer="draft"
+                )
+            )
+            for p in prompts
+        ]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    assert [r.token_ids for r in results] == [a.token_ids for a in alone]
+    assert any(gaps and max(gaps) > drafting.CATCH_UP_TOKENS for gaps in caught)
