@@ -13,6 +13,8 @@ workloads:
 * ``sql``: held-out SQL prompts with the draft's ``sql`` LoRA adapter distilled offline first
   (``--distill-steps``; the acceptance the online loop reaches), route ``sql``: does ``auto``
   keep what the learned draft buys;
+* ``unfamiliar``: held-out prose with every word spelled backwards, text neither model saw
+  (the base draft's acceptance falls to near 0): speculation must cost nothing there;
 * ``mixed``: held-out prompts of four domains interleaved, each with its domain as its route:
   the suffix store kept per route (``spec.suffix_scope: route``) against one global store.
 
@@ -166,7 +168,9 @@ def _split(corpus: Any, domain: str, split: str) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
-        "--workloads", default="repetitive,prose", help="of repetitive, prose, sql, mixed"
+        "--workloads",
+        default="repetitive,prose",
+        help="of repetitive, prose, sql, mixed, unfamiliar",
     )
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument(
@@ -198,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         "prose": lambda: [d.text[:200] for d in _split(paths.corpus, "prose", "heldout")],
         "sql": lambda: [d.prompt for d in _split(paths.corpus, "sql", "heldout")][:64],
         "mixed": lambda: mixed_prompts(paths.corpus),
+        "unfamiliar": lambda: [
+            " ".join(w[::-1] for w in d.text[:200].split())
+            for d in _split(paths.corpus, "prose", "heldout")
+        ],
     }
     rows: list[dict[str, Any]] = []
     for workload in names:
