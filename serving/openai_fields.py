@@ -69,6 +69,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "logit_bias",
         "min_p",
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
+        "ignore_eos",  # vLLM's: end-of-sequence does not end generation
         "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
         "top_logprobs",  # chat only (completions refuse it by name)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
@@ -170,7 +171,6 @@ REFUSED: Mapping[str, Refused] = {
     "verbosity": Refused("a reasoning model's verbosity", _is_one_of("medium")),
     "moderation": Refused("moderation of the input and output", _is_null),
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)
-    "ignore_eos": Refused("generating past the end-of-sequence token", _is_false),
     "min_tokens": Refused("a minimum completion length", _is_int(0)),
     "skip_special_tokens": Refused("special tokens in the text", _is_one_of(True)),
     "spaces_between_special_tokens": Refused("special-token spacing in the text", _is_one_of(True)),

@@ -133,6 +133,9 @@ class _Common(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
         default_factory=list, max_length=64
     )
+    # vLLM's: the end-of-sequence token does not end generation (stop strings and
+    # stop_token_ids still do); what benchmarks send to generate exactly max_tokens.
+    ignore_eos: StrictBool = False
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
     # Choices, each its own sample with a seed derived from (seed, index) (osd.decode.choices).
@@ -242,7 +245,16 @@ class _Common(BaseModel):
 # stop may be one string, the logit bias is keyed by strings, stop_token_ids gain the end of
 # sequence in the replica) and are converted in _Common.options.
 _DIFFERENT = frozenset(
-    {"max_tokens", "logit_bias", "stop", "stop_token_ids", "logprobs", "prompt_logprobs", "log"}
+    {
+        "max_tokens",
+        "logit_bias",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "prompt_logprobs",
+        "log",
+    }
 )
 _SAME_AS_OPTIONS = tuple(sorted((OPTION_NAMES & set(_Common.model_fields)) - _DIFFERENT))
 

@@ -238,14 +238,17 @@ class ReplicaRuntime:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
         options = request.options(
             self.config.spec,
-            stop_token_ids=self._stop_token_ids(request.stop_token_ids),
+            stop_token_ids=self._stop_token_ids(request.stop_token_ids, request.ignore_eos),
             log=self.log_writer is not None and request.log,
             grammar=grammar,
         )
         return self.engine.prepare(self.prompt_of(request, tools), options)
 
-    def _stop_token_ids(self, extra: list[int]) -> list[int] | None:
-        """The request's stop token ids besides end-of-sequence; None: the engine's default."""
+    def _stop_token_ids(self, extra: list[int], ignore_eos: bool) -> list[int] | None:
+        """The tokens that end the request: its stop token ids and, unless it ignores it,
+        end-of-sequence; None: the engine's default (end-of-sequence alone)."""
+        if ignore_eos:
+            return list(extra)
         if not extra:
             return None
         eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -218,7 +218,6 @@ def test_an_unknown_field_is_refused_by_name(replica, field, value):
 @pytest.mark.parametrize(
     ("field", "default", "other"),
     [
-        ("ignore_eos", False, True),
         ("min_tokens", 0, 2),
         ("skip_special_tokens", True, False),
         ("include_stop_str_in_output", False, True),
@@ -279,6 +278,33 @@ def test_stop_token_ids_end_generation_at_the_first_of_them(replica):
     assert_answered(post(replica, "chat", stop_token_ids=[ids[cut]]), "stop_token_ids")
     bad = post(replica, "completion", stop_token_ids=[-1])
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
+
+
+def test_ignore_eos_generates_past_the_end_of_sequence_token(replica):
+    """vLLM's ignore_eos: the end-of-sequence token no longer ends generation (what serving
+    benchmarks send to generate exactly max_tokens); stop_token_ids still do."""
+    prompt, tokens = "the cat", 8
+    alone = replica.runtime.engine.generate(prompt, max_tokens=tokens, temperature=0, method="none")
+    ids = alone.token_ids
+    cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    # The greedy continuation's token at `cut` plays end-of-sequence for this test.
+    tokenizer = replica.runtime.engine.tokenizer
+    eos = tokenizer.eos_token_id
+    tokenizer.eos_token_id = ids[cut]
+    try:
+        body = {**BASE["completion"], "max_tokens": tokens, "temperature": 0, "prompt": prompt}
+        ended = replica.client.post(PATHS["completion"], json=body).json()
+        past = replica.client.post(PATHS["completion"], json={**body, "ignore_eos": True}).json()
+    finally:
+        tokenizer.eos_token_id = eos
+    assert ended["usage"]["completion_tokens"] == cut + 1
+    assert ended["choices"][0]["finish_reason"] == "stop"
+    assert past["usage"]["completion_tokens"] == tokens
+    assert past["choices"][0]["finish_reason"] == "length"
+    chat = post(replica, "chat", ignore_eos=True)
+    assert_answered(chat, "ignore_eos")
+    bad = post(replica, "completion", ignore_eos="yes")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
 
 
 # Inside chat messages: every field of OpenAI's message types, and every content part type.
