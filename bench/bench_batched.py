@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from bench.clients import run_clients
 from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
@@ -106,13 +107,7 @@ def closed_loop(
                 totals["accepted"] += result.stats.accepted
                 lengths.extend(result.stats.draft_lengths[1:])  # [0]: the prefill's token
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - started
+    elapsed = run_clients(concurrency, client)
     return {
         "tok/s": totals["tokens"] / elapsed,
         "ttft_p50_ms": 1000 * statistics.median(ttfts),

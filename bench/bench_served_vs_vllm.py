@@ -44,6 +44,7 @@ from typing import Any
 
 from bench.bench_proposers import repetitive_prompts
 from bench.bench_vs_vllm import vllm_python
+from bench.clients import run_clients
 from bench.tables import print_table
 from osd.demo import build_demo_models, heldout_prompts
 
@@ -150,13 +151,7 @@ def closed_loop(
             with lock:
                 samples.append(sample)
 
-    started = time.perf_counter()
-    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
+    wall = run_clients(concurrency, client_loop)
     tokens = sum(s[2] for s in samples)
     ttft = [s[0] * 1e3 for s in samples]
     tpot = [(s[1] - s[0]) * 1e3 / (s[2] - 1) for s in samples if s[2] > 1]

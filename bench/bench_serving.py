@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from bench.clients import run_clients
 from osd.buffer.redis_server import LocalRedis
 from osd.config import load_config
 
@@ -84,13 +85,7 @@ def run_load(
             with lock:
                 results.append(outcome)
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
+    elapsed = run_clients(concurrency, worker)
     if errors:
         print(f"  {len(errors)} of {requests} requests failed, e.g. {errors[0]}")
     if not results:
