@@ -5,8 +5,9 @@ replay), the store version its weights descend from (what the next publish expec
 to name), whether it ran a round in this process (an adapter with no version starts from the
 best published one at its first round), and the arrival times of the records it trained on
 since its last published version (the record-to-version latency). Its current and candidate
-weights are two peft adapters of the draft trainer's one model (`slots`: their names), since a
-training step and a judge's forward run through that model.
+weights are two peft adapters of the draft trainer's one model (``<name>@candidate``,
+``<name>@current``: `trainer.draft_trainer.peft_name`), since a training step and a judge's
+forward run through that model.
 
 :func:`adapter_states` builds them for :func:`trainer.wiring.wire_trainer`, which hands the same
 objects to the publisher (versions) and the worker (windows, rounds); the routing trainer reads
@@ -20,7 +21,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from osd.config import TrainerConfig
-from trainer.draft_trainer import peft_name
 from trainer.examples import example_window
 from trainer.replay import AdapterData
 
@@ -36,11 +36,6 @@ class AdapterState:
     version: int | None = None  # the store version its weights descend from (None: none yet)
     started: bool = False  # ran a round in this process
     unpublished: list[float] = field(default_factory=list)  # arrival times since its version
-
-    @property
-    def slots(self) -> dict[str, str]:
-        """Its slots ("candidate", "current") -> the draft trainer's peft adapter names."""
-        return {slot: peft_name(self.name, slot) for slot in ("candidate", "current")}
 
     def published(self) -> list[float]:
         """The arrival times of the records its new version learned from; forgets them."""

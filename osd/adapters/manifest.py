@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from osd.versions.codec import manifest_fields
 from osd.versions.errors import check_name, check_number, check_sha256, check_version
 
 __all__ = ["MANIFEST_FORMAT_VERSION", "AdapterManifest", "AdapterSpec"]
@@ -157,14 +158,4 @@ class AdapterManifest:
         Raises:
             ValueError: not JSON, not an object, unknown or missing keys, or a bad value.
         """
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"manifest is not JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"manifest must be a JSON object, got {type(data).__name__}")
-        names = {f.name for f in fields(cls)}
-        unknown, missing = sorted(set(data) - names), sorted(names - set(data))
-        if unknown or missing:
-            raise ValueError(f"manifest has unknown keys {unknown} and lacks keys {missing}")
-        return cls(**data)
+        return cls(**manifest_fields(raw, [f.name for f in fields(cls)]))

@@ -26,7 +26,12 @@ import redis
 
 from osd.buffer.redis_server import connect
 from osd.routing.model import MAX_MODEL_BYTES, RoutingModel
-from osd.versions.codec import NewVersion, check_payload, check_safetensors_frame
+from osd.versions.codec import (
+    NewVersion,
+    check_payload,
+    check_safetensors_frame,
+    manifest_fields,
+)
 from osd.versions.errors import (
     StoreUnavailable,
     VersionIntegrityError,
@@ -98,14 +103,7 @@ class RoutingManifest:
     @classmethod
     def from_json(cls, raw: bytes | str) -> RoutingManifest:
         """Parses and validates; ValueError for anything else."""
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"manifest is not JSON: {exc}") from exc
-        names = {f.name for f in fields(cls)}
-        if not isinstance(data, dict) or set(data) != names:
-            raise ValueError(f"a routing manifest has exactly the keys {sorted(names)}")
-        return cls(**data)
+        return cls(**manifest_fields(raw, [f.name for f in fields(cls)]))
 
 
 class RoutingCodec:

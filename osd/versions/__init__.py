@@ -17,12 +17,7 @@ from typing import Any
 from osd.versions.codec import Codec
 from osd.versions.store import VersionedStore
 
-__all__ = ["is_redis_url", "open_store"]
-
-
-def is_redis_url(location: str | Path) -> bool:
-    """Whether `location` names a Redis (``redis://``, ``rediss://``, ``unix://``)."""
-    return str(location).startswith(("redis://", "rediss://", "unix://"))
+__all__ = ["open_store"]
 
 
 def open_store(
@@ -30,7 +25,7 @@ def open_store(
 ) -> VersionedStore[Any, Any]:
     """A `RedisStore` under `namespace` for a Redis URL, else a `DirectoryStore` rooted at the
     path; `kwargs` go to the constructor."""
-    if is_redis_url(location):
+    if str(location).startswith(("redis://", "rediss://", "unix://")):
         from osd.versions.store_redis import RedisStore
 
         return RedisStore(str(location), codec, namespace=namespace, **kwargs)

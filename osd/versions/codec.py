@@ -13,13 +13,22 @@ Pure: the standard library only.
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from osd.versions.errors import VersionIntegrityError
 
-__all__ = ["Codec", "Manifest", "NewVersion", "check_payload", "check_safetensors_frame"]
+__all__ = [
+    "Codec",
+    "Manifest",
+    "NewVersion",
+    "check_payload",
+    "check_safetensors_frame",
+    "manifest_fields",
+]
 
 _MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on its JSON header
 
@@ -130,3 +139,22 @@ def check_safetensors_frame(payload: bytes) -> None:
             "load it (pickled weights are never accepted)",
             "not_safetensors",
         )
+
+
+def manifest_fields(raw: bytes | str, names: Collection[str]) -> dict[str, Any]:
+    """The fields of a JSON manifest that must have exactly the keys `names` (a manifest
+    dataclass's fields); the caller's constructor checks the values.
+
+    Raises:
+        ValueError: not JSON, not an object, or unknown or missing keys.
+    """
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"manifest is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"manifest must be a JSON object, got {type(data).__name__}")
+    unknown, missing = sorted(set(data) - set(names)), sorted(set(names) - set(data))
+    if unknown or missing:
+        raise ValueError(f"manifest has unknown keys {unknown} and lacks keys {missing}")
+    return data

@@ -139,12 +139,6 @@ class VersionedStore(abc.ABC, Generic[A, M]):
     def _read_held(self) -> list[bytes]:
         """Every unexpired report (expired ones may be removed on the way)."""
 
-    def __enter__(self) -> VersionedStore[A, M]:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _not_found(self, name: str, version: int, more: str = "") -> VersionNotFound:
         return VersionNotFound(f"{self.codec.kind} {name!r} has no version {version}{more}")
 
