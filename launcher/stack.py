@@ -36,6 +36,7 @@ from osd.config import OSDConfig
 from osd.model_sources import uses_demo_models
 from osd.process import die_with_parent_preexec
 from osd.threads import child_env
+from serving.ingress import Ingress
 
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
 
@@ -97,6 +98,7 @@ class LocalStack(Closeable):
         self.supervisor: Supervisor | None = None
         self.ray_session_dir = ""
         self._ray_started = False
+        self.ingress: Ingress | None = None
 
     @property
     def _torch_processes(self) -> int:
@@ -180,11 +182,13 @@ class LocalStack(Closeable):
 
         from serving.app import build_app
 
+        self.ingress = Ingress(self.config.serve)
+        ingress_env = self.ingress.apply()  # before Ray starts: its processes read it then
         ray.init(
             include_dashboard=False,
             log_to_driver=False,
             configure_logging=False,
-            runtime_env={"env_vars": child_env(self._torch_processes)},
+            runtime_env={"env_vars": {**child_env(self._torch_processes), **ingress_env}},
         )
         self._ray_started = True
         node = getattr(ray._private.worker, "_global_node", None)  # to find its processes
@@ -279,6 +283,9 @@ class LocalStack(Closeable):
             finally:
                 ray.shutdown()
                 self._ray_started = False
+        if self.ingress is not None:
+            self.ingress.close()
+            self.ingress = None
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

@@ -207,6 +207,10 @@ class ServeConfig:
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), none (tools refused), or auto: from the
     # chat template's text (<tool_call>: hermes; <|python_tag|>: llama3_json; else none).
     tool_call_parser: str = "auto"
+    # How HTTP reaches the replicas (serving.ingress): haproxy (Ray Serve's high-throughput
+    # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
+    # (Ray Serve's Python proxy actor, every token through it). Set when osd starts Ray.
+    ingress: str = "haproxy"
 
     def check_access(self) -> None:
         """Raises ConfigError when this would serve without keys beyond loopback unasked (the
@@ -261,6 +265,9 @@ class ServeConfig:
             "serve.tool_call_parser",
             self.tool_call_parser,
             "auto, hermes, llama3_json or none",
+        )
+        _require(
+            self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"
         )
 
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import threading
 from collections.abc import Sequence
 
-from osd.config import load_config
+from osd.config import ServeConfig, load_config
 
 
 def main(argv: Sequence[str]) -> int:
@@ -31,8 +32,17 @@ def main(argv: Sequence[str]) -> int:
     from ray import serve
 
     from serving.app import build_app
+    from serving.ingress import Ingress
 
-    ray.init(address=args.ray_address, include_dashboard=False, ignore_reinit_error=True)
+    # Ray's processes read the ingress settings when they start: where this command starts
+    # Ray; a cluster given by --ray-address keeps the ones it was started with.
+    ingress = Ingress(config.serve if args.ray_address is None else _proxy(config.serve))
+    ray.init(
+        address=args.ray_address,
+        include_dashboard=False,
+        ignore_reinit_error=True,
+        runtime_env={"env_vars": ingress.apply()},
+    )
     serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
     serve.run(
         build_app(config, args.redis_url or config.log.redis_url), name="osd", route_prefix="/"
@@ -51,4 +61,15 @@ def main(argv: Sequence[str]) -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
+        ingress.close()
     return 0
+
+
+def _proxy(serve: ServeConfig) -> ServeConfig:
+    if serve.ingress != "proxy":
+        print(
+            "osd serve --ray-address: the cluster's own Ray Serve settings decide the ingress "
+            "(serve.ingress applies where osd starts Ray; see serving/ingress.py)",
+            flush=True,
+        )
+    return dataclasses.replace(serve, ingress="proxy")

@@ -1,5 +1,5 @@
 """``osd up``: the embedded stack starts, serves, restarts a redis-server and a trainer that die,
-and Ctrl-C leaves no process behind (the restarted ones included)."""
+streams through HAProxy, and Ctrl-C leaves no process behind (the restarted ones included)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serving.ingress import DIR_PREFIX, reap_stale
 from tests.reliability.conftest import wait_for
 from tests.serving.conftest import TOY, free_port
 
@@ -135,6 +136,19 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
             trainer = re.search(r"trainer pid: (\d+)", lines).group(1)
             models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()
             assert models["data"][0]["id"] == "osd"
+            # Streamed through Ray Serve's HAProxy ingress (serve.ingress's default).
+            haproxies = processes_mentioning(f"/{DIR_PREFIX}")
+            assert haproxies and all("haproxy" in line for line in haproxies), haproxies
+            body = {
+                "model": "osd",
+                "prompt": "a b",
+                "max_tokens": 3,
+                "stream": True,
+                "ignore_eos": True,
+            }
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            events = httpx.post(url, json=body, timeout=60).text.split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""] and '"finish_reason": "length"' in events[-3]
             # The stack restarts a redis-server and a trainer that die, and the loop mends.
             redis_pid = re.search(r"redis: \S+ \(pid (\d+)\)", lines).group(1)
             os.kill(int(trainer), signal.SIGKILL)
@@ -152,6 +166,11 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
                 finally:  # Ray's own processes are not this test's subject
                     for line in processes_mentioning(session):
                         os.kill(int(line.split()[0]), signal.SIGKILL)
+                # Its HAProxy outlives it (a child of a Ray actor): the next launch ends it.
+                reap_stale()
+                assert_gone(
+                    lambda: [p for p in processes_mentioning(f"/{DIR_PREFIX}") if p in haproxies]
+                )
                 return
             wait_for(lambda: loop_health(port)["status"] == "ok", timeout_s=120, interval_s=1)
         # Keep reading its output: a full pipe would block the shutdown it prints about.
