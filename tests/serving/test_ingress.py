@@ -65,9 +65,13 @@ def test_haproxy_runs_ray_serves_high_throughput_mode_with_private_files(haproxy
             env[f"RAY_SERVE_{n}"] for n in ("HAPROXY_METRICS_PORT", "FALLBACK_PROXY_HTTP_PORT")
         ]
         assert all(p.isdigit() and p not in ("9101", "8500") for p in ports)  # not Ray's fixed ones
+        assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
+        ingress.apply()  # for a local Ray started next
+        assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     finally:
         ingress.close()
     assert not folder.exists()
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # put back as it was
 
 
 def _process_naming(folder: Path) -> subprocess.Popen:
