@@ -71,6 +71,11 @@ def mixed_prompts(corpus: Any) -> list[tuple[str, dict[str, Any]]]:
     return [p for group in zip(*by_domain) for p in group]  # noqa: B905 (shortest wins)
 
 
+def unfamiliar(text: str) -> str:
+    """``text`` with every word spelled backwards: text neither demo model saw."""
+    return " ".join(word[::-1] for word in text.split())
+
+
 def repetitive_prompts(corpus: Any, count: int, seed: int = 0) -> list[str]:
     """Requests that repeat themselves: a third popular prompts asked again, a third templated
     requests with rotating fields, a third sessions quoting the last answer (the answer is
@@ -177,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "--requests", type=int, default=48, help="requests per measurement (>= 8 a client)"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--budget", type=int, default=500_000, help="suffix store tokens")
     parser.add_argument(
@@ -203,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         "sql": lambda: [d.prompt for d in _split(paths.corpus, "sql", "heldout")][:64],
         "mixed": lambda: mixed_prompts(paths.corpus),
         "unfamiliar": lambda: [
-            " ".join(w[::-1] for w in d.text[:200].split())
-            for d in _split(paths.corpus, "prose", "heldout")
+            unfamiliar(d.text[:200]) for d in _split(paths.corpus, "prose", "heldout")
         ],
     }
     rows: list[dict[str, Any]] = []
@@ -219,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 decoder.proposers = Proposers(LookupSettings(args.budget, scope))
                 request = {
                     "max_tokens": args.max_tokens,
-                    "temperature": 0.0,
+                    "temperature": args.temperature,
                     "stop_token_ids": [],
                     "log": False,
                     **VARIANTS[variant],

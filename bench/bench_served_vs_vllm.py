@@ -20,7 +20,15 @@ its engine to one core and keeps the other for its API server; osd's replica get
 
 Workloads: ``demo`` (held-out prompts of the demo corpus: prose, code, SQL, JSON, interleaved)
 and ``repetitive`` (popular prompts asked again, templated requests with rotating fields,
-sessions quoting the last answer: ``bench/bench_proposers.py``).
+sessions quoting the last answer: ``bench/bench_proposers.py``) and, asked for, ``unfamiliar``
+(the ``demo`` prompts with every word spelled backwards: text neither model saw, so the draft
+is no help and speculation must cost nothing).
+
+Options: ``--vllm-spec ngram,suffix`` runs vLLM's speculation too (prompt lookup with k = 4;
+suffix decoding, which needs ``arctic-inference`` in vLLM's environment), each on the prompts of
+osd's default, and the table gives every cell's ratio to vLLM's best there; ``--temperature``
+samples instead of greedy (speculation that cannot help must still cost nothing); ``--rounds``
+repeats everything, and osd's default is compared with its target alone round by round.
 
 Run alone on a quiet machine: ``python -m bench.bench_served_vs_vllm`` (``--help`` for options).
 """
@@ -42,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.bench_proposers import repetitive_prompts
+from bench.bench_proposers import repetitive_prompts, unfamiliar
 from bench.bench_vs_vllm import vllm_python
 from bench.clients import run_clients
 from bench.tables import print_table
@@ -196,7 +204,8 @@ class Traffic:
         if workload == "repetitive":
             return repetitive_prompts(self.corpus, count, seed=100 * slot + index)
         start = slot * self.per_slot + sum(self.count(c) for c, _ in self.cells[:index])
-        return self.pool[start : start + count]
+        prompts = self.pool[start : start + count]
+        return [unfamiliar(p) for p in prompts] if workload == "unfamiliar" else prompts
 
     def warmup(self, concurrency: int) -> list[str]:
         return self.pool[-concurrency:]
@@ -234,14 +243,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--workloads", default="demo,repetitive", help="of demo, repetitive")
+    parser.add_argument(
+        "--workloads", default="demo,repetitive", help="of demo, repetitive, unfamiliar"
+    )
     parser.add_argument(
         "--requests",
         type=int,
         default=8,
         help="requests per client per cell (at least 2 clients' worth)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature of every request (default 0: greedy)",
+    )
     parser.add_argument("--osd-threads", type=int, default=0, help="serve.torch_threads")
+    parser.add_argument(
+        "--vllm-spec",
+        default="",
+        help="vLLM's speculation to run too, of ngram (prompt lookup, k = 4) and suffix "
+        "(suffix decoding, needs arctic-inference in vLLM's environment)",
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="osd alone (no ratios)")
     parser.add_argument(
         "--venv", default=str(Path.home() / ".cache/osd/bench-venvs/vllm-cpu"), type=Path
@@ -260,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(python, str):
             print(f"vLLM skipped: {python}", flush=True)
     rows: list[dict[str, Any]] = []
+    # In the request's extra body, which the client merges over its own fields.
+    sampling = {"temperature": args.temperature} if args.temperature else {}
 
     def record(row: dict[str, Any]) -> None:
         rows.append(row)
@@ -278,39 +303,44 @@ def main(argv: list[str] | None = None) -> int:
             record({"round": i, **row})
 
         if not isinstance(python, str):
-            port = free_port()
-            vllm = Server(
-                "vllm",
-                [
-                    str(python),
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(paths.target),
-                    "--served-model-name",
-                    MODEL,
-                    "--dtype",
-                    "float32",
-                    "--max-model-len",
-                    "256",
-                    "--max-num-seqs",
-                    "16",
-                    "--gpu-memory-utilization",  # on the CPU: the share of RAM it reserves
-                    "0.3",
-                    "--port",
-                    str(port),
-                ],
-                port,
-                args.logs / f"vllm-{round_index}.log",
-                cwd="/tmp",  # not the checkout: its `bench` and `osd` must not shadow vLLM's
-                env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
-            )
-            print(f"vllm ready in {vllm.ready_seconds:.0f} s", flush=True)
-            try:
-                variants = {"target alone": (0, {"ignore_eos": True})}
-                measure_side(vllm, MODEL, variants, traffic, workloads, in_round)
-            finally:
-                vllm.close()
+            for variant, (slot, flags) in vllm_variants(args.vllm_spec).items():
+                port = free_port()
+                tag = variant.split()[0]
+                vllm = Server(
+                    "vllm",
+                    [
+                        str(python),
+                        "-m",
+                        "vllm.entrypoints.openai.api_server",
+                        "--model",
+                        str(paths.target),
+                        "--served-model-name",
+                        MODEL,
+                        "--dtype",
+                        "float32",
+                        "--max-model-len",
+                        "256",
+                        "--max-num-seqs",
+                        "16",
+                        "--gpu-memory-utilization",  # on the CPU: the share of RAM it reserves
+                        "0.3",
+                        "--port",
+                        str(port),
+                        *flags,
+                    ],
+                    port,
+                    args.logs / f"vllm-{tag}-{round_index}.log",
+                    cwd="/tmp",  # not the checkout: its `bench` and `osd` must not shadow vLLM's
+                    env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+                )
+                print(f"vllm ({variant}) ready in {vllm.ready_seconds:.0f} s", flush=True)
+                try:
+                    extra = {"ignore_eos": True, **sampling}
+                    measure_side(
+                        vllm, MODEL, {variant: (slot, extra)}, traffic, workloads, in_round
+                    )
+                finally:
+                    vllm.close()
         port = free_port()
         osd = Server(
             "osd",
@@ -333,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"osd ready in {osd.ready_seconds:.0f} s", flush=True)
         try:
             variants = {
-                "target alone": (0, {"ignore_eos": True, "spec": {"method": "none"}}),
-                "default": (1, {"ignore_eos": True}),
+                "target alone": (0, {"ignore_eos": True, "spec": {"method": "none"}, **sampling}),
+                "default": (1, {"ignore_eos": True, **sampling}),
             }
             measure_side(osd, MODEL, variants, traffic, workloads, in_round)
         finally:
@@ -345,8 +375,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def vllm_variants(spec: str) -> dict[str, tuple[int, list[str]]]:
+    """vLLM's servers to run: name -> (traffic slot, server flags). Its speculation gets the
+    traffic of osd's default (slot 1): the same prompts, so their rates compare."""
+    known = {
+        "ngram": (
+            "n-gram k=4",
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 4,
+                "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2,
+            },
+        ),
+        "suffix": ("suffix decoding", {"method": "suffix", "num_speculative_tokens": 16}),
+    }
+    variants: dict[str, tuple[int, list[str]]] = {"target alone": (0, [])}
+    for name in filter(None, spec.split(",")):
+        if name not in known:
+            raise SystemExit(f"--vllm-spec: {name!r} is not one of {', '.join(known)}")
+        label, config = known[name]
+        variants[label] = (1, ["--speculative-config", json.dumps(config)])
+    return variants
+
+
 def print_summary(rows: list[dict[str, Any]]) -> None:
-    """Medians over rounds, and each osd cell's ratio to vLLM's target alone."""
+    """Medians over rounds; each cell's ratio to vLLM's target alone and to vLLM's best variant
+    of the cell; osd's default against osd's target alone, the median of the rounds' ratios
+    (paired: the two run one after the other on the same server)."""
     keys = sorted(
         {(r["workload"], r["concurrency"], r["stream"], r["side"], r["variant"]) for r in rows},
         key=lambda k: (k[0], k[1], not k[2], k[3] != "vllm", k[4]),
@@ -356,26 +412,43 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
         values = [r[field] for r in rows if _key(r) == key and r[field] is not None]
         return statistics.median(values) if values else None
 
-    header = ["workload", "conc", "stream", "server", "tok/s", "/ vLLM"]
-    header += ["ttft p50 ms", "ttft p99 ms", "tpot p50 ms", "tpot p99 ms"]
+    def paired(key: tuple, base: tuple) -> float | None:
+        rates = {r["round"]: r["tok/s"] for r in rows if _key(r) == base and r["tok/s"]}
+        ratios = [
+            r["tok/s"] / rates[r["round"]] for r in rows if _key(r) == key and r["round"] in rates
+        ]
+        return statistics.median(ratios) if ratios else None
+
+    header = ["workload", "conc", "stream", "server", "tok/s", "/ vLLM", "/ vLLM best"]
+    header += ["/ osd alone", "ttft p50 ms", "ttft p99 ms", "tpot p50 ms", "tpot p99 ms"]
     table = []
     for key in keys:
         workload, conc, stream, side, variant = key
+        cell = (workload, conc, stream)
         rate = median(key, "tok/s")
-        base = median((workload, conc, stream, "vllm", "target alone"), "tok/s")
-        ratio = None if not base or rate is None else rate / base
+        base = median((*cell, "vllm", "target alone"), "tok/s")
+        vllm_rates = [median(k, "tok/s") for k in keys if k[:3] == cell and k[3] == "vllm"]
+        best = max((v for v in vllm_rates if v), default=None)
+        alone = None
+        if side == "osd" and variant != "target alone":
+            alone = paired(key, (*cell, "osd", "target alone"))
         latencies = [median(key, f) for f in ("ttft_p50_ms", "ttft_p99_ms")]
         latencies += [median(key, f) for f in ("tpot_p50_ms", "tpot_p99_ms")]
         table.append(
             [workload, conc, "yes" if stream else "no", f"{side}: {variant}", _fmt(rate, 1)]
-            + [_fmt(ratio, 2, "x")]
+            + [_fmt(_ratio(rate, base), 2, "x"), _fmt(_ratio(rate, best), 2, "x")]
+            + [_fmt(alone, 2, "x")]
             + [_fmt(v, 1) for v in latencies]
         )
     print_table(
-        "Through HTTP (official openai client, greedy, 64 tokens, ignore_eos; medians)",
+        "Through HTTP (official openai client, 64 tokens, ignore_eos; medians over rounds)",
         header,
         table,
     )
+
+
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if not base or value is None else value / base
 
 
 def _fmt(value: float | None, digits: int, unit: str = "") -> str:
