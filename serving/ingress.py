@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -67,15 +68,33 @@ def haproxy_binary() -> str | None:
     return shutil.which("haproxy")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# HAProxy's side listeners bind every interface some seconds after they are chosen, while Ray's
+# processes take ports: choose outside Linux's ephemeral range (32768-60999, where those land),
+# Ray's worker ports (10002-19999) and Serve's direct-ingress ranges (30000-31000, 40000-41000).
+SIDE_PORTS = range(20000, 30000)
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports of :data:`SIDE_PORTS` free on every interface now."""
+    found: list[int] = []
+    start = random.randrange(len(SIDE_PORTS))
+    for i in range(len(SIDE_PORTS)):
+        port = SIDE_PORTS[(start + i) % len(SIDE_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise RuntimeError(f"no {count} free ports in {SIDE_PORTS.start}-{SIDE_PORTS.stop - 1}")
 
 
 def haproxy_env(state_dir: Path) -> dict[str, str]:
     """Ray Serve's high-throughput ingress, its files under ``state_dir`` and its side
     listeners on free ports."""
+    metrics, stats, fallback_http, fallback_grpc = _free_ports(4)
     return {
         "RAY_SERVE_ENABLE_HA_PROXY": "1",
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -84,10 +103,10 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": str(state_dir),
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": str(state_dir / "server-state"),
         "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": str(state_dir / "metrics.sock"),
-        "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-        "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()),
-        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
-        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port()),
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(metrics),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(stats),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(fallback_http),
+        "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(fallback_grpc),
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": DRAINING_PERIOD_S,
     }
 

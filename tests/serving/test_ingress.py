@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from osd.config import ServeConfig
-from serving.ingress import DIR_PREFIX, Ingress, haproxy_binary, reap_stale
+from serving.ingress import DIR_PREFIX, SIDE_PORTS, Ingress, haproxy_binary, reap_stale
 
 
 def test_proxy_asks_for_nothing():
@@ -64,7 +64,9 @@ def test_haproxy_runs_ray_serves_high_throughput_mode_with_private_files(haproxy
         ports = [
             env[f"RAY_SERVE_{n}"] for n in ("HAPROXY_METRICS_PORT", "FALLBACK_PROXY_HTTP_PORT")
         ]
-        assert all(p.isdigit() and p not in ("9101", "8500") for p in ports)  # not Ray's fixed ones
+        # Not Ray's fixed ones, nor where Ray's processes take theirs while the stack starts.
+        assert all(int(p) in SIDE_PORTS for p in ports), ports
+        assert len({env[n] for n in env if n.endswith("_PORT")}) == 4  # 3 chosen, 1 given
         assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ
         ingress.apply()  # for a local Ray started next
         assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
