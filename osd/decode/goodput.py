@@ -28,7 +28,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["AcceptanceCurve", "GoodputController", "StepCosts", "best_k", "expected_tokens"]
+__all__ = [
+    "AcceptanceCurve",
+    "GoodputController",
+    "StepCosts",
+    "best_k",
+    "expected_tokens",
+    "shortest_good",
+]
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -44,8 +51,14 @@ def best_k(acceptance: list[float], step_seconds: list[float], tolerance: float 
     """The shortest k (index into ``step_seconds``) whose expected tokens per second is within
     ``tolerance`` (a share) of the most; 0: the k with the most."""
     rates = [expected_tokens(acceptance, k) / max(s, 1e-9) for k, s in enumerate(step_seconds)]
+    return shortest_good(rates, tolerance)
+
+
+def shortest_good(rates: list[float], tolerance: float) -> int:
+    """The shortest width whose rate (``rates[w]``: tokens per second drafting w) is within
+    ``tolerance`` (a share) of the most."""
     good_enough = max(rates) * (1 - tolerance)
-    return next(k for k, rate in enumerate(rates) if rate >= good_enough)
+    return next(w for w, rate in enumerate(rates) if rate >= good_enough)
 
 
 @dataclass
@@ -257,6 +270,10 @@ class GoodputController:
     calibration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
+    # This step's (draft model's tokens/s, seconds by looked-up width), by the same key.
+    _compared: dict[tuple[str, str, int, int], tuple[float, list[float]]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if self.max_backoff < 0:
@@ -335,10 +352,16 @@ class GoodputController:
         k = self.choose(adapter, route, batch, limit)
         if not offers:
             return "draft", k
-        model_seconds = self.costs.seconds(batch, min(limit, self.max_k))
-        rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
-        best = ("draft", k, expected_tokens(rates, k) / max(model_seconds[k], 1e-9))
-        free_seconds = self.costs.free_seconds(batch, min(limit, self.max_k))
+        key = (adapter, route, batch, limit)
+        if key not in self._compared:  # rows of one step mostly share all four
+            model_seconds = self.costs.seconds(batch, min(limit, self.max_k))
+            rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
+            self._compared[key] = (
+                expected_tokens(rates, k) / max(model_seconds[k], 1e-9),
+                self.costs.free_seconds(batch, min(limit, self.max_k)),
+            )
+        draft_rate, free_seconds = self._compared[key]
+        best = ("draft", k, draft_rate)
         probing = self._probing_lookups()
         for name, probs in offers:
             m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
@@ -373,8 +396,7 @@ class GoodputController:
             tokens = others + sum(e[min(w, len(e) - 1)] for e in expected)
             extra = sum(min(w, len(e) - 1) for e in expected) / batch if packed else w
             rates.append(tokens / max(self.costs.free_cost(batch, extra), 1e-9))
-        good_enough = max(rates) * (1 - self.tolerance)
-        width = next(w for w, rate in enumerate(rates) if rate >= good_enough)
+        width = shortest_good(rates, self.tolerance)
         return max(width, 1) if self._probing_lookups() else width
 
     def _probing_lookups(self) -> bool:
@@ -388,8 +410,7 @@ class GoodputController:
         """(m, tokens per second) of the best prefix of a model-free proposal."""
         tokens = self.lookup_tokens(name, route, probs[: len(seconds) - 1])
         rates = [tokens[m] / max(seconds[m], 1e-9) for m in range(len(tokens))]
-        good_enough = max(rates) * (1 - self.tolerance)
-        m = next(m for m, rate in enumerate(rates) if rate >= good_enough)
+        m = shortest_good(rates, self.tolerance)
         return m, rates[m]
 
     def observe_free(self, name: str, route: str, predicted: float, num_accepted: int) -> None:
@@ -398,15 +419,20 @@ class GoodputController:
         sums = self.calibration.setdefault((name, route), [0.0, 0.0])
         sums[0] = sums[0] * self.decay + num_accepted
         sums[1] = sums[1] * self.decay + predicted
-        self._chosen.clear()
+        self._forget_step()
 
     def observe_row(self, adapter: str, route: str, num_drafted: int, num_accepted: int) -> None:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
-        self._chosen.clear()
+        self._forget_step()
 
     def observe_step(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
         (:meth:`StepCosts.observe`); ``model``: the draft model ran in it."""
         self.costs.observe(batch, k, seconds, model)
         self.steps += 1
+        self._forget_step()
+
+    def _forget_step(self) -> None:
+        """New statistics: this step's choices are made afresh."""
         self._chosen.clear()
+        self._compared.clear()

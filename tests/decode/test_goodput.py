@@ -10,6 +10,7 @@ from osd.decode.goodput import (
     StepCosts,
     best_k,
     expected_tokens,
+    shortest_good,
 )
 
 
@@ -154,3 +155,9 @@ def test_controller_respects_the_limit_and_starts_from_its_priors():
 def test_controller_refuses_a_probe_schedule_that_collides(schedule):
     with pytest.raises(ValueError, match="probe_every"):
         GoodputController(**schedule)
+
+
+def test_the_shortest_good_width_is_the_first_within_the_tolerance():
+    assert shortest_good([1.0, 1.05, 1.2], tolerance=0.03) == 2
+    assert shortest_good([1.0, 1.18, 1.2], tolerance=0.03) == 1
+    assert shortest_good([1.0, 0.9, 0.5], tolerance=0.0) == 0

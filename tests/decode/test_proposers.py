@@ -18,6 +18,7 @@ from osd import SamplingParams, SpeculativeDecoder
 from osd.decode import step as step_module
 from osd.decode.goodput import GoodputController
 from osd.decode.loop import BatchedEngine
+from osd.decode.proposers import LookupBackoff
 from osd.decode.scheduler import BatchLimits
 from osd.errors import ParamError
 from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
@@ -271,3 +272,30 @@ def test_a_row_far_behind_catches_the_draft_up_in_its_own_forward(text_decoder, 
         engine.close()
     assert [r.token_ids for r in results] == [a.token_ids for a in alone]
     assert any(gaps and max(gaps) > drafting.CATCH_UP_TOKENS for gaps in caught)
+
+
+def test_lookup_backoff_halves_its_lookups_while_they_give_no_draft():
+    backoff = LookupBackoff()
+    due = []
+    for step in range(40):
+        if backoff.due(step):
+            due.append(step)
+            backoff.update(drafted=False, step=step)
+    assert due == [0, 1, 3, 7, 15, 23, 31, 39]  # gaps 1, 2, 4, 8, then 8 (max_gap)
+    backoff.update(drafted=True, step=40)  # a draft: looked up again at the next step
+    assert backoff.due(41) and backoff.misses == 0
+
+
+def test_an_auto_row_whose_lookups_find_nothing_looks_up_less_often(text_decoder, monkeypatch):
+    """Lookups cost the decode thread at every step; a row whose lookups give nothing backs
+    off (LookupBackoff), and its output stays the target's."""
+    offered = []
+    monkeypatch.setattr(
+        "osd.decode.proposers.lookup.LookupProposer.offer",
+        lambda self, row, limit: offered.append(row.step) and None,
+    )
+    prompt = "the quick brown fox jumps over the lazy dog"
+    alone = text_decoder.generate(prompt, max_tokens=40, temperature=0, method="none")
+    result = text_decoder.generate(prompt, max_tokens=40, temperature=0, proposer="auto")
+    assert result.token_ids == alone.token_ids
+    assert 0 < len(offered) <= 12  # of ~40 steps: at steps 0, 1, 3, 7, 15, then every 8

@@ -30,6 +30,7 @@ from osd.devices import to_device
 
 __all__ = [
     "LOOKUPS",
+    "LookupBackoff",
     "LookupSettings",
     "PROPOSER_CHOICES",
     "ProposerChoice",
@@ -54,6 +55,38 @@ LOOKUPS: dict[str, Callable[[LookupSettings], LookupProposer]] = {
     "ngram": lambda s: LookupProposer("ngram", shared=False),
 }
 AUTO_LOOKUPS = ("suffix",)
+
+
+@dataclass
+class LookupBackoff:
+    """How often an ``auto`` row looks its continuation up: at every step while lookups give
+    it drafts; after each lookup that gave it none (nothing found, or nothing worth
+    drafting), twice as seldom as before, down to one step in ``max_gap``. A lookup costs
+    the decode thread tens of microseconds a row, and text the stores cannot continue (a new
+    domain, sampled at a high temperature) would pay it at every step for nothing. Decided on
+    past steps only, so exactness is untouched; a row's own new tokens are indexed at its next
+    lookup, so a gap loses no text, only up to ``max_gap - 1`` steps of a match that appears.
+    """
+
+    max_gap: int = 8
+    misses: int = 0  # lookups in a row that gave no draft
+    next_step: int = 0  # the row's step at which it looks up again
+
+    @staticmethod
+    def of(row: Row) -> LookupBackoff:
+        found = row.scratch.get("lookup_backoff")
+        if found is None:
+            found = row.scratch["lookup_backoff"] = LookupBackoff()
+        return found
+
+    def due(self, step: int) -> bool:
+        return step >= self.next_step
+
+    def update(self, drafted: bool, step: int) -> None:
+        """After a lookup at ``step``: did it give the row a draft?"""
+        self.misses = 0 if drafted else self.misses + 1
+        gap = min(1 << max(self.misses - 1, 0), self.max_gap)  # 1, 1, 2, 4, 8, 8, ...
+        self.next_step = step + gap
 
 
 @dataclass
@@ -97,6 +130,7 @@ class Proposers:
         target's forward computes only the positions rows have (no padding to the widest)."""
         batch = len(rows)
         plan = StepPlan([0] * batch, [0] * batch, ["draft"] * batch)
+        looked_up: list[int] = []  # auto rows that looked up this step (LookupBackoff)
         for b, row in enumerate(rows):
             request = row.request
             if request.method == "none":
@@ -120,7 +154,10 @@ class Proposers:
                 self._take(plan, b, choice, self.lookups[choice].offer(row, limit))
                 continue
             assert controller is not None
-            offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
+            offers: dict[str, Continuation | None] = {}
+            if LookupBackoff.of(row).due(row.step):
+                offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
+                looked_up.append(b)
             found = [(name, c.probs) for name, c in offers.items() if c is not None]
             name, k = controller.choose_proposer(row.stats_key, request.route, batch, limit, found)
             if name == "draft":
@@ -129,6 +166,8 @@ class Proposers:
                 self._take(plan, b, name, offers[name], k)
         if controller is not None and len(plan.lookups) and not plan.model_runs and batch > 1:
             self._cap_width(plan, rows, controller, packs)
+        for b in looked_up:
+            LookupBackoff.of(rows[b]).update(b in plan.lookups, rows[b].step)
         return plan
 
     @staticmethod
