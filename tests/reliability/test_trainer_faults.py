@@ -254,20 +254,26 @@ def test_redis_killed_and_restarted_while_training_loses_no_version_and_trains_e
 # The trainer SIGKILLed while it publishes.
 
 PHASES = ("training", "encoding", "allocating", "writing", "moving pointer", "published")
+HELD = -2  # `hold` once the child stopped where it was told to (-1: no hold)
 
 
-def publish_until_killed(location: str, trainer: DraftTrainer, phase: Any, ready: Any) -> None:
+def publish_until_killed(
+    location: str, trainer: DraftTrainer, phase: Any, hold: Any, ready: Any
+) -> None:
     """A trainer process that does nothing but publish new candidates, as fast as it can.
 
     Runs in a forked child (it inherits `trainer`) until the test SIGKILLs it. It resumes as a
     restarted trainer does (`Publisher.restore`), then publishes random candidates; `phase`
     (shared memory) says which step of `VersionedStore.publish` it is in, for the test's tally.
+    When `hold` names a step, the child stops for good right after that step's work is done
+    (a number allocated and nothing written; a version written and the pointer not moved), so
+    the kill lands there whatever the machine's speed.
     """
     store = open_adapter_store(location)  # its own connection, not the parent's
     steps = {"_allocate_version": "allocating", "_write_version": "writing"}
     steps["_compare_and_set"] = "moving pointer"
     for method, step in steps.items():
-        setattr(store, method, _staged(getattr(store, method), phase, step))
+        setattr(store, method, _staged(getattr(store, method), phase, hold, step))
     publisher = Publisher(store, trainer)
     publisher.restore("general")
     gen = torch.Generator().manual_seed(os.getpid())
@@ -282,13 +288,17 @@ def publish_until_killed(location: str, trainer: DraftTrainer, phase: Any, ready
         phase.value = PHASES.index("published")
 
 
-def _staged(method: Callable[..., Any], phase: Any, step: str) -> Callable[..., Any]:
+def _staged(method: Callable[..., Any], phase: Any, hold: Any, step: str) -> Callable[..., Any]:
     """`method`, setting `phase` to `step` while it runs (and to "published" after the pointer
-    moved: the rest is bookkeeping in the trainer's memory)."""
+    moved: the rest is bookkeeping in the trainer's memory); it never returns if `hold` names
+    `step` (the test kills it there)."""
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         phase.value = PHASES.index(step)
         result = method(*args, **kwargs)
+        if hold.value == PHASES.index(step):
+            hold.value = HELD
+            time.sleep(3600)
         if step == "moving pointer":
             phase.value = PHASES.index("published")
         return result
@@ -374,16 +384,27 @@ def test_trainer_sigkilled_while_publishing_never_leaves_the_pointer_on_a_broken
     store = open_adapter_store(location)
     base_hash, shapes = base_model_hash(trainer.model), trainer.shapes("general")
     ctx = multiprocessing.get_context("fork")
-    phase = ctx.Value("i", 0, lock=False)
+    phase, hold = ctx.Value("i", 0, lock=False), ctx.Value("i", -1, lock=False)
     rng = random.Random(0)
     killed_in: Counter[str] = Counter()
+    # Most kills land at a random moment; every fourth is held inside publishing (alternately
+    # after allocating and after writing), so both partial states are met on any machine.
+    holds = ("allocating", "writing")
     with PointerReader(location, base_hash, shapes) as reader:
-        for _ in range(num_kills):
+        for i in range(num_kills):
+            hold.value = PHASES.index(holds[i // 4 % 2]) if i % 4 == 3 else -1
             ready = ctx.Event()
-            child = ctx.Process(target=publish_until_killed, args=(location, trainer, phase, ready))
+            args = (location, trainer, phase, hold, ready)
+            child = ctx.Process(target=publish_until_killed, args=args)
             child.start()
             assert ready.wait(30), "the publisher did not start"
-            time.sleep(rng.uniform(0.0, 0.05))
+            if hold.value == -1:
+                time.sleep(rng.uniform(0.0, 0.05))
+            else:
+                deadline = time.monotonic() + 30
+                while hold.value != HELD and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert hold.value == HELD, "the publisher never reached its hold"
             killed_in[PHASES[phase.value]] += 1
             os.kill(child.pid, signal.SIGKILL)
             child.join(timeout=10)
