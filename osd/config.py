@@ -305,6 +305,9 @@ class TrainerConfig:
     min_records: int = 32
     group: str = "trainer"
     device: str = "auto"
+    # Several devices of one machine: one process each, every step's records split over them
+    # (trainer.data_parallel); empty: `device` alone.
+    devices: tuple[str, ...] = ()
     holdout_size: int = 256  # most records a judge window keeps, per adapter and domain
     max_domains: int = 8  # domains with their own replay and hold-out windows (least recent out)
     max_domain_regression: float = 0.01  # refuse a candidate worse than this on any one domain
@@ -351,6 +354,13 @@ class TrainerConfig:
         _require(self.torch_threads >= 0, "trainer.torch_threads", self.torch_threads, ">= 0")
         _require(self.claim_idle_ms >= 0, "trainer.claim_idle_ms", self.claim_idle_ms, ">= 0")
         _require(bool(self.group), "trainer.group", self.group, "a non-empty consumer group")
+        kinds = {d.split(":")[0] for d in self.devices}
+        _require(
+            kinds <= {"cpu", "cuda"} and len(kinds) <= 1 and all(self.devices),
+            "trainer.devices",
+            list(self.devices),
+            "devices of one kind, cpu or cuda[:i]",
+        )
 
 
 @dataclass(frozen=True)

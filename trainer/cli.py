@@ -11,6 +11,7 @@ was acknowledged (see `trainer.worker`). On exit it prints its totals as one JSO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import signal
@@ -66,19 +67,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker = wire_trainer(config, url, tracker=open_tracker(config))
-    _log.info(
-        "training %s on %s from %s (group %s), device %s",
-        ", ".join(worker.adapters),
-        config.model.draft,
-        redact_url(url),
-        config.trainer.group,
-        worker.trainer.device,
-    )
+    group, followers = None, []
+    devices = config.trainer.devices
+    if len(devices) > 1:  # one process per device; this one leads (trainer.data_parallel)
+        from trainer.data_parallel import DataParallel, backend_for
+        from trainer.data_parallel_launch import free_address, start_followers, threads_per_rank
+
+        threads = threads_per_rank(devices, config.trainer.torch_threads)
+        trainer_cfg = dataclasses.replace(config.trainer, torch_threads=threads)
+        config = dataclasses.replace(config, trainer=trainer_cfg)
+        address = free_address()
+        followers = start_followers(args.config, args.overrides, address)
+        group = DataParallel(0, len(devices), address, backend_for(devices))
     try:
-        worker.run(stop, max_rounds=args.max_rounds, exit_when_idle_s=args.exit_when_idle)
+        worker = wire_trainer(config, url, tracker=open_tracker(config), data_parallel=group)
+        _log.info(
+            "training %s on %s from %s (group %s), device %s",
+            ", ".join(worker.adapters),
+            config.model.draft,
+            redact_url(url),
+            config.trainer.group,
+            ", ".join(devices) if group else worker.trainer.device,
+        )
+        try:
+            worker.run(stop, max_rounds=args.max_rounds, exit_when_idle_s=args.exit_when_idle)
+        finally:
+            worker.close()
     finally:
-        worker.close()
+        if group is not None:
+            group.stop()
+        for process in followers:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
     print(json.dumps({"trainer_stats": worker.stats.as_dict()}), flush=True)
     return 0
 

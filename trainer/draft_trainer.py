@@ -28,6 +28,7 @@ from osd.config import ModelConfig, OSDConfig, resolve_device
 from osd.distill.acceptance import AcceptanceEstimate, acceptance_bounds, estimate_acceptance
 from osd.distill.losses import LossName, distillation_loss
 from osd.model_sources import attach_lora_adapters, load_draft
+from trainer.data_parallel import DataParallel, flatten
 from trainer.examples import Batch, PositionMode, collate
 
 __all__ = ["DraftTrainer", "Slot", "StepStats", "build_draft_trainer", "peft_name"]
@@ -71,6 +72,8 @@ class DraftTrainer:
         eval_batch_records: records per forward when estimating acceptance.
         max_grad_norm: gradient clipping threshold.
         seed: seeds the LoRA initialisation (the global torch RNG is left as it was).
+        data_parallel: the group this trainer leads or follows (`trainer.data_parallel`), None
+            for one device.
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class DraftTrainer:
         eval_batch_records: int = 32,
         max_grad_norm: float = 1.0,
         seed: int = 0,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         from accelerate import Accelerator
 
@@ -96,6 +100,8 @@ class DraftTrainer:
         self.base_model_id, self.loss = base_model_id, loss
         self.vocab_size, self.eval_batch_records = vocab_size, eval_batch_records
         self.max_grad_norm = max_grad_norm
+        # Only the leader splits steps; a follower's steps come from `DataParallel.follow`.
+        self.data_parallel = data_parallel if data_parallel and data_parallel.is_leader else None
         names = [peft_name(a, s) for s in ("candidate", "current") for a in self.adapters]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -141,22 +147,68 @@ class DraftTrainer:
     def train_step(
         self, adapter: str, records: Sequence[Record], positions: PositionMode
     ) -> StepStats:
-        """One optimizer step of `adapter`'s candidate on `records`, at `positions`."""
-        batch = collate(records, positions).to(self.device)
-        optimizer = self._optimizers[adapter]
+        """One optimizer step of `adapter`'s candidate on `records`, at `positions`; split over
+        the group's devices when the trainer leads a data-parallel group."""
+        if self.data_parallel is not None:
+            return StepStats(*self.data_parallel.step(self, adapter, records, positions))
+        batch = collate(records, positions)
+        loss = self.shard_backward(adapter, batch, batch.num_train_positions)
+        self.clip_and_step(adapter)
+        return StepStats(float(loss.detach()), batch.num_tokens, batch.num_train_positions)
+
+    def shard_backward(self, adapter: str, batch: Batch | None, total_positions: int) -> Tensor:
+        """Clears `adapter`'s gradients, then backpropagates the loss of `batch` (None: nothing)
+        scaled by its share of the step's `total_positions` (1 when it is the whole step).
+
+        Returns:
+            The scaled loss: summed over a step's shards, the mean over all its positions.
+        """
+        self._optimizers[adapter].zero_grad(set_to_none=True)
+        if batch is None:
+            return torch.zeros((), device=self.device)
+        batch = batch.to(self.device)
+        share = batch.num_train_positions / total_positions if total_positions else 0.0
         self.model.train()
         try:
             logits = self._logits(adapter, "candidate", batch)
             top_ids, top_probs, train_mask, _ = batch.sliced()
             loss = distillation_loss(self.loss, logits, top_ids, top_probs, train_mask)
-            optimizer.zero_grad(set_to_none=True)
+            loss = loss if share == 1.0 else loss * share
             self.accelerator.backward(loss)
-            params = self._lora_params(self.model, peft_name(adapter, "candidate"))
-            self.accelerator.clip_grad_norm_(params, self.max_grad_norm)
-            optimizer.step()
         finally:
             self.model.eval()
-        return StepStats(float(loss.detach()), batch.num_tokens, batch.num_train_positions)
+        return loss
+
+    def clip_and_step(self, adapter: str) -> None:
+        """Clips `adapter`'s candidate gradients at `max_grad_norm` and steps its optimizer."""
+        params = self._lora_params(self.model, peft_name(adapter, "candidate"))
+        self.accelerator.clip_grad_norm_(params, self.max_grad_norm)
+        self._optimizers[adapter].step()
+
+    def flat_candidate(self, adapter: str) -> Tensor:
+        """`adapter`'s candidate LoRA weights as one flat fp32 tensor on the trainer's device."""
+        return flatten(self._lora_params(self.model, peft_name(adapter, "candidate")))
+
+    @torch.no_grad()
+    def set_flat_candidate(self, adapter: str, flat: Tensor) -> None:
+        """Loads `flat_candidate`'s layout back into `adapter`'s candidate."""
+        offset = 0
+        for param in self._lora_params(self.model, peft_name(adapter, "candidate")):
+            param.copy_(flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+
+    def flat_gradients(self, adapter: str) -> Tensor:
+        """`adapter`'s candidate gradients, flat as `flat_candidate` (zeros where none)."""
+        params = self._lora_params(self.model, peft_name(adapter, "candidate"))
+        return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+
+    def set_flat_gradients(self, adapter: str, flat: Tensor) -> None:
+        """Sets `adapter`'s candidate gradients from `flat_gradients`' layout."""
+        offset = 0
+        for param in self._lora_params(self.model, peft_name(adapter, "candidate")):
+            part = flat[offset : offset + param.numel()].view_as(param)
+            param.grad = part.to(param.dtype).clone()
+            offset += param.numel()
 
     def _evaluated(
         self, adapter: str, slot: Slot, records: Sequence[Record]
@@ -234,13 +286,21 @@ class DraftTrainer:
 
 
 def build_draft_trainer(
-    config: OSDConfig, adapters: Sequence[str], draft: Any = None, base_model_id: str | None = None
+    config: OSDConfig,
+    adapters: Sequence[str],
+    draft: Any = None,
+    base_model_id: str | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> DraftTrainer:
     """The trainer's draft in fp32 (bf16 autocast on CUDA) with `adapters`, set up as the
     `trainer` section says (loss, learning rate, device, seed); `draft` defaults to the
-    configured base draft."""
+    configured base draft. In a data-parallel group each rank takes its own of
+    `trainer.devices`."""
     cfg = config.trainer
-    device = resolve_device(cfg.device)
+    if data_parallel is not None and cfg.devices:
+        device = cfg.devices[data_parallel.rank]
+    else:
+        device = resolve_device(cfg.device)
     if draft is None:
         draft, source = load_draft(config.model, device=device, dtype="float32")
         base_model_id = base_model_id or source
@@ -254,4 +314,5 @@ def build_draft_trainer(
         device=device,
         eval_batch_records=cfg.batch_records,
         seed=cfg.seed,
+        data_parallel=data_parallel,
     )

@@ -20,6 +20,7 @@ from osd.buffer.reader import LogReader
 from osd.config import OSDConfig
 from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
 from trainer.adapter_state import adapter_states
+from trainer.data_parallel import DataParallel
 from trainer.draft_trainer import build_draft_trainer
 from trainer.heartbeat import Heartbeat
 from trainer.publisher import Publisher
@@ -39,6 +40,7 @@ def wire_trainer(
     store: AdapterStore | None = None,
     tracker: Tracker | None = None,
     consumer: str | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> TrainerWorker:
     """Builds and resumes one trainer worker.
 
@@ -50,10 +52,11 @@ def wire_trainer(
         store: adapter store; default: the one `config.adapters` names.
         tracker: where round metrics go (default: nowhere; the CLI opens W&B).
         consumer: consumer name; default `trainer.consumer` or ``<hostname>-<pid>``.
+        data_parallel: the group this worker leads when it trains on several devices.
     """
     cfg, retention = config.trainer, config.adapters
     adapters = list(config.model.adapters)
-    trainer = build_draft_trainer(config, adapters, draft, base_model_id)
+    trainer = build_draft_trainer(config, adapters, draft, base_model_id, data_parallel)
     store = store or open_adapter_store(adapter_store_location(config, redis_url))
     states = adapter_states(cfg, adapters)  # one object per adapter, shared by the parts
     publisher = Publisher(
