@@ -308,6 +308,12 @@ class TrainerConfig:
     # Several devices of one machine: one process each, every step's records split over them
     # (trainer.data_parallel); empty: `device` alone.
     devices: tuple[str, ...] = ()
+    # Trainer workers `osd train` starts on this machine (> 1: a pool, each with `pool` set).
+    workers: int = 1
+    # This trainer is one worker of a pool sharing the log through leases (trainer.pool); off:
+    # the only trainer of its group.
+    pool: bool = False
+    lease_s: float = 10.0  # a pool worker's adapters go to others this long after it stopped
     holdout_size: int = 256  # most records a judge window keeps, per adapter and domain
     max_domains: int = 8  # domains with their own replay and hold-out windows (least recent out)
     max_domain_regression: float = 0.01  # refuse a candidate worse than this on any one domain
@@ -354,6 +360,8 @@ class TrainerConfig:
         _require(self.torch_threads >= 0, "trainer.torch_threads", self.torch_threads, ">= 0")
         _require(self.claim_idle_ms >= 0, "trainer.claim_idle_ms", self.claim_idle_ms, ">= 0")
         _require(bool(self.group), "trainer.group", self.group, "a non-empty consumer group")
+        _require(self.workers >= 1, "trainer.workers", self.workers, ">= 1")
+        _require(self.lease_s > 0, "trainer.lease_s", self.lease_s, "> 0")
         kinds = {d.split(":")[0] for d in self.devices}
         _require(
             kinds <= {"cpu", "cuda"} and len(kinds) <= 1 and all(self.devices),

@@ -11,16 +11,18 @@ was acknowledged (see `trainer.worker`). On exit it prints its totals as one JSO
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from osd.buffer.redis_server import redact_url
-from osd.config import load_config
+from osd.config import OSDConfig, load_config
 
 __all__ = ["main"]
 
@@ -40,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SECONDS",
         help="exit once no record arrived and nothing was trained for this long",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="start this many pool workers on this machine (default trainer.workers)",
     )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("overrides", nargs="*", help="config overrides like trainer.device=cuda")
@@ -67,23 +75,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    group, followers = None, []
+    workers = config.trainer.workers if args.workers is None else args.workers
+    if workers < 1:
+        print(f"osd train: --workers must be >= 1, got {workers}", file=sys.stderr)
+        return 2
+    if workers > 1:
+        from trainer.pool_launch import run_members
+
+        argv_list = sys.argv[1:] if argv is None else list(argv)
+        return run_members(argv_list, workers, stop)
     devices = config.trainer.devices
     if len(devices) > 1:  # one process per device; this one leads (trainer.data_parallel)
-        from trainer.data_parallel import DataParallel, backend_for
-        from trainer.data_parallel_launch import free_address, start_followers, threads_per_rank
+        from trainer.data_parallel_launch import threads_per_rank
 
         threads = threads_per_rank(devices, config.trainer.torch_threads)
-        trainer_cfg = dataclasses.replace(config.trainer, torch_threads=threads)
-        config = dataclasses.replace(config, trainer=trainer_cfg)
-        address = free_address()
-        followers = start_followers(args.config, args.overrides, address)
-        group = DataParallel(0, len(devices), address, backend_for(devices))
-    try:
-        worker = wire_trainer(config, url, tracker=open_tracker(config), data_parallel=group)
+        config = dataclasses.replace(
+            config, trainer=dataclasses.replace(config.trainer, torch_threads=threads)
+        )
+    with _device_group(config, args) as group:
+        worker: Any
+        if config.trainer.pool:  # one worker of a pool sharing the log (trainer.pool)
+            from trainer.pool import PoolWorker
+
+            worker = PoolWorker(config, url, tracker=open_tracker(config), data_parallel=group)
+            name = f"pool worker {worker.worker_id}, adapters by lease"
+        else:
+            worker = wire_trainer(config, url, tracker=open_tracker(config), data_parallel=group)
+            name = f"training {', '.join(worker.adapters)}"
         _log.info(
-            "training %s on %s from %s (group %s), device %s",
-            ", ".join(worker.adapters),
+            "%s on %s from %s (group %s), device %s",
+            name,
             config.model.draft,
             redact_url(url),
             config.trainer.group,
@@ -93,15 +114,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker.run(stop, max_rounds=args.max_rounds, exit_when_idle_s=args.exit_when_idle)
         finally:
             worker.close()
-    finally:
-        if group is not None:
+    stats = worker.final_stats if config.trainer.pool else worker.stats.as_dict()
+    print(json.dumps({"trainer_stats": stats}), flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def _device_group(config: OSDConfig, args: argparse.Namespace) -> Iterator[Any]:
+    """The data-parallel group this process leads when `trainer.devices` names several
+    (followers started, stopped on the way out); None for one device."""
+    devices = config.trainer.devices
+    if len(devices) < 2:
+        yield None
+        return
+    from trainer.data_parallel import DataParallel, backend_for
+    from trainer.data_parallel_launch import free_address, start_followers
+
+    address = free_address()
+    followers = start_followers(args.config, args.overrides, address)
+    try:
+        group = DataParallel(0, len(devices), address, backend_for(devices))
+        try:
+            yield group
+        finally:
             group.stop()
+    finally:
         for process in followers:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    print(json.dumps({"trainer_stats": worker.stats.as_dict()}), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

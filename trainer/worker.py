@@ -25,7 +25,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,19 +42,63 @@ from trainer.heartbeat import Heartbeat
 from trainer.judge import judge_domains
 from trainer.publisher import Publisher
 from trainer.replay import AckTracker, AdapterData, held_for_judging
-from trainer.routing import RoutingTrainer
 from trainer.schedule import expected_gain, first_version_due
 from trainer.tracking import Tracker
 from trainer.worker_stats import RoundReport, WorkerStats
 
-__all__ = ["RoundReport", "TrainerWorker", "WorkerStats"]
+__all__ = [
+    "NoRouting",
+    "RecordRouter",
+    "RoundReport",
+    "TrainerWorker",
+    "WorkerStats",
+    "usable_record",
+]
 
 _log = logging.getLogger(__name__)
+
+
+class RecordRouter(Protocol):
+    """Content routing as the worker uses it (`trainer.routing.RoutingTrainer`)."""
+
+    last_metrics: dict[str, float]
+
+    def observe(self, examples: Sequence[Example]) -> tuple[dict[str, str], list[Any]]: ...
+
+    def maybe_fit(self) -> str | None: ...
+
+    def close(self) -> None: ...
+
+
+class NoRouting:
+    """A worker whose records were routed before it read them (a pool member's adapter)."""
+
+    last_metrics: dict[str, float] = {}
+
+    def observe(self, examples: Sequence[Example]) -> tuple[dict[str, str], list[Any]]:
+        return {}, []
+
+    def maybe_fit(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
 _MAX_READ = 256
 _MAX_CLAIM = 100_000
 # Held-out positions a domain needs before the judge weighs it and guards it against regression
 # (fewer: too noisy to tell a 0.01 loss). When no domain has that many, all domains are weighed.
 MIN_DOMAIN_POSITIONS = 128
+
+
+def usable_record(record: Record, vocab_size: int) -> bool:
+    """Whether `record` can train a draft of `vocab_size` outputs (a prompt, a generated token,
+    every id in range)."""
+    if record.prompt_len < 1 or record.num_generated < 1:
+        return False
+    top = int(record.target_top_ids.max()) if record.target_top_ids.size else 0
+    return max(int(record.token_ids.max()), top) < vocab_size
 
 
 class TrainerWorker:
@@ -68,10 +113,13 @@ class TrainerWorker:
         store: the adapter store the publisher writes to.
         publisher: judged versions out; its `states` (one `AdapterState` per adapter: windows,
             version, bookkeeping) are the worker's too.
-        reader: the log stream, as one consumer of `trainer.group`.
-        routing: content routing's trainer.
+        reader: the log stream, as one consumer of `trainer.group` (a pool member's adapter:
+            that adapter's stream).
+        routing: content routing's trainer (a pool member's adapter: none, the dispatcher
+            routed its records).
         tracker: where round metrics go.
         heartbeat: makes the heartbeat from the worker's progress function.
+        owned: the adapters it trains (default: every configured one).
     """
 
     def __init__(
@@ -82,18 +130,22 @@ class TrainerWorker:
         store: AdapterStore,
         publisher: Publisher,
         reader: LogReader,
-        routing: RoutingTrainer,
+        routing: RecordRouter,
         tracker: Tracker,
         heartbeat: Callable[[Callable[[], tuple[float, float, int, int]]], Heartbeat],
+        owned: Sequence[str] | None = None,
     ) -> None:
         cfg = self.cfg = config.trainer
-        self.config, self.adapters = config, list(config.model.adapters)
+        self.config = config
+        # The adapters this worker reads for and trains: all of them, or a pool member's share
+        # (`trainer.pool`); records route by the whole configured list either way.
+        self.adapters = list(config.model.adapters if owned is None else owned)
         self.trainer, self.store, self.publisher = trainer, store, publisher
         self.reader, self.routing, self.tracker = reader, routing, tracker
         self.vocab_size = int(self.trainer.model.get_output_embeddings().weight.shape[0])
         # One object per adapter: its windows, version and bookkeeping, shared with the
-        # publisher (trainer.adapter_state).
-        self.states = publisher.states
+        # publisher (trainer.adapter_state), which may hold other adapters' too.
+        self.states = {a: publisher.states[a] for a in self.adapters}
         self.acks = AckTracker()
         self.stats = WorkerStats()
         self.rng = np.random.default_rng(cfg.seed)
@@ -103,11 +155,17 @@ class TrainerWorker:
         self._stop = threading.Event()  # set by `run`'s caller: rounds end after the step
         # Audit hook after each step: (adapter, entry ids trained on for the first time).
         self.on_trained: Callable[[str, list[str]], None] | None = None
+        # The same with the records (a pool's audit names them by request id).
+        self.on_trained_records: Callable[[str, list[Record]], None] | None = None
         self.loop_at = time.time()  # the loop last came round (or a step ended): the heartbeat
         self.judging = 0  # entries held only to judge on, as of loop_at (for the heartbeat)
         self.heartbeat = heartbeat(
             lambda: (self.loop_at, self.reader.last_ack_at, self.stats.rounds, self.judging)
         )
+
+    def stop_rounds_on(self, event: threading.Event) -> None:
+        """Rounds end after their current step once `event` is set (`run` sets its own)."""
+        self._stop = event
 
     @property
     def data(self) -> dict[str, AdapterData]:
@@ -141,10 +199,7 @@ class TrainerWorker:
     # Reading.
 
     def _usable(self, record: Record) -> bool:
-        if record.prompt_len < 1 or record.num_generated < 1:
-            return False
-        top = int(record.target_top_ids.max()) if record.target_top_ids.size else 0
-        return max(int(record.token_ids.max()), top) < self.vocab_size
+        return usable_record(record, self.vocab_size)
 
     def _accept(self, entries: list[tuple[str, Record]]) -> int:
         """Routes read entries to their adapters' hold-out windows (whose oldest records become
@@ -172,7 +227,12 @@ class TrainerWorker:
         return len(done) + len(usable)
 
     def _add(self, example: Example) -> None:
-        adapters = adapters_for(example.record, self.adapters, example.domain)
+        routed = adapters_for(example.record, self.config.model.adapters, example.domain)
+        adapters = [a for a in routed if a in self.states]
+        if not adapters:  # for none of this worker's adapters (not sent to it by a pool)
+            self.stats.skipped += 1
+            self.reader.ack([example.entry_id])
+            return
         self.acks.expect(example.entry_id, len(adapters))
         for adapter in adapters:
             self.states[adapter].data.add(example)
@@ -259,6 +319,8 @@ class TrainerWorker:
             data.trained(fresh)
             if self.on_trained is not None:
                 self.on_trained(adapter, [e.entry_id for e in fresh])
+            if self.on_trained_records is not None:
+                self.on_trained_records(adapter, [e.record for e in fresh])
             state.unpublished.extend(e.arrived_at for e in fresh)
             self.reader.ack(self.acks.used(e.entry_id for e in fresh))
             report.add_step(step, len(fresh))
@@ -341,15 +403,12 @@ class TrainerWorker:
         ready = self.ready()
         if not ready:
             return None
-        return self.train_round(
-            max(
-                ready,
-                key=lambda a: (
-                    self._first_version_due(a),
-                    expected_gain(self.states[a].data.fresh),
-                ),
-            )
-        )
+        return self.train_round(max(ready, key=self.priority))
+
+    def priority(self, adapter: str) -> tuple[bool, float]:
+        """Which ready adapter's round goes first: one due its first version (it serves its
+        domain with the base draft until then), then the largest `expected_gain`."""
+        return self._first_version_due(adapter), expected_gain(self.states[adapter].data.fresh)
 
     def run(
         self,

@@ -73,6 +73,8 @@ class LogReader:
         backoff_max_s: cap on that wait.
         remember_acks: how many of its latest acknowledged entry ids the reader remembers, to
             recognise them if Redis delivers them again.
+        delete_acked: delete entries from the stream as they are acknowledged (a stream only
+            this group reads, such as a trainer pool's per-adapter stream).
 
     Raises:
         ValueError: a bad argument, or Redis rejected the credentials. Redis being down at
@@ -93,6 +95,7 @@ class LogReader:
         backoff_initial_s: float = 0.05,
         backoff_max_s: float = 5.0,
         remember_acks: int = _REMEMBER_ACKS,
+        delete_acked: bool = False,
     ) -> None:
         if not stream or not group:
             raise ValueError(f"stream and group must not be empty, got {stream!r}, {group!r}")
@@ -109,6 +112,7 @@ class LogReader:
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}"
         self.dead_stream = dead_stream or f"{stream}:dead"
         self.max_deliveries, self.start_id = max_deliveries, start_id
+        self.delete_acked = delete_acked
         self.socket_timeout_s = socket_timeout_s
         self.backoff_initial_s, self.backoff_max_s = backoff_initial_s, backoff_max_s
         self._client = connect(url, socket_timeout_s=socket_timeout_s)
@@ -345,7 +349,7 @@ class LogReader:
         if not self._ack_backlog or time.monotonic() < self._retry_at:
             return 0
         backlog = list(self._ack_backlog)
-        acked = self._call(lambda: self._client.xack(self.stream, self.group, *backlog), wait=False)
+        acked = self._call(lambda: self._send_acks(backlog), wait=False)
         if acked is None:
             return 0
         del self._ack_backlog[: len(backlog)]
@@ -357,6 +361,14 @@ class LogReader:
         while len(self._acked) > self._remember_acks:
             self._acked.popitem(last=False)
         return int(acked)
+
+    def _send_acks(self, ids: list[str]) -> int:
+        if not self.delete_acked:
+            return int(self._client.xack(self.stream, self.group, *ids))
+        pipe = self._client.pipeline(transaction=True)
+        pipe.xack(self.stream, self.group, *ids)
+        pipe.xdel(self.stream, *ids)
+        return int(pipe.execute()[0])
 
     def _ensure_group(self) -> None:
         try:

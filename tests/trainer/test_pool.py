@@ -1,0 +1,226 @@
+"""A pool of trainer workers on one log (`trainer.pool`): leases share the adapters out, a dead
+worker's adapters are taken over, and across SIGKILLs every record is trained once per adapter
+or still held to judge on, and every adapter's versions descend from the last published one."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from osd.adapters import open_adapter_store
+from osd.buffer.record import Record
+from osd.buffer.redis_server import connect
+from tests.trainer.conftest import push, trainer_overrides
+from tests.trainer.test_restart import REPO
+from trainer.examples import adapters_for
+from trainer.leases import DISPATCH, LeaseTable
+from trainer.pool import AUDIT_ENV, adapter_stream, read_pool_status
+
+ADAPTERS = ["general", "code", "sql"]
+
+
+def table(url: str, stream: str, worker: str, lease_s: float = 10.0) -> LeaseTable:
+    return LeaseTable(url, stream, "g", worker, ADAPTERS, lease_s=lease_s)
+
+
+def test_leases_share_the_adapters_and_a_dead_workers_go_to_the_others(redis_url, stream):
+    a = table(redis_url, stream, "a")
+    a.renew()
+    assert a.balance() == (ADAPTERS, [])  # alone: all of them
+    b = table(redis_url, stream, "b")
+    b.renew()
+    assert b.balance() == ([], [])  # nothing free yet
+    taken, surplus = a.balance()  # two live workers: a's share is 2
+    assert taken == [] and surplus == ["sql"]
+    a.release("sql")
+    assert b.balance() == (["sql"], [])
+    assert not a.acquire("sql")  # held by b
+    assert a.acquire(DISPATCH) and not b.acquire(DISPATCH)
+
+    # c takes one lease and dies (never renews): the lease runs out, then another worker takes it.
+    b.release("sql")
+    c = table(redis_url, stream, "c", lease_s=0.5)
+    c.renew()
+    assert c.acquire("sql")
+    assert not b.acquire("sql")
+    time.sleep(0.6)
+    assert b.acquire("sql")
+    assert c.renew() and c.lost() == {"sql"}  # c learns it lost it at its next renewal
+
+    # a leaves cleanly: its adapters and the dispatch are free at once, and b's share grows.
+    c.close()
+    a.close()
+    assert sorted(b.balance()[0]) == ["code", "general"]
+    assert b.acquire(DISPATCH)
+    b.close()
+
+
+def relabel(records: list[Record]) -> list[Record]:
+    """A third each of code, sql and unlabeled records."""
+    domains = ("code", "sql", "")
+    return [
+        dataclasses.replace(r, domain=domains[i % 3], request_id=f"pool-{i}")
+        for i, r in enumerate(records)
+    ]
+
+
+def start_worker(redis_url: str, overrides: list[str], audit: Path, name: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), AUDIT_ENV: str(audit)}
+    command = [sys.executable, "-m", "launcher.cli", "train", "--redis-url", redis_url]
+    command += [*overrides, f"trainer.consumer={name}"]
+    log = open(audit.parent / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def audited(audit: Path) -> dict[str, list[tuple[str, str]]]:
+    """Each worker's audit: (adapter, request id) per record trained, in order."""
+    out = {}
+    for path in audit.glob("*.log"):
+        lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+        out[path.stem] = [(a, r) for a, r in lines]
+    return out
+
+
+def held(url: str, stream: str) -> set[tuple[str, str]]:
+    """(adapter, request id) of the entries adapter streams still hold (unacknowledged)."""
+    client = connect(url)
+    try:
+        out = set()
+        for adapter in ADAPTERS:
+            for _, fields in client.xrange(adapter_stream(stream, adapter)):
+                out.add((adapter, Record.unpack(fields[b"r"]).request_id))
+        return out
+    finally:
+        client.close()
+
+
+def test_three_workers_with_two_sigkilled_train_each_record_once_per_adapter(
+    tmp_path, redis_url, stream, records
+):
+    logged = relabel(records[:96])
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    overrides = trainer_overrides(
+        tmp_path, stream, publish_margin=0.0, pool="true", lease_s=1.5, torch_threads=1
+    )
+    overrides += ["model.adapters=[general,code,sql]", "routing.enabled=false"]
+    group = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.group="))
+    store = open_adapter_store(str(tmp_path / "adapters"))
+    workers = {n: start_worker(redis_url, overrides, audit, n) for n in ("w0", "w1", "w2")}
+    client = connect(redis_url)
+    try:
+
+        def balanced() -> bool:  # one adapter each, once all three joined
+            statuses = read_pool_status(client, stream, group, 10)
+            return len(statuses) == 3 and all(len(s["adapters"]) == 1 for s in statuses)
+
+        wait_until(balanced, 90, "three workers with one adapter each")
+        statuses = read_pool_status(client, stream, group, 10)
+        owners = {a: s["worker"] for s in statuses for a in s["adapters"]}
+        assert sorted(owners) == sorted(ADAPTERS)
+        assert sum(s["dispatching"] for s in statuses) == 1
+
+        push(redis_url, stream, logged[:48])
+        pointers: dict[str, list[int | None]] = defaultdict(list)
+        wait_until(
+            lambda: any(a == "general" for v in audited(audit).values() for a, _ in v),
+            60,
+            "a first step of general",
+        )
+        # Kill the owner of general mid-round, then (once its adapters moved) another worker.
+        killed = []
+        for victim in (owners["general"], owners["code"]):
+            for adapter in ADAPTERS:
+                pointers[adapter].append(store.current(adapter))
+            workers[victim].send_signal(signal.SIGKILL)
+            workers[victim].wait(timeout=10)
+            killed.append(victim)
+            push(redis_url, stream, logged[48:72] if len(killed) == 1 else logged[72:])
+            survivors = {n for n in workers if n not in killed}
+            wait_until(
+                lambda s=survivors: {
+                    a for st in read_pool_status(client, stream, group, 3)
+                    if st["worker"] in s for a in st["adapters"]
+                } == set(ADAPTERS),
+                30,
+                "the survivors to own every adapter",
+            )  # fmt: skip
+
+        def drained() -> bool:
+            info = client.xinfo_groups(stream)[0]
+            if info["pending"] or info["lag"]:
+                return False
+            for adapter in ADAPTERS:
+                for g in client.xinfo_groups(adapter_stream(stream, adapter)):
+                    if g["lag"]:
+                        return False
+            return True
+
+        wait_until(drained, 60, "every record dispatched and read")
+        time.sleep(2.0)  # the last rounds
+    finally:
+        for process in workers.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in workers.values():
+            process.wait(timeout=60)
+        client.close()
+    survivor = next(n for n in workers if n not in killed)
+    assert workers[survivor].returncode == 0
+
+    # Every (adapter, record) the records route to was trained on, or is still held by the
+    # adapter's stream to judge on; nothing else was trained.
+    routed = {(a, r.request_id) for r in logged for a in adapters_for(r, ADAPTERS)}
+    trained_by = audited(audit)
+    trained = Counter(pair for lines in trained_by.values() for pair in lines)
+    still_held = held(redis_url, stream)
+    assert set(trained) <= routed
+    assert routed == set(trained) | still_held, routed - set(trained) - still_held
+    # Trained twice only if a killed worker trained it in its last step (acknowledged right
+    # after the step, which the kill cut off): an acknowledged record is never trained again.
+    last_steps = {
+        pair
+        for name in killed
+        for adapter in ADAPTERS
+        for pair in [p for p in trained_by.get(name, []) if p[0] == adapter][-8:]
+    }
+    twice = {pair for pair, n in trained.items() if n > 1}
+    assert twice <= last_steps, twice - last_steps
+    assert max(trained.values()) <= 2
+    # Every adapter's versions descend from the versions current before each kill.
+    assert any(store.current(a) is not None for a in ADAPTERS)
+    for adapter in ADAPTERS:
+        final = store.current(adapter)
+        if final is None:  # nothing published (every candidate refused): nothing before either
+            assert set(pointers[adapter]) <= {None}
+            continue
+        chain = lineage_of(store, adapter, final)
+        for before in pointers[adapter]:
+            if before is not None:
+                assert before in chain, (adapter, before, chain)
+    print(
+        f"\n[pool] killed {killed}; trained {sum(trained.values())} (adapter, record) pairs, "
+        f"{len(twice)} twice; {len(still_held)} held to judge on"
+    )
+
+
+def lineage_of(store, adapter: str, version: int) -> list[int]:
+    chain = [version]
+    while (parent := store.manifest(adapter, chain[-1]).parent_version) is not None:
+        chain.append(parent)
+    return chain

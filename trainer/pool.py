@@ -1,0 +1,552 @@
+"""A pool of trainer workers sharing one log stream (`trainer.workers` > 1).
+
+Each worker process is a `PoolWorker`. Through Redis leases (`trainer.leases`) the pool decides
+
+- which worker **dispatches** (`DISPATCH`): it reads the log stream as a consumer of
+  `trainer.group`, routes each record as one trainer would (labels, content routing's scores and
+  topics, `trainer.examples.adapters_for`), fits the routing model, and forwards each record to
+  the stream of every adapter that learns from it, ``<stream>:train:<adapter>``, with its assigned
+  domain written into it. Forwarding and acknowledging the log entry are one Lua script that first
+  checks the dispatcher still holds its lease: a record is forwarded exactly once, or stays
+  pending for the next dispatcher;
+- which worker **owns each adapter**: the owner reads that adapter's stream as a consumer of
+  `trainer.group` with a `TrainerWorker` of that adapter alone (windows, rounds, judge,
+  compare-and-set publishing, as with one trainer), acknowledging (and deleting) an entry once it
+  trained on it. An adapter whose owner stops renewing its lease goes to another worker after
+  `trainer.lease_s`, which resumes from the store's pointer and claims every entry the adapter's
+  stream holds pending (`TrainerWorker.resume`).
+
+Each worker renews its leases on a thread; the main loop takes free adapters up to its share
+(``ceil(adapters / live workers)``), gives up those beyond it, follows the versions of adapters
+other workers own (content routing scores records under every adapter's current version), and
+runs one round at a time of the owned adapter with the most to gain. Its status (adapters,
+each adapter stream's lag and pending entries, whether it dispatches) is written to
+``<stream>:trainer:<group>:workers`` for replicas' `/health` and `osd demo`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+
+from osd.adapters import adapter_store_location, open_adapter_store
+from osd.buffer.reader import LogReader
+from osd.buffer.record import Record
+from osd.buffer.redis_server import connect
+from osd.closing import Closeable
+from osd.config import OSDConfig
+from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
+from osd.threads import threads_applied
+from osd.versions.errors import StoreError
+from trainer.adapter_state import adapter_states
+from trainer.data_parallel import DataParallel
+from trainer.draft_trainer import DraftTrainer, build_draft_trainer
+from trainer.examples import Example, adapters_for, entry_time
+from trainer.heartbeat import Heartbeat
+from trainer.leases import DISPATCH, LeaseTable, lease_key, pool_prefix
+from trainer.publisher import Publisher
+from trainer.replay import held_for_judging
+from trainer.routing import RoutingTrainer
+from trainer.tracking import NullTracker, Tracker
+from trainer.worker import NoRouting, RoundReport, TrainerWorker, usable_record
+
+__all__ = ["Dispatcher", "PoolWorker", "adapter_stream", "read_pool_status"]
+
+_log = logging.getLogger(__name__)
+_MAX_READ = 256
+_MAX_CLAIM = 100_000
+AUDIT_ENV = "OSD_TRAINER_AUDIT"  # a directory: each worker appends what it trained and acked
+
+# Forward log entries to adapter streams and acknowledge them, only while holding the dispatch
+# lease. ARGV: worker id, group, entry count, then per entry: its id ("" for a copy with no log
+# entry to acknowledge), the packed record, the number of targets, the targets' KEYS indices.
+_FORWARD = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local n, i, sent = tonumber(ARGV[3]), 4, 0
+for _ = 1, n do
+  local src, payload, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  i = i + 3
+  for _ = 1, k do
+    redis.call('XADD', KEYS[2 + tonumber(ARGV[i])], '*', 'r', payload, 's', src)
+    i = i + 1
+    sent = sent + 1
+  end
+  if src ~= '' then redis.call('XACK', KEYS[2], ARGV[2], src) end
+end
+return sent
+"""
+
+
+def adapter_stream(stream: str, adapter: str) -> str:
+    """The stream a pool forwards `adapter`'s records to."""
+    return f"{stream}:train:{adapter}"
+
+
+def status_key(stream: str, group: str) -> str:
+    return f"{pool_prefix(stream, group)}:workers"
+
+
+def read_pool_status(
+    client: Any, stream: str, group: str, max_age_s: float
+) -> list[dict[str, Any]]:
+    """The pool's workers as they last reported (within `max_age_s`), by worker id."""
+    now, out = time.time(), []
+    for raw in client.hvals(status_key(stream, group)):
+        try:
+            status = json.loads(raw)
+        except ValueError:
+            continue
+        if now - float(status.get("at", 0)) <= max_age_s:
+            out.append(status)
+    return sorted(out, key=lambda s: str(s.get("worker")))
+
+
+class Dispatcher(Closeable):
+    """Reads the log as one consumer of `trainer.group` and forwards each record to its
+    adapters' streams (while this worker holds `DISPATCH`).
+
+    Args:
+        config: the deployment's config.
+        url: the log's Redis.
+        worker_id: this worker (its consumer name).
+        trainer: the draft trainer; content routing scores records under its current slots.
+        versions: adapter -> its current version, kept by the pool for every adapter.
+    """
+
+    def __init__(
+        self,
+        config: OSDConfig,
+        url: str,
+        worker_id: str,
+        trainer: DraftTrainer,
+        versions: Mapping[str, int | None],
+    ) -> None:
+        cfg, stream = config.trainer, config.log.stream
+        self.cfg, self.worker_id = cfg, worker_id
+        self.adapters = list(config.model.adapters)
+        self.vocab_size = int(trainer.model.get_output_embeddings().weight.shape[0])
+        self.reader = LogReader(url, stream, cfg.group, worker_id)
+        self.routing = RoutingTrainer(
+            self.adapters,
+            lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
+            versions,
+            config.routing,
+            open_routing_store(url),
+            name=routing_model_name(stream),
+            stats=RoutingStats(url, stream),
+            keep_versions=config.adapters.keep_versions,
+            gc_grace_s=config.adapters.gc_grace_s,
+            min_records=2 * cfg.min_holdout_records,
+        )
+        self._client = connect(url)
+        self._forward = self._client.register_script(_FORWARD)
+        self._keys = [
+            lease_key(stream, cfg.group, DISPATCH),
+            stream,
+            *(adapter_stream(stream, a) for a in self.adapters),
+        ]
+        # Forwarding waits while an adapter's stream holds this many entries (its owner is
+        # behind or gone): the backlog stays in the log, whose budget bounds it.
+        self.backlog_limit = max(1024, 4 * cfg.steps_per_round * cfg.batch_records)
+        self.counts: Counter[str] = Counter()
+        self.lost = False  # the lease was gone when forwarding: stop dispatching
+        self._unsent: list[tuple[str, bytes, list[int]]] = []
+        self._last_claim = time.monotonic()
+
+    def start(self) -> int:
+        """Claims every entry the group holds pending (a previous dispatcher's) and forwards
+        them; returns how many."""
+        entries = self.reader.claim_stale(0, _MAX_CLAIM)
+        self.counts["claimed"] += len(entries)
+        return self._route(entries)
+
+    def step(self, block_ms: int = 0) -> int:
+        """Forwards what waits (records read before, then stale and new ones); returns how many
+        log entries it handled."""
+        if self._unsent and not self._send():
+            return 0
+        handled = 0
+        idle_ms = self.cfg.claim_idle_ms
+        if idle_ms and time.monotonic() - self._last_claim > idle_ms / 2e3:
+            self._last_claim = time.monotonic()
+            entries = self.reader.claim_stale(idle_ms, _MAX_READ)
+            self.counts["claimed"] += len(entries)
+            handled += self._route(entries)
+        if self._room():
+            entries = self.reader.read(count=_MAX_READ, block_ms=block_ms)
+            self.counts["read"] += len(entries)
+            handled += self._route(entries)
+        self.routing.maybe_fit()
+        return handled
+
+    def _room(self) -> bool:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for key in self._keys[2:]:
+                pipe.xlen(key)
+            lengths = pipe.execute()
+        except redis.RedisError:
+            return False
+        return max(lengths, default=0) < self.backlog_limit
+
+    def _route(self, entries: list[tuple[str, Record]]) -> int:
+        if not entries:
+            return 0
+        usable = []
+        for entry_id, record in entries:
+            if usable_record(record, self.vocab_size):
+                usable.append(Example(entry_id, record, entry_time(entry_id)))
+            else:
+                self.counts["skipped"] += 1
+                self._unsent.append((entry_id, b"", []))
+        assigned, taken = self.routing.observe(usable)
+        for example in usable:
+            domain = assigned.get(example.entry_id) or None
+            self._unsent.append((example.entry_id, *self._copy(example.record, domain)))
+        for example, domain in taken:  # a new topic takes earlier records: one more copy each
+            self._unsent.append(("", *self._copy(example.record, domain, only=domain)))
+        self._send()
+        return len(entries)
+
+    def _copy(
+        self, record: Record, domain: str | None, only: str | None = None
+    ) -> tuple[bytes, list[int]]:
+        """The packed record (its assigned domain written in) and its target adapters."""
+        if domain:
+            record = dataclasses.replace(record, domain=domain)
+        targets = [only] if only else adapters_for(record, self.adapters, domain)
+        return record.pack(), [self.adapters.index(a) for a in targets]
+
+    def _send(self) -> bool:
+        args: list[Any] = [self.worker_id, self.cfg.group, len(self._unsent)]
+        for entry_id, payload, targets in self._unsent:
+            args += [entry_id, payload, len(targets), *(t + 1 for t in targets)]
+        try:
+            sent = int(self._forward(keys=self._keys, args=args))
+        except redis.RedisError as exc:
+            _log.warning("dispatch: Redis did not take %d records (%s); retrying", len(args), exc)
+            return False
+        if sent < 0:
+            _log.warning("dispatch: the lease is gone; %d records stay pending", len(self._unsent))
+            self.lost = True
+        else:
+            self.counts["forwarded"] += sent
+            self.counts["dispatched"] += sum(1 for e, _, _ in self._unsent if e)
+        self._unsent.clear()
+        return sent >= 0
+
+    def close(self) -> None:
+        self.reader.close()
+        self.routing.close()
+        self._client.close()
+
+
+class _Borrowed:
+    """The pool's tracker lent to a member: the member's `close` leaves it open."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.tracker.log(metrics, step)
+
+    def close(self) -> None:
+        pass
+
+
+class PoolWorker(Closeable):
+    """One worker of a pool (module docstring).
+
+    Args:
+        config: the deployment's config (`trainer.lease_s`, `trainer.group`, ...).
+        url: the log's Redis (the adapter store's too, for the redis store).
+        draft, base_model_id: as in `trainer.wiring.wire_trainer`.
+        tracker: where round metrics go.
+        worker_id: this worker's unique name (default `trainer.consumer` or host-pid).
+        data_parallel: the group this worker leads when it trains on several devices.
+    """
+
+    def __init__(
+        self,
+        config: OSDConfig,
+        url: str,
+        *,
+        draft: Any = None,
+        base_model_id: str | None = None,
+        tracker: Tracker | None = None,
+        worker_id: str | None = None,
+        data_parallel: DataParallel | None = None,
+    ) -> None:
+        cfg = self.cfg = config.trainer
+        self.config, self.url = config, url
+        self.stream, self.group = config.log.stream, cfg.group
+        self.adapters = list(config.model.adapters)
+        self.worker_id = worker_id or cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        self.trainer = build_draft_trainer(
+            config, self.adapters, draft, base_model_id, data_parallel
+        )
+        self.states = adapter_states(cfg, self.adapters)  # every adapter's; members own theirs
+        self.location = adapter_store_location(config, url)
+        self.store = open_adapter_store(self.location)
+        self.follower = self._publisher(self.store)  # loads the versions others publish
+        self.tracker = tracker or NullTracker()
+        self.leases = LeaseTable(
+            url, self.stream, self.group, self.worker_id, self.adapters, lease_s=cfg.lease_s
+        )
+        self.leases.on_lost = self._on_lost
+        self.members: dict[str, TrainerWorker] = {}
+        self._member_stop: dict[str, threading.Event] = {}
+        self.dispatcher: Dispatcher | None = None
+        self.totals: Counter[str] = Counter()  # stats of members already given up
+        self.loop_at = time.time()
+        self._status = connect(url)
+        self._audit = _open_audit(self.worker_id)
+        self.heartbeat = Heartbeat(url, self.stream, self.group, self._progress)
+        self._stop = threading.Event()
+
+    def _publisher(self, store: Any) -> Publisher:
+        retention = self.config.adapters
+        return Publisher(
+            store,
+            self.trainer,
+            self.states,
+            keep_versions=retention.keep_versions,
+            gc_grace_s=retention.gc_grace_s,
+        )
+
+    # Membership.
+
+    def _member(self, adapter: str) -> TrainerWorker:
+        """A worker for `adapter` alone, resumed: the store's version loaded, every entry its
+        stream holds pending claimed."""
+        store = open_adapter_store(self.location)
+        stream = adapter_stream(self.stream, adapter)
+        member = TrainerWorker(
+            self.config,
+            trainer=self.trainer,
+            store=store,
+            publisher=self._publisher(store),
+            reader=LogReader(self.url, stream, self.group, self.worker_id, delete_acked=True),
+            routing=NoRouting(),
+            tracker=_Borrowed(self.tracker),
+            heartbeat=lambda progress: Heartbeat(self.url, stream, self.group, progress),
+            owned=[adapter],
+        )
+        stop = self._member_stop[adapter] = threading.Event()
+        member.stop_rounds_on(stop)
+        if self._audit is not None:
+            member.on_trained_records = self._audited
+        member.resume()
+        _log.info("%s: owns %s (%d records pending)", self.worker_id, adapter, member.stats.claimed)
+        return member
+
+    def _on_lost(self, names: list[str]) -> None:
+        """From the renewal thread: rounds of adapters whose lease is gone end after the step."""
+        for name in names:
+            event = self._member_stop.get(name)
+            if event is not None:
+                event.set()
+
+    def _drop(self, adapter: str) -> None:
+        member = self.members.pop(adapter, None)
+        self._member_stop.pop(adapter, None)
+        if member is None:
+            return
+        self.totals.update(
+            {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
+        )
+        member.close()
+
+    def _rebalance(self) -> None:
+        self._drop_lost()
+        taken, surplus = self.leases.balance()
+        for adapter in surplus:
+            self._drop(adapter)
+            self.leases.release(adapter)
+        for adapter in taken:
+            self.members[adapter] = self._member(adapter)
+        if self.dispatcher is None and self.leases.acquire(DISPATCH):
+            self.dispatcher = Dispatcher(
+                self.config, self.url, self.worker_id, self.trainer, self.follower.versions
+            )
+            claimed = self.dispatcher.start()
+            _log.info(
+                "%s: dispatches the log (%d pending entries claimed)", self.worker_id, claimed
+            )
+
+    def _drop_lost(self) -> None:
+        lost = self.leases.lost()
+        if self.dispatcher is not None and (DISPATCH in lost or self.dispatcher.lost):
+            self.dispatcher.close()
+            self.dispatcher = None
+            if DISPATCH not in lost:
+                self.leases.release(DISPATCH)
+        for adapter in lost - {DISPATCH}:
+            self._drop(adapter)
+
+    def _follow(self) -> None:
+        """Loads the versions other workers published of the adapters this one does not own."""
+        for adapter in self.adapters:
+            if adapter in self.members:
+                continue
+            try:
+                if self.store.current(adapter) != self.states[adapter].version:
+                    self.follower.restore(adapter)
+            except StoreError as exc:
+                _log.debug("%s: cannot follow %s (%s)", self.worker_id, adapter, exc)
+
+    # Training.
+
+    def _train_once(self) -> RoundReport | None:
+        for member in self.members.values():
+            member.ingest(block_ms=0)
+            member.routing.maybe_fit()
+        ready = [(m, a) for m in self.members.values() for a in m.ready()]
+        if not ready:
+            return None
+        member, adapter = max(ready, key=lambda ma: ma[0].priority(ma[1]))
+        return member.train_round(adapter)
+
+    def run(
+        self,
+        stop: threading.Event | None = None,
+        *,
+        max_rounds: int | None = None,
+        exit_when_idle_s: float | None = None,
+    ) -> int:
+        """Takes part in the pool until `stop`, `max_rounds` rounds, or (with
+        `exit_when_idle_s`) nothing read, forwarded or trained for that long.
+
+        Returns:
+            The number of rounds this worker ran.
+        """
+        stop = self._stop = stop or threading.Event()
+        with threads_applied("trainer", self.cfg.torch_threads) as threads:
+            _log.info("%s: %s", self.worker_id, threads.describe())
+            self.leases.start()
+            self.heartbeat.start()
+            rounds, idle_since, next_balance = 0, time.monotonic(), 0.0
+            while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
+                self.loop_at = time.time()
+                if time.monotonic() >= next_balance:
+                    next_balance = time.monotonic() + self.cfg.lease_s / 3
+                    self._rebalance()
+                    self._follow()
+                    self._report_status()
+                else:
+                    self._drop_lost()
+                before = self._progress_count()
+                handled = self.dispatcher.step() if self.dispatcher is not None else 0
+                report = self._train_once()
+                rounds += report is not None
+                if report is not None or handled or self._progress_count() != before:
+                    idle_since = time.monotonic()
+                    continue
+                if (
+                    exit_when_idle_s is not None
+                    and time.monotonic() - idle_since > exit_when_idle_s
+                    and not any(
+                        s.data.fresh for m in self.members.values() for s in m.states.values()
+                    )
+                ):
+                    break
+                stop.wait(0.05)
+            return rounds
+
+    def _progress_count(self) -> int:
+        return sum(m.stats.read + m.stats.claimed for m in self.members.values())
+
+    def _progress(self) -> tuple[float, float, int, int]:
+        """(loop_at, last_ack_at, rounds, judging) for the heartbeat of the log's group."""
+        members = list(self.members.values())
+        readers = [m.reader for m in members]
+        if self.dispatcher is not None:
+            readers.append(self.dispatcher.reader)
+        last_ack = max((r.last_ack_at for r in readers), default=0.0)
+        rounds = sum(m.stats.rounds for m in members) + int(self.totals["rounds"])
+        judging = sum(
+            held_for_judging(m.acks, [s.data for s in m.states.values()]) for m in members
+        )
+        return self.loop_at, last_ack, rounds, judging
+
+    def _report_status(self) -> None:
+        lags: dict[str, dict[str, int | None]] = {}
+        for adapter, member in self.members.items():
+            metrics = member.reader.metrics()
+            lags[adapter] = {"lag": metrics.lag, "pending": metrics.pending}
+        status = {
+            "worker": self.worker_id,
+            "pid": os.getpid(),
+            "adapters": list(self.members),
+            "dispatching": self.dispatcher is not None,
+            "streams": lags,
+            "rounds": self._progress()[2],
+            "published": sum(m.stats.published for m in self.members.values())
+            + int(self.totals["published"]),
+            "at": time.time(),
+        }
+        try:
+            self._status.hset(
+                status_key(self.stream, self.group), self.worker_id, json.dumps(status)
+            )
+        except redis.RedisError as exc:
+            _log.debug("%s: status not written (%s)", self.worker_id, exc)
+
+    def stats(self) -> dict[str, Any]:
+        """Totals over the adapters this worker owned, and what it dispatched."""
+        totals: Counter[str] = Counter(self.totals)
+        for member in self.members.values():
+            totals.update(
+                {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
+            )
+        out: dict[str, Any] = dict(totals)
+        out["dispatch"] = dict(self.dispatcher.counts) if self.dispatcher is not None else {}
+        out["adapters"] = list(self.members)
+        return out
+
+    def _audited(self, adapter: str, records: list[Record]) -> None:
+        assert self._audit is not None
+        self._audit.write("".join(f"{adapter} {r.request_id}\n" for r in records))
+
+    def close(self) -> None:
+        """Ends its rounds, gives every adapter and the dispatch up, and leaves the pool."""
+        final = self.stats()
+        for adapter in list(self.members):
+            self._drop(adapter)
+        if self.dispatcher is not None:
+            self.dispatcher.close()
+            self.dispatcher = None
+        self.leases.close()
+        self.heartbeat.close()
+        with contextlib.suppress(redis.RedisError):
+            self._status.hdel(status_key(self.stream, self.group), self.worker_id)
+        self._status.close()
+        close_store = getattr(self.store, "close", None)
+        if callable(close_store):
+            close_store()
+        self.tracker.close()
+        if self._audit is not None:
+            self._audit.close()
+        self.final_stats = final
+
+
+def _open_audit(worker_id: str) -> TextIO | None:
+    """`OSD_TRAINER_AUDIT=<dir>`: one line per record trained (`<adapter> <request id>`),
+    written as it is trained, for fault tests and audits (never on by default)."""
+    folder = os.environ.get(AUDIT_ENV)
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return open(Path(folder) / f"{worker_id}.log", "a", buffering=1)  # noqa: SIM115
