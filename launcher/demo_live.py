@@ -17,6 +17,7 @@ from launcher.demo_traffic import Sample, TrafficDriver
 __all__ = [
     "describe_chat",
     "describe_loop",
+    "describe_workers",
     "live_view",
     "poll_health",
     "recent_by_domain",
@@ -56,6 +57,19 @@ def describe_loop(health: dict[str, Any], supervision: dict[str, dict[str, Any]]
             line += f"; {name} {part['state']}, restarted {part['restarts']}x"
             line += f" (last: {part['last_exit']})" if part["last_exit"] else ""
     return line
+
+
+def describe_workers(health: dict[str, Any]) -> str:
+    """One line on a trainer pool (`trainer.workers` > 1), ending in a newline; "" without."""
+    workers = health.get("trainer_workers") or []
+    if not workers:
+        return ""
+    parts = []
+    for w in workers:
+        role = ", dispatching" if w.get("dispatching") else ""
+        adapters = ", ".join(w.get("adapters", [])) or "none"
+        parts.append(f"{w.get('worker')} [{adapters}] lag {w.get('lag', 0)}{role}")
+    return f"trainer workers: {'; '.join(parts)}\n"
 
 
 def describe_chat(samples: list[Sample]) -> str:
@@ -115,6 +129,7 @@ def live_view(
         f"drafted by (whole run): {describe_mix(proposer_mix(samples))}\n"
         f"adapters in service: {versions}\n"
         + describe_chat(samples)
+        + describe_workers(health)
         + describe_loop(health, supervision or {})
     )
     return table

@@ -88,15 +88,20 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """Liveness: 200 while the process answers. The body says whether the loop around
-        the replica works (``status``: ok or degraded, with ``problems``)."""
+        the replica works (``status``: ok or degraded, with ``problems``), and, with a trainer
+        pool, each worker's adapters and lag (``trainer_workers``)."""
         report = loop()
-        return {
+        body = {
             "status": report["status"],
             "problems": report["problems"],
             "pid": os.getpid(),
             "adapters": {a: runtime.slots.current(a) for a in runtime.slots.adapters},
             "adapter_events": list(runtime.adapter_events)[-20:],
         }
+        workers = report.get("checks", {}).get("trainer", {}).get("workers")
+        if workers:  # a trainer pool: who owns which adapter, how far behind
+            body["trainer_workers"] = workers
+        return body
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

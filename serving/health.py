@@ -21,7 +21,7 @@ from typing import Any
 import redis
 
 from osd.adapters.codec import AdapterStore
-from osd.buffer.loop_status import read_beat, trainer_beat_key
+from osd.buffer.loop_status import read_beat, read_pool_status, trainer_beat_key
 from osd.buffer.redis_server import connect, redact_url
 from osd.buffer.stream_info import read_group_info
 from osd.versions.errors import StoreError
@@ -207,6 +207,9 @@ class LoopHealth:
         except redis.RedisError as exc:
             return _broken(f"cannot ask Redis ({type(exc).__name__})")
         check: dict[str, Any] = {"status": "ok", **group}
+        workers = self._pool_workers()
+        if workers:
+            check["workers"] = workers
         if beat is None:
             check["problem"] = "no trainer has reported on this stream"
             return _graded(check)
@@ -232,6 +235,26 @@ class LoopHealth:
             since = now - max(beat.last_ack_at, beat.started_at)
             check["problem"] = f"{waiting} records waiting, none acknowledged for {since:.0f} s"
         return _graded(check)
+
+    def _pool_workers(self) -> list[dict[str, Any]]:
+        """A trainer pool's workers (`trainer.pool`): each one's adapters and how far behind
+        their streams are; empty for a single trainer."""
+        assert self._client is not None
+        statuses = read_pool_status(
+            self._client, self.stream, self.group, 3 * self.limits.trainer_silent_s
+        )
+        return [
+            {
+                "worker": s.get("worker"),
+                "pid": s.get("pid"),
+                "adapters": s.get("adapters", []),
+                "dispatching": bool(s.get("dispatching")),
+                "lag": sum((v.get("lag") or 0) for v in s.get("streams", {}).values()),
+                "pending": sum((v.get("pending") or 0) for v in s.get("streams", {}).values()),
+                "report_age_s": round(time.time() - float(s.get("at", 0)), 1),
+            }
+            for s in statuses
+        ]
 
     def _group_info(self) -> dict[str, Any]:
         assert self._client is not None

@@ -26,6 +26,14 @@ def test_compose_services_run_existing_commands_with_existing_configs():
         load_config(ROOT / config)
         assert "healthcheck" in services[name]
         assert services[name]["build"] == "."
+    # The trainer service scales (`--scale trainer=N`): each container is one worker of a pool,
+    # its overrides valid for the config it names.
+    trainer = services["trainer"]["command"]
+    overrides = [arg for arg in trainer[2:] if "=" in arg and not arg.startswith("-")]
+    assert "trainer.pool=true" in overrides
+    config_path = ROOT / trainer[trainer.index("--config") + 1]
+    assert load_config(config_path, overrides).trainer.pool
+    assert "container_name" not in services["trainer"]  # a fixed name cannot scale
     assert (ROOT / "Dockerfile").exists() and (ROOT / ".env.example").exists()
     assert "REDIS_PASSWORD" in (ROOT / ".env.example").read_text()
 

@@ -42,6 +42,7 @@ from typing import Any, TextIO
 import redis
 
 from osd.adapters import adapter_store_location, open_adapter_store
+from osd.buffer.loop_status import pool_status_key
 from osd.buffer.reader import LogReader
 from osd.buffer.record import Record
 from osd.buffer.redis_server import connect
@@ -55,14 +56,14 @@ from trainer.data_parallel import DataParallel
 from trainer.draft_trainer import DraftTrainer, build_draft_trainer
 from trainer.examples import Example, adapters_for, entry_time
 from trainer.heartbeat import Heartbeat
-from trainer.leases import DISPATCH, LeaseTable, lease_key, pool_prefix
+from trainer.leases import DISPATCH, LeaseTable, lease_key
 from trainer.publisher import Publisher
 from trainer.replay import held_for_judging
 from trainer.routing import RoutingTrainer
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker import NoRouting, RoundReport, TrainerWorker, usable_record
 
-__all__ = ["Dispatcher", "PoolWorker", "adapter_stream", "read_pool_status"]
+__all__ = ["Dispatcher", "PoolWorker", "adapter_stream"]
 
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
@@ -92,25 +93,6 @@ return sent
 def adapter_stream(stream: str, adapter: str) -> str:
     """The stream a pool forwards `adapter`'s records to."""
     return f"{stream}:train:{adapter}"
-
-
-def status_key(stream: str, group: str) -> str:
-    return f"{pool_prefix(stream, group)}:workers"
-
-
-def read_pool_status(
-    client: Any, stream: str, group: str, max_age_s: float
-) -> list[dict[str, Any]]:
-    """The pool's workers as they last reported (within `max_age_s`), by worker id."""
-    now, out = time.time(), []
-    for raw in client.hvals(status_key(stream, group)):
-        try:
-            status = json.loads(raw)
-        except ValueError:
-            continue
-        if now - float(status.get("at", 0)) <= max_age_s:
-            out.append(status)
-    return sorted(out, key=lambda s: str(s.get("worker")))
 
 
 class Dispatcher(Closeable):
@@ -499,7 +481,7 @@ class PoolWorker(Closeable):
         }
         try:
             self._status.hset(
-                status_key(self.stream, self.group), self.worker_id, json.dumps(status)
+                pool_status_key(self.stream, self.group), self.worker_id, json.dumps(status)
             )
         except redis.RedisError as exc:
             _log.debug("%s: status not written (%s)", self.worker_id, exc)
@@ -531,7 +513,7 @@ class PoolWorker(Closeable):
         self.leases.close()
         self.heartbeat.close()
         with contextlib.suppress(redis.RedisError):
-            self._status.hdel(status_key(self.stream, self.group), self.worker_id)
+            self._status.hdel(pool_status_key(self.stream, self.group), self.worker_id)
         self._status.close()
         close_store = getattr(self.store, "close", None)
         if callable(close_store):

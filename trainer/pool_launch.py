@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from osd.process import die_with_parent_preexec
+
 __all__ = ["run_members"]
 
 _log = logging.getLogger("trainer")
@@ -46,7 +48,11 @@ def run_members(argv: Sequence[str], workers: int, stop: threading.Event) -> int
     """
 
     def start(index: int) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(member_command(argv, index), env={**os.environ})
+        process = subprocess.Popen(
+            member_command(argv, index),
+            env={**os.environ},
+            preexec_fn=die_with_parent_preexec(),  # no orphaned worker if this one is killed
+        )
         _log.info("pool worker %d started (pid %d)", index, process.pid)
         return process
 

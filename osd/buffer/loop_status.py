@@ -74,3 +74,28 @@ def read_beat(client: redis.Redis, key: str) -> TrainerBeat | None:
         )
     except (KeyError, ValueError):
         return None
+
+
+def pool_status_key(stream: str, group: str) -> str:
+    """The hash where each worker of a trainer pool (`trainer.pool`) reports its status."""
+    return f"{trainer_beat_key(stream, group)}:workers"
+
+
+def read_pool_status(
+    client: redis.Redis, stream: str, group: str, max_age_s: float
+) -> list[dict[str, Any]]:
+    """The pool's workers as they last reported within `max_age_s` (worker id, pid, adapters,
+    whether it dispatches, each adapter stream's lag and pending entries, rounds, published),
+    by worker id; empty when no pool trains on this stream."""
+    import json
+    import time
+
+    now, out = time.time(), []
+    for raw in client.hvals(pool_status_key(stream, group)):
+        try:
+            status = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(status, dict) and now - float(status.get("at", 0)) <= max_age_s:
+            out.append(status)
+    return sorted(out, key=lambda s: str(s.get("worker")))

@@ -246,3 +246,18 @@ def test_the_proposer_mix_counts_speculative_requests_and_shows_in_the_live_view
     console.print(table)
     text = console.export_text()
     assert "suffix 75 % (acc 0.75)" in text and "drafted by (whole run)" in text
+
+
+def test_the_live_view_names_each_trainer_worker_and_its_adapters():
+    from launcher.demo_live import describe_workers
+
+    health = {
+        "trainer_workers": [
+            {"worker": "a", "adapters": ["general", "code"], "lag": 0, "dispatching": True},
+            {"worker": "b", "adapters": [], "lag": 0, "dispatching": False},
+        ]
+    }
+    assert describe_workers(health) == (
+        "trainer workers: a [general, code] lag 0, dispatching; b [none] lag 0\n"
+    )
+    assert describe_workers({"status": "ok"}) == ""

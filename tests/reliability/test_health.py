@@ -136,3 +136,37 @@ def test_ready_is_503_when_the_decode_loop_stopped():
         replica.runtime.batch.close()
         assert replica.client.get("/ready").status_code == 503
         assert replica.client.get("/health").status_code == 200  # alive, though not serving
+
+
+def test_a_trainer_pool_shows_each_worker_its_adapters_and_their_lag(redis_server, tmp_path):
+    """With a pool (`trainer.pool`), /ready's trainer check lists every worker: its adapters,
+    whether it dispatches the log, and how far its adapters' streams are behind."""
+    from trainer.pool import PoolWorker
+
+    config = make_config(
+        tmp_path, STREAM, "adapters.store=redis", group="trainer", pool="true", lease_s=1.0
+    )
+    worker = PoolWorker(config, redis_server.url, draft=headroom_draft(), base_model_id="toy")
+    stop = threading.Event()
+    thread = threading.Thread(target=worker.run, args=(stop,), daemon=True)
+    with running_replica(toy_config(), redis_url=redis_server.url, health_limits=LIMITS) as replica:
+        thread.start()
+        try:
+            for _ in range(3):
+                assert replica.complete().status_code == 200
+
+            def workers() -> list:
+                return replica.client.get("/ready").json()["checks"]["trainer"].get("workers", [])
+
+            wait_for(lambda: len(workers()) == 1 and workers()[0]["adapters"] == ["general"], 30)
+            (shown,) = workers()
+            assert shown["worker"] == worker.worker_id and shown["dispatching"] is True
+            assert shown["lag"] == 0 and shown["report_age_s"] < 10
+            wait_for(lambda: replica.health().get("trainer_workers") == workers(), 10)
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+            worker.close()
+    with running_replica(toy_config(), redis_url=redis_server.url, health_limits=LIMITS) as replica:
+        # A worker that left the pool is no longer shown.
+        assert "workers" not in replica.client.get("/ready").json()["checks"]["trainer"]

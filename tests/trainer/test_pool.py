@@ -5,6 +5,7 @@ or still held to judge on, and every adapter's versions descend from the last pu
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -14,13 +15,14 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from osd.adapters import open_adapter_store
+from osd.buffer.loop_status import read_pool_status
 from osd.buffer.record import Record
 from osd.buffer.redis_server import connect
 from tests.trainer.conftest import push, trainer_overrides
 from tests.trainer.test_restart import REPO
 from trainer.examples import adapters_for
 from trainer.leases import DISPATCH, LeaseTable
-from trainer.pool import AUDIT_ENV, adapter_stream, read_pool_status
+from trainer.pool import AUDIT_ENV, adapter_stream
 
 ADAPTERS = ["general", "code", "sql"]
 
@@ -224,3 +226,28 @@ def lineage_of(store, adapter: str, version: int) -> list[int]:
     while (parent := store.manifest(adapter, chain[-1]).parent_version) is not None:
         chain.append(parent)
     return chain
+
+
+def test_osd_train_workers_starts_a_pool_that_trains_every_adapter(
+    tmp_path, redis_url, stream, records
+):
+    logged = relabel(records[:48])
+    push(redis_url, stream, logged)
+    overrides = trainer_overrides(tmp_path, stream, publish_margin=0.0, lease_s=1.5)
+    overrides += ["model.adapters=[general,code,sql]", "routing.enabled=false"]
+    audit = tmp_path / "audit"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), AUDIT_ENV: str(audit)}
+    command = [sys.executable, "-m", "launcher.cli", "train", "--redis-url", redis_url]
+    command += ["--workers", "2", "--exit-when-idle", "3", *overrides]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("pool worker") >= 2  # two members started (and logged)
+    stats = [json.loads(line)["trainer_stats"] for line in done.stdout.splitlines() if line]
+    assert len(stats) == 2
+    # Between them they trained every adapter, each record once per adapter it routes to (the
+    # rest waits in a judge window).
+    trained = Counter(pair for lines in audited(audit).values() for pair in lines)
+    assert {a for a, _ in trained} == set(ADAPTERS)
+    assert max(trained.values()) == 1
+    routed = {(a, r.request_id) for r in logged for a in adapters_for(r, ADAPTERS)}
+    assert set(trained) | held(redis_url, stream) == routed
