@@ -292,6 +292,7 @@ class PoolWorker(Closeable):
         self._member_stop: dict[str, threading.Event] = {}
         self.dispatcher: Dispatcher | None = None
         self.totals: Counter[str] = Counter()  # stats of members already given up
+        self._latencies: list[float] = []  # their record-to-version seconds
         self.loop_at = time.time()
         self._status = connect(url)
         self._audit = _open_audit(self.worker_id)
@@ -349,7 +350,11 @@ class PoolWorker(Closeable):
         self.totals.update(
             {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
         )
+        self._latencies.extend(member.stats.latencies)
         member.close()
+        # Its windows held records now pending for the next owner: start from nothing if this
+        # worker takes the adapter again (its version is followed from the store meanwhile).
+        self.states[adapter] = adapter_states(self.cfg, self.adapters)[adapter]
 
     def _rebalance(self) -> None:
         self._drop_lost()
@@ -417,8 +422,9 @@ class PoolWorker(Closeable):
         stop = self._stop = stop or threading.Event()
         with threads_applied("trainer", self.cfg.torch_threads) as threads:
             _log.info("%s: %s", self.worker_id, threads.describe())
-            self.leases.start()
-            self.heartbeat.start()
+            if not self.heartbeat.started:  # a second `run` goes on where the first stopped
+                self.leases.start()
+                self.heartbeat.start()
             rounds, idle_since, next_balance = 0, time.monotonic(), 0.0
             while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
                 self.loop_at = time.time()
@@ -494,6 +500,16 @@ class PoolWorker(Closeable):
                 {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
             )
         out: dict[str, Any] = dict(totals)
+        latencies = sorted(
+            [*self._latencies, *(x for m in self.members.values() for x in m.stats.latencies)]
+        )
+        if latencies:
+            out["record_to_version_s"] = {
+                "p50": latencies[len(latencies) // 2],
+                "p90": latencies[int(len(latencies) * 0.9)],
+                "max": latencies[-1],
+                "count": len(latencies),
+            }
         out["dispatch"] = dict(self.dispatcher.counts) if self.dispatcher is not None else {}
         out["adapters"] = list(self.members)
         return out

@@ -16,7 +16,9 @@ after an acknowledgement. A record is acknowledged once every adapter it was rou
 it (an unusable one at once); until then it stays pending in the group, and a restarted worker
 (any consumer name) first claims every pending entry, so a crash loses no record, only the
 replay windows and candidate progress since the last published version (`Publisher.restore`).
-One trainer per consumer group: at start-up it claims all of the group's pending entries.
+One trainer per consumer group: at start-up it claims all of the group's pending entries. A
+pool of workers (`trainer.pool`) runs one `TrainerWorker` per owned adapter on that adapter's
+own stream instead.
 """
 
 from __future__ import annotations

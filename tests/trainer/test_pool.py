@@ -251,3 +251,36 @@ def test_osd_train_workers_starts_a_pool_that_trains_every_adapter(
     assert max(trained.values()) == 1
     routed = {(a, r.request_id) for r in logged for a in adapters_for(r, ADAPTERS)}
     assert set(trained) | held(redis_url, stream) == routed
+
+
+def test_an_adapter_given_up_and_taken_back_trains_no_record_twice(
+    tmp_path, redis_url, stream, records, monkeypatch
+):
+    """Its windows held records that went back to pending when the worker gave the adapter up;
+    taking it back claims them again, into empty windows."""
+    from tests.trainer.conftest import headroom_draft, make_config
+    from trainer.pool import PoolWorker
+
+    audit = tmp_path / "audit"
+    monkeypatch.setenv(AUDIT_ENV, str(audit))
+    config = make_config(
+        tmp_path, stream, "model.adapters=[general,code,sql]", "routing.enabled=false",
+        pool="true", lease_s=1.0, publish_margin=0.0,
+    )  # fmt: skip
+    worker = PoolWorker(config, redis_url, draft=headroom_draft(), base_model_id="toy")
+    logged = relabel(records[:96])
+    try:
+        push(redis_url, stream, logged[:48])
+        worker.run(max_rounds=2)
+        assert "code" in worker.members and worker.states["code"].data.holdout
+        worker._drop("code")  # as when giving it up to a newcomer
+        worker.leases.release("code")
+        push(redis_url, stream, logged[48:])
+        worker.run(exit_when_idle_s=2.0)  # takes it back, claims what its windows held
+        assert "code" in worker.members
+    finally:
+        worker.close()
+    trained = Counter(pair for lines in audited(audit).values() for pair in lines)
+    assert trained and max(trained.values()) == 1, [p for p, n in trained.items() if n > 1]
+    routed = {(a, r.request_id) for r in logged for a in adapters_for(r, ADAPTERS)}
+    assert set(trained) | held(redis_url, stream) == routed
