@@ -240,9 +240,12 @@ class LoopHealth:
         """A trainer pool's workers (`trainer.pool`): each one's adapters and how far behind
         their streams are; empty for a single trainer."""
         assert self._client is not None
-        statuses = read_pool_status(
-            self._client, self.stream, self.group, 3 * self.limits.trainer_silent_s
-        )
+        try:
+            statuses = read_pool_status(
+                self._client, self.stream, self.group, 3 * self.limits.trainer_silent_s
+            )
+        except redis.RedisError:  # e.g. an ACL without the pool's key: the beat still tells
+            return []
         return [
             {
                 "worker": s.get("worker"),

@@ -1,10 +1,13 @@
-"""The worker as a Ray actor: `TrainerService` runs a `TrainerWorker` on a background thread, so
-the actor keeps answering `stats` and `stop` while it trains.
+"""The worker as a Ray actor: `TrainerService` runs a `TrainerWorker` (or, with `trainer.pool`,
+a `trainer.pool.PoolWorker`) on a background thread, so the actor keeps answering `stats` and
+`stop` while it trains.
 
     handle = trainer_actor(config, redis_url, num_gpus=1)   # ray.remote(TrainerService)
     ray.get(handle.start.remote())
     ray.get(handle.stats.remote())
     ray.get(handle.stop.remote())
+
+    handles = trainer_pool_actors(config, redis_url, workers=4, num_gpus=1)  # a pool, a GPU each
 
 `TrainerService` itself has no Ray in it (tests and the embedded demo can use it in-process);
 `trainer_actor` imports Ray only when called.
@@ -19,7 +22,7 @@ from typing import Any
 
 from osd.config import OSDConfig, config_from_dict
 
-__all__ = ["TrainerService", "trainer_actor"]
+__all__ = ["TrainerService", "trainer_actor", "trainer_pool_actors"]
 
 _log = logging.getLogger(__name__)
 
@@ -55,7 +58,12 @@ class TrainerService:
 
         kwargs = dict(self._worker_kwargs)
         kwargs.setdefault("tracker", open_tracker(self.config))
-        self._worker = wire_trainer(self.config, self.redis_url, **kwargs)
+        if self.config.trainer.pool:
+            from trainer.pool import PoolWorker
+
+            self._worker = PoolWorker(self.config, self.redis_url, **kwargs)
+        else:
+            self._worker = wire_trainer(self.config, self.redis_url, **kwargs)
         self._thread = threading.Thread(target=self._run, name="trainer", daemon=True)
         self._thread.start()
 
@@ -76,12 +84,12 @@ class TrainerService:
         """The worker's totals, its published versions, and whether it runs or failed."""
         if self._worker is None:
             return {"running": False}
-        return {
-            **self._worker.stats.as_dict(),
-            "versions": dict(self._worker.publisher.versions),
-            "running": self.running,
-            "error": self._error,
-        }
+        if self.config.trainer.pool:  # a pool worker: what it owns and owned
+            totals, versions = self._worker.stats(), dict(self._worker.follower.versions)
+        else:
+            totals = self._worker.stats.as_dict()
+            versions = dict(self._worker.publisher.versions)
+        return {**totals, "versions": versions, "running": self.running, "error": self._error}
 
     def stop(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Stops after the current step, waits for the thread, returns the final stats."""
@@ -99,3 +107,24 @@ def trainer_actor(
 
     remote_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(TrainerService)
     return remote_cls.remote(dataclasses.asdict(config), redis_url)
+
+
+def trainer_pool_actors(
+    config: OSDConfig,
+    redis_url: str,
+    *,
+    workers: int,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+) -> list[Any]:
+    """`workers` actors, each one worker of a pool (`trainer.pool`) with `num_gpus` of its own;
+    call `start` on each. Ray places them; the pool shares the adapters out by itself."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    pooled = dataclasses.replace(
+        config, trainer=dataclasses.replace(config.trainer, pool=True, workers=1)
+    )
+    return [
+        trainer_actor(pooled, redis_url, num_cpus=num_cpus, num_gpus=num_gpus)
+        for _ in range(workers)
+    ]

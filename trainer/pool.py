@@ -354,7 +354,9 @@ class PoolWorker(Closeable):
         member.close()
         # Its windows held records now pending for the next owner: start from nothing if this
         # worker takes the adapter again (its version is followed from the store meanwhile).
-        self.states[adapter] = adapter_states(self.cfg, self.adapters)[adapter]
+        fresh = adapter_states(self.cfg, self.adapters)[adapter]
+        fresh.version = self.states[adapter].version  # what its slots still hold
+        self.states[adapter] = fresh
 
     def _rebalance(self) -> None:
         self._drop_lost()

@@ -91,7 +91,7 @@ def read_pool_status(
     import time
 
     now, out = time.time(), []
-    for raw in client.hvals(pool_status_key(stream, group)):
+    for raw in client.hgetall(pool_status_key(stream, group)).values():  # HGETALL: replicas' ACL
         try:
             status = json.loads(raw)
         except ValueError:
