@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -73,18 +73,22 @@ AUDIT_ENV = "OSD_TRAINER_AUDIT"  # a directory: each worker appends what it trai
 # Forward log entries to adapter streams and acknowledge them, only while holding the dispatch
 # lease. ARGV: worker id, group, entry count, then per entry: its id ("" for a copy with no log
 # entry to acknowledge), the packed record, the number of targets, the targets' KEYS indices.
+# An entry acknowledged already is not forwarded again: a retry of a call whose reply was lost
+# (it ran, the connection dropped) forwards nothing twice.
 _FORWARD = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n, i, sent = tonumber(ARGV[3]), 4, 0
 for _ = 1, n do
   local src, payload, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
   i = i + 3
+  local fresh = src == '' or redis.call('XACK', KEYS[2], ARGV[2], src) == 1
   for _ = 1, k do
-    redis.call('XADD', KEYS[2 + tonumber(ARGV[i])], '*', 'r', payload, 's', src)
+    if fresh then
+      redis.call('XADD', KEYS[2 + tonumber(ARGV[i])], '*', 'r', payload, 's', src)
+      sent = sent + 1
+    end
     i = i + 1
-    sent = sent + 1
   end
-  if src ~= '' then redis.call('XACK', KEYS[2], ARGV[2], src) end
 end
 return sent
 """
@@ -218,7 +222,9 @@ class Dispatcher(Closeable):
         try:
             sent = int(self._forward(keys=self._keys, args=args))
         except redis.RedisError as exc:
-            _log.warning("dispatch: Redis did not take %d records (%s); retrying", len(args), exc)
+            _log.warning(
+                "dispatch: Redis did not take %d records (%s); retrying", len(self._unsent), exc
+            )
             return False
         if sent < 0:
             _log.warning("dispatch: the lease is gone; %d records stay pending", len(self._unsent))
@@ -233,6 +239,18 @@ class Dispatcher(Closeable):
         self.reader.close()
         self.routing.close()
         self._client.close()
+
+
+class _StopWhen(threading.Event):
+    """A member's stop: set itself when its adapter's lease is lost, or when `also` says the
+    whole worker stops (SIGTERM: the round ends after its current step, as one trainer's)."""
+
+    def __init__(self, also: Callable[[], bool]) -> None:
+        super().__init__()
+        self.also = also
+
+    def is_set(self) -> bool:
+        return super().is_set() or self.also()
 
 
 class _Borrowed:
@@ -327,7 +345,7 @@ class PoolWorker(Closeable):
             heartbeat=lambda progress: Heartbeat(self.url, stream, self.group, progress),
             owned=[adapter],
         )
-        stop = self._member_stop[adapter] = threading.Event()
+        stop = self._member_stop[adapter] = _StopWhen(lambda: self._stop.is_set())
         member.stop_rounds_on(stop)
         if self._audit is not None:
             member.on_trained_records = self._audited

@@ -27,8 +27,10 @@ from trainer.pool import AUDIT_ENV, adapter_stream
 ADAPTERS = ["general", "code", "sql"]
 
 
-def table(url: str, stream: str, worker: str, lease_s: float = 10.0) -> LeaseTable:
-    return LeaseTable(url, stream, "g", worker, ADAPTERS, lease_s=lease_s)
+def table(
+    url: str, stream: str, worker: str, lease_s: float = 10.0, group: str = "g"
+) -> LeaseTable:
+    return LeaseTable(url, stream, group, worker, ADAPTERS, lease_s=lease_s)
 
 
 def test_leases_share_the_adapters_and_a_dead_workers_go_to_the_others(redis_url, stream):
@@ -284,3 +286,38 @@ def test_an_adapter_given_up_and_taken_back_trains_no_record_twice(
     assert trained and max(trained.values()) == 1, [p for p, n in trained.items() if n > 1]
     routed = {(a, r.request_id) for r in logged for a in adapters_for(r, ADAPTERS)}
     assert set(trained) | held(redis_url, stream) == routed
+
+
+def test_forwarding_is_fenced_by_the_lease_and_never_forwards_an_entry_twice(
+    tmp_path, redis_url, stream, records
+):
+    from tests.trainer.conftest import headroom_draft, make_config
+    from trainer.draft_trainer import DraftTrainer
+    from trainer.pool import Dispatcher
+
+    config = make_config(tmp_path, stream, "model.adapters=[general,code,sql]", pool="true")
+    trainer = DraftTrainer(headroom_draft(), config.model, ADAPTERS, base_model_id="toy")
+    leases = table(redis_url, stream, "w", group=config.trainer.group)
+    assert leases.acquire(DISPATCH)
+    dispatcher = Dispatcher(config, redis_url, "w", trainer, dict.fromkeys(ADAPTERS))
+    client = connect(redis_url)
+
+    def lengths() -> list[int]:
+        return [client.xlen(adapter_stream(stream, a)) for a in ADAPTERS]
+
+    try:
+        push(redis_url, stream, relabel(records[:6]))
+        entries = dispatcher.reader.read(count=6, block_ms=0)
+        dispatcher._route(entries[:3])
+        assert lengths() == [3, 1, 1]  # general all, code and sql theirs
+        dispatcher._unsent = [(e, b"x", [0]) for e, _ in entries[:3]]
+        assert dispatcher._send() and lengths() == [3, 1, 1]  # a lost reply, retried: no copy
+        # Another worker holds the dispatch lease now: nothing is forwarded or acknowledged.
+        client.set(leases.key(DISPATCH), "someone else")
+        dispatcher._route(entries[3:])
+        assert dispatcher.lost and lengths() == [3, 1, 1]
+        pending = client.xinfo_groups(stream)[0]["pending"]
+        assert pending == 3  # for the next dispatcher to claim
+    finally:
+        dispatcher.close()
+        client.close()
