@@ -60,7 +60,8 @@ def describe_loop(health: dict[str, Any], supervision: dict[str, dict[str, Any]]
 
 
 def describe_workers(health: dict[str, Any]) -> str:
-    """One line on a trainer pool (`trainer.workers` > 1), ending in a newline; "" without."""
+    """One line on a trainer pool (`trainer.workers` > 1), ending in a newline; "" without.
+    (Parentheses, not brackets: the live view is rich markup.)"""
     workers = health.get("trainer_workers") or []
     if not workers:
         return ""
@@ -68,7 +69,7 @@ def describe_workers(health: dict[str, Any]) -> str:
     for w in workers:
         role = ", dispatching" if w.get("dispatching") else ""
         adapters = ", ".join(w.get("adapters", [])) or "none"
-        parts.append(f"{w.get('worker')} [{adapters}] lag {w.get('lag', 0)}{role}")
+        parts.append(f"{w.get('worker')} ({adapters}) lag {w.get('lag', 0)}{role}")
     return f"trainer workers: {'; '.join(parts)}\n"
 
 

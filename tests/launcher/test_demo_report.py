@@ -258,6 +258,6 @@ def test_the_live_view_names_each_trainer_worker_and_its_adapters():
         ]
     }
     assert describe_workers(health) == (
-        "trainer workers: a [general, code] lag 0, dispatching; b [none] lag 0\n"
+        "trainer workers: a (general, code) lag 0, dispatching; b (none) lag 0\n"
     )
     assert describe_workers({"status": "ok"}) == ""
