@@ -254,13 +254,17 @@ class _StopWhen(threading.Event):
 
 
 class _Borrowed:
-    """The pool's tracker lent to a member: the member's `close` leaves it open."""
+    """The pool's tracker lent to its members: one step counter for all of them (each member
+    counts its own rounds, and W&B drops a step lower than one it saw), and a member's `close`
+    leaves it open."""
 
     def __init__(self, tracker: Tracker) -> None:
         self.tracker = tracker
+        self.step = 0
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        self.tracker.log(metrics, step)
+        self.step += 1
+        self.tracker.log(metrics, self.step)
 
     def close(self) -> None:
         pass
@@ -302,6 +306,7 @@ class PoolWorker(Closeable):
         self.store = open_adapter_store(self.location)
         self.follower = self._publisher(self.store)  # loads the versions others publish
         self.tracker = tracker or NullTracker()
+        self._lent = _Borrowed(self.tracker)  # the members' rounds, in one sequence of steps
         self.leases = LeaseTable(
             url, self.stream, self.group, self.worker_id, self.adapters, lease_s=cfg.lease_s
         )
@@ -341,7 +346,7 @@ class PoolWorker(Closeable):
             publisher=self._publisher(store),
             reader=LogReader(self.url, stream, self.group, self.worker_id, delete_acked=True),
             routing=NoRouting(),
-            tracker=_Borrowed(self.tracker),
+            tracker=self._lent,
             heartbeat=lambda progress: Heartbeat(self.url, stream, self.group, progress),
             owned=[adapter],
         )
