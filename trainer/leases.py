@@ -46,6 +46,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Take a lease that is free, or this worker's already (it outlived a Redis restart).
+_ACQUIRE = """
+local owner = redis.call('GET', KEYS[1])
+if owner == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if owner then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -92,6 +100,7 @@ class LeaseTable(Closeable):
         self._client = connect(url, socket_timeout_s=max(1.0, min(5.0, lease_s / 4)))
         self._renew = self._client.register_script(_RENEW)
         self._release = self._client.register_script(_RELEASE)
+        self._acquire = self._client.register_script(_ACQUIRE)
         self._lock = threading.Lock()
         self._held: dict[str, float] = {}  # name -> monotonic time it was taken
         self._lost: set[str] = set()
@@ -125,9 +134,9 @@ class LeaseTable(Closeable):
     # Taking and giving up.
 
     def acquire(self, name: str) -> bool:
-        """Takes `name` if no one holds it."""
+        """Takes `name` if no one holds it (or this worker still does)."""
         try:
-            taken = bool(self._client.set(self.key(name), self.worker_id, nx=True, px=self._ms()))
+            taken = bool(self._acquire(keys=[self.key(name)], args=[self.worker_id, self._ms()]))
         except redis.RedisError as exc:
             _log.warning("leases: cannot take %s (%s)", name, exc)
             return False
@@ -148,6 +157,14 @@ class LeaseTable(Closeable):
                 "leases: cannot release %s (%s); it expires in %.0f s", name, exc, self.lease_s
             )
         _log.info("%s: gave up %s", self.worker_id, name)
+
+    def owner(self, name: str) -> str | None:
+        """Who holds `name` now (None: no one, or Redis did not answer)."""
+        try:
+            owner = self._client.get(self.key(name))
+        except redis.RedisError:
+            return None
+        return owner.decode() if isinstance(owner, bytes) else owner
 
     def live_workers(self) -> list[str]:
         """The workers renewed within `lease_s` (this one included once it renewed)."""

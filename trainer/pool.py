@@ -313,6 +313,8 @@ class PoolWorker(Closeable):
         self.leases.on_lost = self._on_lost
         self.members: dict[str, TrainerWorker] = {}
         self._member_stop: dict[str, threading.Event] = {}
+        # Members whose lease was lost (adapter -> member, when): kept until taken again.
+        self._suspended: dict[str, tuple[TrainerWorker, float]] = {}
         self.dispatcher: Dispatcher | None = None
         self.totals: Counter[str] = Counter()  # stats of members already given up
         self._latencies: list[float] = []  # their record-to-version seconds
@@ -358,6 +360,20 @@ class PoolWorker(Closeable):
         _log.info("%s: owns %s (%d records pending)", self.worker_id, adapter, member.stats.claimed)
         return member
 
+    def _resumed(self, adapter: str) -> TrainerWorker:
+        """A new member for `adapter`, or the one suspended when its lease was lost (Redis
+        away): it still holds its records and the acknowledgements Redis did not take, so
+        nothing it trained is trained again. Resumed as a new one is: the store's version,
+        then the entries pending that it does not hold."""
+        suspended = self._suspended.pop(adapter, None)
+        if suspended is None:
+            return self._member(adapter)
+        member = suspended[0]
+        self._member_stop[adapter].clear()
+        member.resume()
+        _log.info("%s: owns %s again (kept its records)", self.worker_id, adapter)
+        return member
+
     def _on_lost(self, names: list[str]) -> None:
         """From the renewal thread: rounds of adapters whose lease is gone end after the step."""
         for name in names:
@@ -367,9 +383,12 @@ class PoolWorker(Closeable):
 
     def _drop(self, adapter: str) -> None:
         member = self.members.pop(adapter, None)
+        if member is not None:
+            self._retire(adapter, member)
+
+    def _retire(self, adapter: str, member: TrainerWorker) -> None:
+        """Closes a member for good (its unsent acknowledgements go if Redis answers)."""
         self._member_stop.pop(adapter, None)
-        if member is None:
-            return
         self.totals.update(
             {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
         )
@@ -381,6 +400,18 @@ class PoolWorker(Closeable):
         fresh.version = self.states[adapter].version  # what its slots still hold
         self.states[adapter] = fresh
 
+    def _settle_suspended(self) -> None:
+        """Retires the suspended members whose adapter another worker holds now, or whose lease
+        stayed lost for `3 * lease_s`."""
+        for adapter, (member, since) in list(self._suspended.items()):
+            owner = self.leases.owner(adapter)
+            if (
+                owner not in (None, self.worker_id)
+                or time.monotonic() - since > 3 * self.cfg.lease_s
+            ):
+                del self._suspended[adapter]
+                self._retire(adapter, member)
+
     def _rebalance(self) -> None:
         self._drop_lost()
         taken, surplus = self.leases.balance()
@@ -388,7 +419,8 @@ class PoolWorker(Closeable):
             self._drop(adapter)
             self.leases.release(adapter)
         for adapter in taken:
-            self.members[adapter] = self._member(adapter)
+            self.members[adapter] = self._resumed(adapter)
+        self._settle_suspended()
         if self.dispatcher is None and self.leases.acquire(DISPATCH):
             self.dispatcher = Dispatcher(
                 self.config, self.url, self.worker_id, self.trainer, self.follower.versions
@@ -405,8 +437,10 @@ class PoolWorker(Closeable):
             self.dispatcher = None
             if DISPATCH not in lost:
                 self.leases.release(DISPATCH)
-        for adapter in lost - {DISPATCH}:
-            self._drop(adapter)
+        for adapter in lost - {DISPATCH}:  # suspended: no rounds until the lease is back
+            member = self.members.pop(adapter, None)
+            if member is not None:
+                self._suspended[adapter] = (member, time.monotonic())
 
     def _follow(self) -> None:
         """Loads the versions other workers published of the adapters this one does not own."""
@@ -520,7 +554,7 @@ class PoolWorker(Closeable):
     def stats(self) -> dict[str, Any]:
         """Totals over the adapters this worker owned, and what it dispatched."""
         totals: Counter[str] = Counter(self.totals)
-        for member in self.members.values():
+        for member in [*self.members.values(), *(m for m, _ in self._suspended.values())]:
             totals.update(
                 {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
             )
@@ -548,6 +582,9 @@ class PoolWorker(Closeable):
         final = self.stats()
         for adapter in list(self.members):
             self._drop(adapter)
+        for adapter, (member, _) in list(self._suspended.items()):
+            del self._suspended[adapter]
+            self._retire(adapter, member)
         if self.dispatcher is not None:
             self.dispatcher.close()
             self.dispatcher = None
