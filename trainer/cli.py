@@ -133,7 +133,7 @@ def _device_group(config: OSDConfig, args: argparse.Namespace) -> Iterator[Any]:
     address = free_address()
     followers = start_followers(args.config, args.overrides, address)
     try:
-        group = DataParallel(0, len(devices), address, backend_for(devices))
+        group = DataParallel(0, len(devices), address, backend_for(devices), device=devices[0])
         try:
             yield group
         finally:

@@ -93,14 +93,25 @@ class DataParallel:
         address: ``host:port`` of the leader's rendezvous (the same for every rank).
         backend: ``gloo`` or ``nccl`` (`backend_for`).
         timeout_s: how long a collective waits for a missing rank before it fails.
+        device: this rank's device (a CUDA device becomes the process's current one).
     """
 
     def __init__(
-        self, rank: int, world_size: int, address: str, backend: str, timeout_s: float = 300.0
+        self,
+        rank: int,
+        world_size: int,
+        address: str,
+        backend: str,
+        timeout_s: float = 300.0,
+        device: str = "cpu",
     ) -> None:
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} of {world_size}: need world_size >= 2, 0 <= rank")
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda":  # NCCL: each rank on its own GPU before the group forms
+            torch.cuda.set_device(self.device)
+        self._broken = False  # a step failed half-way: the collectives no longer pair up
         dist.init_process_group(
             backend,
             init_method=f"tcp://{address}",
@@ -124,6 +135,7 @@ class DataParallel:
         Returns:
             (the step's mean loss, input tokens, trained positions), as one device's step.
         """
+        self._broken = True  # until the step's last collective
         batches = [collate(s, mode) if s else None for s in split_records(records, self.world_size)]
         total = sum(b.num_train_positions for b in batches if b is not None)
         device = trainer.device
@@ -135,6 +147,7 @@ class DataParallel:
         loss = trainer.shard_backward(adapter, batches[0], total)
         summed = torch.cat([trainer.flat_gradients(adapter), loss.detach().reshape(1)])
         dist.reduce(summed, dst=0)
+        self._broken = False
         trainer.set_flat_gradients(adapter, summed[:-1])
         trainer.clip_and_step(adapter)
         tokens = sum(b.num_tokens for b in batches if b is not None)
@@ -146,8 +159,9 @@ class DataParallel:
             return
         self._stopped = True
         try:
-            if self.is_leader:
-                dist.broadcast(torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64), src=0)
+            if self.is_leader and not self._broken:  # else the followers time out and exit
+                stop = torch.tensor([_STOP, 0, 0, 0], dtype=torch.int64, device=self.device)
+                dist.broadcast(stop, src=0)
         finally:
             dist.destroy_process_group()
 

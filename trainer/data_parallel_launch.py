@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from osd.config import load_config
+from osd.process import die_with_parent_preexec
 from trainer.data_parallel import DataParallel, backend_for
 from trainer.draft_trainer import build_draft_trainer
 
@@ -54,13 +55,16 @@ def start_followers(
 
 
 def _follower_main(config_path: str | None, overrides: list[str], rank: int, address: str) -> None:
+    die_with_parent = die_with_parent_preexec()  # no follower outlives a killed leader
+    if die_with_parent is not None:
+        die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(name)s: %(message)s")
     config = load_config(config_path, overrides)
     devices = config.trainer.devices
     threads = threads_per_rank(devices, config.trainer.torch_threads)
     if threads:
         torch.set_num_threads(threads)
-    group = DataParallel(rank, len(devices), address, backend_for(devices))
+    group = DataParallel(rank, len(devices), address, backend_for(devices), device=devices[rank])
     trainer = build_draft_trainer(config, list(config.model.adapters), data_parallel=group)
     _log.info("rank %d of %d on %s: following", rank, len(devices), trainer.device)
     steps = group.follow(trainer)

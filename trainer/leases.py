@@ -14,10 +14,11 @@ a worker whose renewals all failed for `lease_s / 2` (Redis away, or the process
 every lease as lost, so it stops using them before another worker can take them (after
 `lease_s`). Whoever uses a lease checks `lost()` before each step.
 
-Balance (`balance`): each live worker aims at ``ceil(adapters / live workers)`` adapters. It
-gives up the adapters beyond that and takes free ones while it has fewer; so a new worker gets
-its share as the others give theirs up, and a dead worker's adapters go to the others once its
-leases and its liveness run out. Nothing is ever taken from a live owner.
+Balance (`balance`): the live workers split the adapters evenly (`share`: the first by id take
+one more while it does not come out even). Each gives up the adapters beyond its share and takes
+free ones while it has fewer; so a new worker gets its share as the others give theirs up, and a
+dead worker's adapters go to the others once its leases and its liveness run out. Nothing is
+ever taken from a live owner.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class LeaseTable(Closeable):
         self.stream, self.group, self.worker_id = stream, group, worker_id
         self.adapters, self.lease_s = list(adapters), lease_s
         self.alive_key = f"{pool_prefix(stream, group)}:alive"
-        self._client = connect(url, socket_timeout_s=max(1.0, min(5.0, lease_s / 4)))
+        self._client = connect(url, socket_timeout_s=max(0.1, min(5.0, lease_s / 4)))
         self._renew = self._client.register_script(_RENEW)
         self._release = self._client.register_script(_RELEASE)
         self._acquire = self._client.register_script(_ACQUIRE)
@@ -134,7 +135,11 @@ class LeaseTable(Closeable):
     # Taking and giving up.
 
     def acquire(self, name: str) -> bool:
-        """Takes `name` if no one holds it (or this worker still does)."""
+        """Takes `name` if no one holds it (or this worker still does), unless its loss is
+        still to be handled (`lost()`): its user must stop first."""
+        with self._lock:
+            if name in self._lost:
+                return False
         try:
             taken = bool(self._acquire(keys=[self.key(name)], args=[self.worker_id, self._ms()]))
         except redis.RedisError as exc:
@@ -172,6 +177,21 @@ class LeaseTable(Closeable):
         members = self._client.zrangebyscore(self.alive_key, now_ms - self._ms(), "+inf")
         return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
 
+    def share(self, live: Sequence[str]) -> int:
+        """This worker's share of the adapters among the `live` ones: an even split, the first
+        workers by id taking one more while it does not come out even (3 adapters, 2 workers:
+        2 and 1; 4 adapters, 3 workers: 2, 1 and 1), so every live worker gets one while there
+        are enough."""
+        if self.worker_id not in live:  # not counted yet: what an even split would give
+            return math.ceil(len(self.adapters) / (len(live) + 1))
+        base, extra = divmod(len(self.adapters), len(live))
+        return base + (sorted(live).index(self.worker_id) < extra)
+
+    def fresh(self) -> bool:
+        """Whether the leases were renewed within `lease_s / 2` (false in a process that was
+        paused, before its renewal thread notices): rounds stop on a stale lease."""
+        return time.monotonic() - self._renewed_at <= self.lease_s / 2
+
     def balance(self) -> tuple[list[str], list[str]]:
         """Takes free adapters up to this worker's share; says which to give up.
 
@@ -180,15 +200,15 @@ class LeaseTable(Closeable):
             first: the caller stops using them, then calls `release`).
         """
         try:
-            live = max(1, len(self.live_workers()))
+            live = self.live_workers()
         except redis.RedisError as exc:
             _log.warning("leases: cannot read the pool (%s)", exc)
             return [], []
-        share = math.ceil(len(self.adapters) / live)
+        share = self.share(live)
         mine = [a for a in self.held() if a != DISPATCH]
         if len(mine) > share:
             with self._lock:
-                newest = sorted(mine, key=lambda a: -self._held[a])
+                newest = sorted(mine, key=lambda a: -self._held.get(a, 0.0))
             return [], newest[: len(mine) - share]
         taken: list[str] = []
         for adapter in self.adapters:
@@ -237,7 +257,10 @@ class LeaseTable(Closeable):
 
     def _run(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
-            self.renew()
+            try:
+                self.renew()
+            except Exception:  # noqa: BLE001 - the thread must not die: leases would go stale
+                _log.exception("leases: renewal failed")
 
     def close(self) -> None:
         """Stops renewing, gives every lease up and leaves the pool."""

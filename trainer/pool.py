@@ -17,7 +17,7 @@ Each worker process is a `PoolWorker`. Through Redis leases (`trainer.leases`) t
   stream holds pending (`TrainerWorker.resume`).
 
 Each worker renews its leases on a thread; the main loop takes free adapters up to its share
-(``ceil(adapters / live workers)``), gives up those beyond it, follows the versions of adapters
+(an even split, `LeaseTable.share`), gives up those beyond it, follows the versions of adapters
 other workers own (content routing scores records under every adapter's current version), and
 runs one round at a time of the owned adapter with the most to gain. Its status (adapters,
 each adapter stream's lag and pending entries, whether it dispatches) is written to
@@ -68,7 +68,8 @@ __all__ = ["Dispatcher", "PoolWorker", "adapter_stream"]
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
 _MAX_CLAIM = 100_000
-AUDIT_ENV = "OSD_TRAINER_AUDIT"  # a directory: each worker appends what it trained and acked
+AUDIT_ENV = "OSD_TRAINER_AUDIT"
+MEMBER_ENV = "OSD_TRAINER_POOL_MEMBER"  # a directory: each worker appends what it trained and acked
 
 # Forward log entries to adapter streams and acknowledge them, only while holding the dispatch
 # lease. ARGV: worker id, group, entry count, then per entry: its id ("" for a copy with no log
@@ -143,8 +144,8 @@ class Dispatcher(Closeable):
             stream,
             *(adapter_stream(stream, a) for a in self.adapters),
         ]
-        # Forwarding waits while an adapter's stream holds this many entries (its owner is
-        # behind or gone): the backlog stays in the log, whose budget bounds it.
+        # Forwarding waits while an adapter's stream holds this many records its owner has not
+        # read (it is behind or gone): the backlog stays in the log, whose budget bounds it.
         self.backlog_limit = max(1024, 4 * cfg.steps_per_round * cfg.batch_records)
         self.counts: Counter[str] = Counter()
         self.lost = False  # the lease was gone when forwarding: stop dispatching
@@ -178,14 +179,24 @@ class Dispatcher(Closeable):
         return handled
 
     def _room(self) -> bool:
+        """Whether every adapter's stream has fewer than `backlog_limit` records its owner has
+        not read yet (entries minus those pending: acknowledged ones are deleted, and records
+        held in judge windows stay pending, so they do not count)."""
         try:
             pipe = self._client.pipeline(transaction=False)
             for key in self._keys[2:]:
                 pipe.xlen(key)
-            lengths = pipe.execute()
+                pipe.xpending(key, self.cfg.group)
+            replies = pipe.execute()
+        except redis.ResponseError:  # no group yet: nobody has read anything
+            return True
         except redis.RedisError:
             return False
-        return max(lengths, default=0) < self.backlog_limit
+        unread = [
+            length - int(pending.get("pending", 0) if isinstance(pending, dict) else 0)
+            for length, pending in zip(replies[::2], replies[1::2], strict=True)
+        ]
+        return max(unread, default=0) < self.backlog_limit
 
     def _route(self, entries: list[tuple[str, Record]]) -> int:
         if not entries:
@@ -216,24 +227,32 @@ class Dispatcher(Closeable):
         return record.pack(), [self.adapters.index(a) for a in targets]
 
     def _send(self) -> bool:
-        args: list[Any] = [self.worker_id, self.cfg.group, len(self._unsent)]
-        for entry_id, payload, targets in self._unsent:
-            args += [entry_id, payload, len(targets), *(t + 1 for t in targets)]
-        try:
-            sent = int(self._forward(keys=self._keys, args=args))
-        except redis.RedisError as exc:
-            _log.warning(
-                "dispatch: Redis did not take %d records (%s); retrying", len(self._unsent), exc
-            )
-            return False
-        if sent < 0:
-            _log.warning("dispatch: the lease is gone; %d records stay pending", len(self._unsent))
-            self.lost = True
-        else:
+        """Sends what waits, `_MAX_READ` entries a call; False when Redis did not answer (the
+        rest waits) or the lease is gone (nothing more is sent: the entries stay pending)."""
+        while self._unsent:
+            chunk = self._unsent[:_MAX_READ]
+            args: list[Any] = [self.worker_id, self.cfg.group, len(chunk)]
+            for entry_id, payload, targets in chunk:
+                args += [entry_id, payload, len(targets), *(t + 1 for t in targets)]
+            try:
+                sent = int(self._forward(keys=self._keys, args=args))
+            except redis.RedisError as exc:
+                # A retry skips entries acknowledged already; a copy with no log entry (a topic
+                # taking earlier records) cannot tell, so it is dropped rather than doubled.
+                self._unsent = [u for u in self._unsent if u[0]]
+                _log.warning(
+                    "dispatch: Redis did not take %d records (%s); retrying", len(chunk), exc
+                )
+                return False
+            if sent < 0:
+                _log.warning("dispatch: the lease is gone; %d records stay pending", len(chunk))
+                self.lost = True
+                self._unsent.clear()
+                return False
             self.counts["forwarded"] += sent
-            self.counts["dispatched"] += sum(1 for e, _, _ in self._unsent if e)
-        self._unsent.clear()
-        return sent >= 0
+            self.counts["dispatched"] += sum(1 for e, _, _ in chunk if e)
+            del self._unsent[: len(chunk)]
+        return True
 
     def close(self) -> None:
         self.reader.close()
@@ -297,7 +316,9 @@ class PoolWorker(Closeable):
         self.config, self.url = config, url
         self.stream, self.group = config.log.stream, cfg.group
         self.adapters = list(config.model.adapters)
-        self.worker_id = worker_id or cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
+        member = os.environ.get(MEMBER_ENV, "")  # `osd train --workers`: this member's index
+        named = f"{cfg.consumer}-{member}" if cfg.consumer and member else cfg.consumer
+        self.worker_id = worker_id or named or f"{socket.gethostname()}-{os.getpid()}"
         self.trainer = build_draft_trainer(
             config, self.adapters, draft, base_model_id, data_parallel
         )
@@ -319,6 +340,7 @@ class PoolWorker(Closeable):
         self.totals: Counter[str] = Counter()  # stats of members already given up
         self._latencies: list[float] = []  # their record-to-version seconds
         self.loop_at = time.time()
+        self._beat: tuple[float, float, int, int] = (self.loop_at, 0.0, 0, 0)
         self._status = connect(url)
         self._audit = _open_audit(self.worker_id)
         self.heartbeat = Heartbeat(url, self.stream, self.group, self._progress)
@@ -352,7 +374,9 @@ class PoolWorker(Closeable):
             heartbeat=lambda progress: Heartbeat(self.url, stream, self.group, progress),
             owned=[adapter],
         )
-        stop = self._member_stop[adapter] = _StopWhen(lambda: self._stop.is_set())
+        stop = self._member_stop[adapter] = _StopWhen(
+            lambda: self._stop.is_set() or not self.leases.fresh()
+        )
         member.stop_rounds_on(stop)
         if self._audit is not None:
             member.on_trained_records = self._audited
@@ -365,14 +389,23 @@ class PoolWorker(Closeable):
         away): it still holds its records and the acknowledgements Redis did not take, so
         nothing it trained is trained again. Resumed as a new one is: the store's version,
         then the entries pending that it does not hold."""
+        if adapter in self.members:  # lost and taken back before the loop saw the loss
+            return self.members[adapter]
         suspended = self._suspended.pop(adapter, None)
         if suspended is None:
             return self._member(adapter)
         member = suspended[0]
         self._member_stop[adapter].clear()
-        member.resume()
+        # Its candidate goes on from where it was, unless another worker published meanwhile.
+        member.resume(reload=self._version_moved(adapter))
         _log.info("%s: owns %s again (kept its records)", self.worker_id, adapter)
         return member
+
+    def _version_moved(self, adapter: str) -> bool:
+        try:
+            return self.store.current(adapter) != self.states[adapter].version
+        except StoreError:
+            return True
 
     def _on_lost(self, names: list[str]) -> None:
         """From the renewal thread: rounds of adapters whose lease is gone end after the step."""
@@ -487,6 +520,7 @@ class PoolWorker(Closeable):
             rounds, idle_since, next_balance = 0, time.monotonic(), 0.0
             while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
                 self.loop_at = time.time()
+                self._beat = self._measure()
                 if time.monotonic() >= next_balance:
                     next_balance = time.monotonic() + self.cfg.lease_s / 3
                     self._rebalance()
@@ -516,7 +550,11 @@ class PoolWorker(Closeable):
         return sum(m.stats.read + m.stats.claimed for m in self.members.values())
 
     def _progress(self) -> tuple[float, float, int, int]:
-        """(loop_at, last_ack_at, rounds, judging) for the heartbeat of the log's group."""
+        """(loop_at, last_ack_at, rounds, judging) for the heartbeat of the log's group, as the
+        main loop last computed it (the heartbeat's thread must not walk the windows)."""
+        return self._beat
+
+    def _measure(self) -> tuple[float, float, int, int]:
         members = list(self.members.values())
         readers = [m.reader for m in members]
         if self.dispatcher is not None:
@@ -539,7 +577,7 @@ class PoolWorker(Closeable):
             "adapters": list(self.members),
             "dispatching": self.dispatcher is not None,
             "streams": lags,
-            "rounds": self._progress()[2],
+            "rounds": self._beat[2],
             "published": sum(m.stats.published for m in self.members.values())
             + int(self.totals["published"]),
             "at": time.time(),

@@ -50,7 +50,7 @@ def run_members(argv: Sequence[str], workers: int, stop: threading.Event) -> int
     def start(index: int) -> subprocess.Popen[bytes]:
         process = subprocess.Popen(
             member_command(argv, index),
-            env={**os.environ},
+            env={**os.environ, "OSD_TRAINER_POOL_MEMBER": str(index)},  # distinct ids
             preexec_fn=die_with_parent_preexec(),  # no orphaned worker if this one is killed
         )
         _log.info("pool worker %d started (pid %d)", index, process.pid)

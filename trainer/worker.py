@@ -174,15 +174,16 @@ class TrainerWorker:
         """Each adapter's record windows (a view for callers; the worker reads ``states``)."""
         return {a: state.data for a, state in self.states.items()}
 
-    def resume(self) -> None:
-        """Loads the published versions, then claims every entry the group left pending (a
-        crashed predecessor's records, read but not trained on).
+    def resume(self, *, reload: bool = True) -> None:
+        """Loads the published versions (unless `reload` is False: the weights are current),
+        then claims every entry the group left pending that it does not hold (a crashed
+        predecessor's records, read but not trained on).
 
         A store that cannot be reached now is no reason to stop: the adapter then trains from
         the base draft, and its first publish (compare-and-set against "no version") conflicts
         and loads the current version (`Publisher.publish`).
         """
-        for adapter in self.adapters:
+        for adapter in self.adapters if reload else ():
             try:
                 self.publisher.restore(adapter)
             except StoreUnavailable as exc:

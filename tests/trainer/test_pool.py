@@ -57,6 +57,14 @@ def test_leases_share_the_adapters_and_a_dead_workers_go_to_the_others(redis_url
     assert b.acquire("sql")
     assert c.renew() and c.lost() == {"sql"}  # c learns it lost it at its next renewal
 
+    # Shares split evenly, the first workers by id taking the remainder: nobody is left idle.
+    four = ["general", "code", "sql", "math"]
+    shares = []
+    for name in ("w0", "w1", "w2"):
+        with LeaseTable(redis_url, stream, "g", name, four) as lease_table:
+            shares.append(lease_table.share(["w0", "w1", "w2"]))
+    assert shares == [2, 1, 1]
+
     # a leaves cleanly: its adapters and the dispatch are free at once, and b's share grows.
     c.close()
     a.close()
