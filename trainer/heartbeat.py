@@ -33,6 +33,8 @@ class Heartbeat(Closeable):
         progress: returns (loop_at, last_ack_at, rounds, judging) from the trainer, read at
             each beat.
         interval_s: seconds between beats.
+        active: whether to beat now (a trainer pool: only its dispatcher beats for the log's
+            group, so one worker's figures are shown, not whichever wrote last).
     """
 
     def __init__(
@@ -43,12 +45,13 @@ class Heartbeat(Closeable):
         progress: Callable[[], tuple[float, float, int, int]],
         *,
         interval_s: float = 5.0,
+        active: Callable[[], bool] = lambda: True,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.key = trainer_beat_key(stream, group)
         self.interval_s = interval_s
-        self._progress = progress
+        self._progress, self._active = progress, active
         self._client = connect(url, socket_timeout_s=min(5.0, interval_s))
         self._started_at = time.time()
         self._stop = threading.Event()
@@ -64,7 +67,10 @@ class Heartbeat(Closeable):
         return self
 
     def beat(self) -> bool:
-        """Writes one beat now; False (logged once per outage) when Redis did not take it."""
+        """Writes one beat now (if active); False (logged once per outage) when Redis did not
+        take it."""
+        if not self._active():
+            return True
         loop_at, last_ack_at, rounds, judging = self._progress()
         beat = TrainerBeat(
             os.getpid(), time.time(), loop_at, last_ack_at, rounds, self._started_at, judging

@@ -343,7 +343,9 @@ class PoolWorker(Closeable):
         self._beat: tuple[float, float, int, int] = (self.loop_at, 0.0, 0, 0)
         self._status = connect(url)
         self._audit = _open_audit(self.worker_id)
-        self.heartbeat = Heartbeat(url, self.stream, self.group, self._progress)
+        self.heartbeat = Heartbeat(
+            url, self.stream, self.group, self._progress, active=lambda: self.dispatcher is not None
+        )
         self._stop = threading.Event()
 
     def _publisher(self, store: Any) -> Publisher:

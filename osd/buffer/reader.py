@@ -339,6 +339,8 @@ class LogReader:
                 approximate=True,
             )
             pipe.xack(self.stream, self.group, entry_id)
+            if self.delete_acked:
+                pipe.xdel(self.stream, entry_id)
             pipe.execute()
             return True
 
