@@ -47,9 +47,7 @@ def _timed(trainer: Any, batches: list[list[Record]]) -> float:
 def _follower(pair: Pair, address: str) -> None:
     torch.set_num_threads(1)
     group = DataParallel(1, 2, address, "gloo")
-    trainer = new_trainer(pair)
-    trainer.data_parallel = None
-    group.follow(trainer)
+    group.follow(new_trainer(pair))
 
 
 def one_process(pair: Pair, batches: list[list[Record]], threads: int) -> tuple[float, Any]:

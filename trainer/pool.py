@@ -48,7 +48,6 @@ from osd.buffer.record import Record
 from osd.buffer.redis_server import connect
 from osd.closing import Closeable
 from osd.config import OSDConfig
-from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
 from osd.threads import threads_applied
 from osd.versions.errors import StoreError
 from trainer.adapter_state import adapter_states
@@ -59,17 +58,18 @@ from trainer.heartbeat import Heartbeat
 from trainer.leases import DISPATCH, LeaseTable, lease_key
 from trainer.publisher import Publisher
 from trainer.replay import held_for_judging
-from trainer.routing import RoutingTrainer
 from trainer.tracking import NullTracker, Tracker
+from trainer.wiring import configured_publisher, configured_routing
 from trainer.worker import NoRouting, RoundReport, TrainerWorker, usable_record
+from trainer.worker_stats import latency_summary
 
 __all__ = ["Dispatcher", "PoolWorker", "adapter_stream"]
 
 _log = logging.getLogger(__name__)
 _MAX_READ = 256
 _MAX_CLAIM = 100_000
-AUDIT_ENV = "OSD_TRAINER_AUDIT"
-MEMBER_ENV = "OSD_TRAINER_POOL_MEMBER"  # a directory: each worker appends what it trained and acked
+AUDIT_ENV = "OSD_TRAINER_AUDIT"  # a directory: each worker appends the records it trained
+MEMBER_ENV = "OSD_TRAINER_POOL_MEMBER"  # `osd train --workers`: the member's index
 
 # Forward log entries to adapter streams and acknowledge them, only while holding the dispatch
 # lease. ARGV: worker id, group, entry count, then per entry: its id ("" for a copy with no log
@@ -125,18 +125,7 @@ class Dispatcher(Closeable):
         self.adapters = list(config.model.adapters)
         self.vocab_size = int(trainer.model.get_output_embeddings().weight.shape[0])
         self.reader = LogReader(url, stream, cfg.group, worker_id)
-        self.routing = RoutingTrainer(
-            self.adapters,
-            lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
-            versions,
-            config.routing,
-            open_routing_store(url),
-            name=routing_model_name(stream),
-            stats=RoutingStats(url, stream),
-            keep_versions=config.adapters.keep_versions,
-            gc_grace_s=config.adapters.gc_grace_s,
-            min_records=2 * cfg.min_holdout_records,
-        )
+        self.routing = configured_routing(config, url, trainer, versions)
         self._client = connect(url)
         self._forward = self._client.register_script(_FORWARD)
         self._keys = [
@@ -349,14 +338,7 @@ class PoolWorker(Closeable):
         self._stop = threading.Event()
 
     def _publisher(self, store: Any) -> Publisher:
-        retention = self.config.adapters
-        return Publisher(
-            store,
-            self.trainer,
-            self.states,
-            keep_versions=retention.keep_versions,
-            gc_grace_s=retention.gc_grace_s,
-        )
+        return configured_publisher(self.config, store, self.trainer, self.states)
 
     # Membership.
 
@@ -424,9 +406,7 @@ class PoolWorker(Closeable):
     def _retire(self, adapter: str, member: TrainerWorker) -> None:
         """Closes a member for good (its unsent acknowledgements go if Redis answers)."""
         self._member_stop.pop(adapter, None)
-        self.totals.update(
-            {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
-        )
+        self.totals.update(_numbers(member))
         self._latencies.extend(member.stats.latencies)
         member.close()
         # Its windows held records now pending for the next owner: start from nothing if this
@@ -493,7 +473,6 @@ class PoolWorker(Closeable):
     def _train_once(self) -> RoundReport | None:
         for member in self.members.values():
             member.ingest(block_ms=0)
-            member.routing.maybe_fit()
         ready = [(m, a) for m in self.members.values() for a in m.ready()]
         if not ready:
             return None
@@ -594,21 +573,13 @@ class PoolWorker(Closeable):
     def stats(self) -> dict[str, Any]:
         """Totals over the adapters this worker owned, and what it dispatched."""
         totals: Counter[str] = Counter(self.totals)
-        for member in [*self.members.values(), *(m for m, _ in self._suspended.values())]:
-            totals.update(
-                {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
-            )
+        working = [*self.members.values(), *(m for m, _ in self._suspended.values())]
+        for member in working:
+            totals.update(_numbers(member))
         out: dict[str, Any] = dict(totals)
-        latencies = sorted(
-            [*self._latencies, *(x for m in self.members.values() for x in m.stats.latencies)]
-        )
+        latencies = [*self._latencies, *(x for m in working for x in m.stats.latencies)]
         if latencies:
-            out["record_to_version_s"] = {
-                "p50": latencies[len(latencies) // 2],
-                "p90": latencies[int(len(latencies) * 0.9)],
-                "max": latencies[-1],
-                "count": len(latencies),
-            }
+            out["record_to_version_s"] = latency_summary(latencies)
         out["dispatch"] = dict(self.dispatcher.counts) if self.dispatcher is not None else {}
         out["adapters"] = list(self.members)
         return out
@@ -640,6 +611,11 @@ class PoolWorker(Closeable):
         if self._audit is not None:
             self._audit.close()
         self.final_stats = final
+
+
+def _numbers(member: TrainerWorker) -> dict[str, int | float]:
+    """A member's totals that add up across members (counts and seconds)."""
+    return {k: v for k, v in member.stats.as_dict().items() if isinstance(v, int | float)}
 
 
 def _open_audit(worker_id: str) -> TextIO | None:

@@ -12,6 +12,7 @@ worker (published versions loaded, the group's pending entries claimed).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from osd.adapters import adapter_store_location, open_adapter_store
@@ -19,16 +20,16 @@ from osd.adapters.codec import AdapterStore
 from osd.buffer.reader import LogReader
 from osd.config import OSDConfig
 from osd.routing.store import RoutingStats, open_routing_store, routing_model_name
-from trainer.adapter_state import adapter_states
+from trainer.adapter_state import AdapterState, adapter_states
 from trainer.data_parallel import DataParallel
-from trainer.draft_trainer import build_draft_trainer
+from trainer.draft_trainer import DraftTrainer, build_draft_trainer
 from trainer.heartbeat import Heartbeat
 from trainer.publisher import Publisher
 from trainer.routing import RoutingTrainer
 from trainer.tracking import NullTracker, Tracker
 from trainer.worker import TrainerWorker
 
-__all__ = ["wire_trainer"]
+__all__ = ["configured_publisher", "configured_routing", "wire_trainer"]
 
 
 def wire_trainer(
@@ -54,30 +55,13 @@ def wire_trainer(
         consumer: consumer name; default `trainer.consumer` or ``<hostname>-<pid>``.
         data_parallel: the group this worker leads when it trains on several devices.
     """
-    cfg, retention = config.trainer, config.adapters
+    cfg = config.trainer
     adapters = list(config.model.adapters)
     trainer = build_draft_trainer(config, adapters, draft, base_model_id, data_parallel)
     store = store or open_adapter_store(adapter_store_location(config, redis_url))
     states = adapter_states(cfg, adapters)  # one object per adapter, shared by the parts
-    publisher = Publisher(
-        store,
-        trainer,
-        states,
-        keep_versions=retention.keep_versions,
-        gc_grace_s=retention.gc_grace_s,
-    )
-    routing = RoutingTrainer(
-        adapters,
-        lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
-        publisher.versions,
-        config.routing,
-        open_routing_store(redis_url),
-        name=routing_model_name(config.log.stream),
-        stats=RoutingStats(redis_url, config.log.stream),
-        keep_versions=retention.keep_versions,
-        gc_grace_s=retention.gc_grace_s,
-        min_records=2 * cfg.min_holdout_records,
-    )
+    publisher = configured_publisher(config, store, trainer, states)
+    routing = configured_routing(config, redis_url, trainer, publisher.versions)
     worker = TrainerWorker(
         config,
         trainer=trainer,
@@ -90,3 +74,40 @@ def wire_trainer(
     )
     worker.resume()
     return worker
+
+
+def configured_publisher(
+    config: OSDConfig, store: AdapterStore, trainer: DraftTrainer, states: dict[str, AdapterState]
+) -> Publisher:
+    """A publisher of `trainer`'s candidates to `store`, with the configured retention."""
+    retention = config.adapters
+    return Publisher(
+        store,
+        trainer,
+        states,
+        keep_versions=retention.keep_versions,
+        gc_grace_s=retention.gc_grace_s,
+    )
+
+
+def configured_routing(
+    config: OSDConfig,
+    redis_url: str,
+    trainer: DraftTrainer,
+    versions: Mapping[str, int | None],
+) -> RoutingTrainer:
+    """Content routing's trainer as configured: records scored under `trainer`'s current slots,
+    models published to the log's Redis under the stream's name."""
+    retention = config.adapters
+    return RoutingTrainer(
+        list(config.model.adapters),
+        lambda adapter, records: trainer.record_acceptance(adapter, "current", records),
+        versions,
+        config.routing,
+        open_routing_store(redis_url),
+        name=routing_model_name(config.log.stream),
+        stats=RoutingStats(redis_url, config.log.stream),
+        keep_versions=retention.keep_versions,
+        gc_grace_s=retention.gc_grace_s,
+        min_records=2 * config.trainer.min_holdout_records,
+    )

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.draft_trainer import StepStats
 from trainer.judge import Verdict
 
-__all__ = ["RoundReport", "WorkerStats"]
+__all__ = ["RoundReport", "WorkerStats", "latency_summary"]
 
 
 @dataclass
@@ -168,10 +169,16 @@ class WorkerStats:
         }  # fmt: skip
         out["by_domain"] = dict(self.by_domain)
         if self.latencies:
-            ordered = sorted(self.latencies)
-            out["record_to_version_s"] = {
-                "p50": ordered[len(ordered) // 2],
-                "max": ordered[-1],
-                "mean": statistics.fmean(ordered),
-            }
+            out["record_to_version_s"] = latency_summary(self.latencies)
         return out
+
+
+def latency_summary(latencies: Iterable[float]) -> dict[str, float]:
+    """p50, p90, max and mean of record-to-version seconds (at least one)."""
+    ordered = sorted(latencies)
+    return {
+        "p50": ordered[len(ordered) // 2],
+        "p90": ordered[int(len(ordered) * 0.9)],
+        "max": ordered[-1],
+        "mean": statistics.fmean(ordered),
+    }
