@@ -38,6 +38,10 @@ __all__ = [
 ]
 
 
+# Per step, what the exploration share's sums keep of their past (GoodputController).
+_EXPLORE_KEEP = 0.9999
+
+
 def expected_tokens(acceptance: list[float], k: int) -> float:
     """Expected tokens a step emits when drafting k: 1 + sum over i <= k of prod a_1..a_i."""
     total, survive = 1.0, 1.0
@@ -126,6 +130,7 @@ class StepCosts:
     # (measured on the demo pair at 16 rows with packed forwards: 0.2, i.e. 0.0125 x 16).
     free_prior_ratio: float = 0.015
     decay: float = 0.98
+    free_decay: float = 0.95  # per step with looked-up drafts (their line's memory)
     _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
     _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
     _free: dict[int, list[float]] = field(default_factory=dict)  # the same, no draft forward
@@ -140,12 +145,17 @@ class StepCosts:
         where the target's forward computed only the positions rows have); ``model``: the
         draft model ran (else the drafts were looked up)."""
         bucket = self.bucket(batch)
-        # Every kind of the bucket forgets at every step, so an estimate of a kind the
-        # controller stopped choosing (looked-up drafts judged too dear on a few slow cold
-        # steps) fades back to its prior and is tried again.
-        for kind in (self._zero, self._line, self._free):
+        # The draft model's kinds forget at every step, so a draft line the controller stopped
+        # choosing fades back to its prior and is tried again. Looked-up drafts forget only
+        # as their own steps come: their probes (GoodputController) measure them again, and a
+        # line faded to its optimistic prior had a whole batch verify wide lookups on text
+        # that accepted nothing, again and again (the fixed cost of verifying, forgotten).
+        for kind in (self._zero, self._line):
             for i, value in enumerate(kind.get(bucket, ())):
                 kind[bucket][i] = value * self.decay
+        if k > 0 and not model:
+            for i, value in enumerate(self._free.get(bucket, ())):
+                self._free[bucket][i] = value * self.free_decay
         if k == 0:
             values = [1.0, seconds]
             sums = self._zero.setdefault(bucket, [0.0] * 2)
@@ -155,6 +165,14 @@ class StepCosts:
             sums = lines.setdefault(bucket, [0.0] * 5)
         for i, value in enumerate(values):
             sums[i] += value
+
+    def lacks_base(self, batch: int) -> bool:
+        """Drafting steps were measured at this batch size, a step without drafting not: the
+        costs would be the prior's ratios to a base read off the drafting steps, which is how a
+        cold replica went on drafting at 16 sampled rows for a hundred steps at 1.6x the
+        target alone's step. One step without drafting measures it."""
+        bucket = self.bucket(batch)
+        return bucket in self._line and bucket not in self._zero
 
     def seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k at this batch size.
@@ -182,36 +200,46 @@ class StepCosts:
     def free_seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k when the k tokens come without a model.
 
-        A step without drafting plus a slope per position each row verifies, fitted through
-        that base from steps in which no draft forward ran (a looked-up token costs only its
-        place in the target's forward: no fixed cost to extrapolate, so the few widths a
-        batch happens to verify cannot tilt an intercept). Until such steps are measured in
-        the nearest bucket, ``free_prior_ratio`` of the base per token and row (a position
-        costs every row of a padded batch one more token in the forward).
+        A step without drafting; then, for k >= 1, that base plus a fixed cost (a step that
+        verifies anything leaves the target-alone path: the verifiers' draws and tensors, a
+        forward with more than one position per row) plus a slope per position each row
+        verifies, both fitted to the excess over the base of steps in which no draft forward
+        ran, by least squares with the prior as one pseudo-step at k = 1. Until such steps are
+        measured in the nearest bucket, or while they all verified about one width, the slope is
+        ``free_prior_ratio`` of the base per token and row (a position costs every row of a
+        padded batch one more token in the forward) and the rest of their excess is the fixed
+        cost. Measured on the demo pair at 16 sampled rows: one row verifying one looked-up
+        token made the step 48 % dearer, nearly all of it fixed.
         """
-        base, slope = self._free_line(batch)
-        return [base + slope * k for k in range(max_k + 1)]
+        base, fixed, slope = self._free_line(batch)
+        return [base] + [base + fixed + slope * k for k in range(1, max_k + 1)]
 
     def free_cost(self, batch: int, extra: float) -> float:
         """Estimated seconds of a step without a draft forward whose rows verify ``extra``
         looked-up positions each on average (a fraction where a packed forward computes only
-        the positions rows have: :func:`osd.decode.kv_cache.packing`)."""
-        base, slope = self._free_line(batch)
-        return base + slope * max(extra, 0.0)
+        the positions rows have: :func:`osd.decode.kv_cache.packing`); 0: the base."""
+        base, fixed, slope = self._free_line(batch)
+        return base if extra <= 0 else base + fixed + slope * extra
 
-    def _free_line(self, batch: int) -> tuple[float, float]:
-        """(seconds without drafting, seconds per looked-up position a row verifies)."""
+    def _free_line(self, batch: int) -> tuple[float, float, float]:
+        """(seconds without drafting, fixed seconds of verifying anything, seconds per
+        looked-up position a row verifies)."""
         base = self.seconds(batch, 0)[0]
         prior = base * min(1.0, self.free_prior_ratio * batch)
+        weight, k_sum, kk_sum, excess, k_excess = 1.0, 1.0, 1.0, prior, prior  # the prior
         measured = self._free.keys()
-        if not measured:
-            return base, prior
-        wanted = self.bucket(batch)
-        bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
-        _, k_sum, kk_sum, _, kt_sum = self._free[bucket]
-        # Least squares through (0, base), with the prior as one step at k = 1:
-        # (sum k (t - base) + prior) / (sum k^2 + 1).
-        return base, max((kt_sum - base * k_sum + prior) / (kk_sum + 1.0), 0.0)
+        if measured:
+            wanted = self.bucket(batch)
+            bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
+            w, k, kk, t, kt = self._free[bucket]
+            weight, k_sum, kk_sum = weight + w, k_sum + k, kk_sum + kk
+            excess, k_excess = excess + t - base * w, k_excess + kt - base * k
+        mean_k, mean_excess = k_sum / weight, excess / weight
+        variance = kk_sum / weight - mean_k * mean_k
+        slope = prior
+        if variance > 1e-3:
+            slope = max((k_excess / weight - mean_k * mean_excess) / variance, 0.0)
+        return base, max(mean_excess - slope * mean_k, 0.0), slope
 
     def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
         if not sums:
@@ -246,6 +274,11 @@ class GoodputController:
         width_probe_every: engine steps between steps in which rows that draft draft one
             token more or one less (alternately).
         tolerance: the shortest k whose expected rate is within this share of the best wins.
+        explore_share: the most of the decode time probes may cost: a probe step's seconds
+            beyond a step without drafting (a draft probe's include the draft's catch-up over
+            every token its rows took without it) count against it, and a probe the share
+            cannot pay for yet waits for a later probe step. Speculation that does not help
+            thus costs at most about this share for being tried (issue 31: never slower).
     """
 
     max_k: int = 8
@@ -263,12 +296,18 @@ class GoodputController:
     # the shortest k within 3 % of the best is chosen (on the demo pair the plain argmax
     # drafted 5-7 where 3-4 were best, 10 % slower; and k = 0 wins its near-ties).
     tolerance: float = 0.03
+    explore_share: float = 0.01
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     # Per (model-free proposer, route): [tokens accepted, tokens its probabilities predicted],
     # decayed like the curves: how far to trust a lookup's empirical probabilities.
     calibration: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     steps: int = 0  # steps observed: the probe schedule
+    # Decayed seconds of all steps and of probe steps' excess over a step without drafting.
+    _explore_total: float = 0.0
+    _explore_spent: float = 0.0
+    _probed: bool = False  # this step took a probe
+    _probe_excess: float = 0.0  # the last probe step's seconds beyond the base
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
     # This step's (draft model's tokens/s, seconds by looked-up width), by the same key.
     _compared: dict[tuple[str, str, int, int], tuple[float, list[float]]] = field(
@@ -309,6 +348,8 @@ class GoodputController:
         curve = self.curve(adapter, route)
         rates = curve.rates(self.prior, self.prior_weight)
         k = best_k(rates, self.costs.seconds(batch, limit), self.tolerance)
+        if k > 0 and self.costs.lacks_base(batch):
+            return 0  # a step without drafting is measured first (StepCosts.lacks_base)
         if k > 0:
             curve.backoff = 0
             if self.steps % self.zero_probe_every == self.probe_every - 1:
@@ -324,9 +365,10 @@ class GoodputController:
             return 0
         if curve.last_probe == self.steps:  # another row of this step: the same probe
             return 1
-        if (self.steps // self.probe_every) % (1 << curve.backoff) == 0:
+        if (self.steps // self.probe_every) % (1 << curve.backoff) == 0 and self._may_explore():
             curve.last_probe = self.steps
             curve.backoff = min(curve.backoff + 1, self.max_backoff)
+            self._probed = True
             return 1
         return 0
 
@@ -367,6 +409,7 @@ class GoodputController:
             m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
             if probing:  # at least one token: a cost or calibration that fell is measured again
                 m, rate = max(m, 1), math.inf
+                self._probed = True
             if m and rate >= best[2]:
                 best = (name, m, rate)
         return best[0], best[1]
@@ -401,8 +444,15 @@ class GoodputController:
 
     def _probing_lookups(self) -> bool:
         """One step in ``probe_every`` (a phase of its own) looked-up drafts are taken even
-        where the estimates advise against them, so estimates that fell are measured again."""
-        return self.steps % self.probe_every == self.probe_every - 3
+        where the estimates advise against them, so estimates that fell are measured again
+        (while the exploration share allows)."""
+        return self.steps % self.probe_every == self.probe_every - 3 and self._may_explore()
+
+    def _may_explore(self) -> bool:
+        """Probes so far, and one more as dear as the last, cost at most ``explore_share`` of
+        the decode time."""
+        spent = self._explore_spent + self._probe_excess
+        return spent <= self.explore_share * self._explore_total
 
     def _free_choice(
         self, name: str, route: str, probs: tuple[float, ...], seconds: list[float]
@@ -428,6 +478,14 @@ class GoodputController:
     def observe_step(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
         (:meth:`StepCosts.observe`); ``model``: the draft model ran in it."""
+        # Remembered over about 10,000 steps: the share holds over many probe intervals
+        # (a short memory would let each probe through once its cost had faded).
+        self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds
+        self._explore_spent *= _EXPLORE_KEEP
+        if self._probed:
+            self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)
+            self._explore_spent += self._probe_excess
+            self._probed = False
         self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._forget_step()

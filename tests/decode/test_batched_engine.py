@@ -236,8 +236,10 @@ def test_auto_draft_length_stops_drafting_a_draft_that_never_fits(target_model, 
     repeats itself, and lookups would draft its loops)."""
     decoder = SpeculativeDecoder(target_model, unrelated_draft, max_spec_tokens=4)
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
-    # Probe steps every 4 engine steps (backing off to one in 32), so the run shows them.
+    # Probe steps every 4 engine steps (backing off to one in 32), so the run shows them; no
+    # exploration share (tests/decode/test_goodput.py), which would space these out.
     engine.controller.probe_every = 4
+    engine.controller.explore_share = 1.0
     try:
         handles = [
             engine.submit(
@@ -277,6 +279,9 @@ class CheapDraftCosts:
 
     def free_cost(self, batch: int, extra: float) -> float:
         return 1.0 + 0.01 * extra
+
+    def lacks_base(self, batch: int) -> bool:
+        return False
 
 
 def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
