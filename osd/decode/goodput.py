@@ -40,6 +40,10 @@ __all__ = [
 
 # Per step, what the exploration share's sums keep of their past (GoodputController).
 _EXPLORE_KEEP = 0.9999
+# The realized-gain guard (GoodputController.held_off): per step, what its sums keep of their
+# past (about 500 steps), and the drafting steps' weight it needs before it judges.
+_GAIN_KEEP = 0.998
+_GAIN_EVIDENCE = 4.0
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -145,17 +149,16 @@ class StepCosts:
         where the target's forward computed only the positions rows have); ``model``: the
         draft model ran (else the drafts were looked up)."""
         bucket = self.bucket(batch)
-        # The draft model's kinds forget at every step, so a draft line the controller stopped
-        # choosing fades back to its prior and is tried again. Looked-up drafts forget only
-        # as their own steps come: their probes (GoodputController) measure them again, and a
-        # line faded to its optimistic prior had a whole batch verify wide lookups on text
-        # that accepted nothing, again and again (the fixed cost of verifying, forgotten).
-        for kind in (self._zero, self._line):
+        # Steps without drafting are averaged over recent steps. The drafting kinds forget
+        # only as their own steps come: probes (GoodputController) measure them again. A line
+        # faded back to its optimistic prior at every step had whole batches draft (or verify
+        # wide lookups) on text that accepted nothing, every hundred steps or so.
+        for i, value in enumerate(self._zero.get(bucket, ())):
+            self._zero[bucket][i] = value * self.decay
+        if k > 0:
+            kind, keep = (self._line, self.decay) if model else (self._free, self.free_decay)
             for i, value in enumerate(kind.get(bucket, ())):
-                kind[bucket][i] = value * self.decay
-        if k > 0 and not model:
-            for i, value in enumerate(self._free.get(bucket, ())):
-                self._free[bucket][i] = value * self.free_decay
+                kind[bucket][i] = value * keep
         if k == 0:
             values = [1.0, seconds]
             sums = self._zero.setdefault(bucket, [0.0] * 2)
@@ -279,6 +282,9 @@ class GoodputController:
             every token its rows took without it) count against it, and a probe the share
             cannot pay for yet waits for a later probe step. Speculation that does not help
             thus costs at most about this share for being tried (issue 31: never slower).
+        guard_margin: drafting at a batch size is held off (probes aside) while its recent
+            steps emitted less than ``1 - guard_margin`` of the tokens the target alone would
+            have in their time (:meth:`held_off`).
     """
 
     max_k: int = 8
@@ -297,6 +303,7 @@ class GoodputController:
     # drafted 5-7 where 3-4 were best, 10 % slower; and k = 0 wins its near-ties).
     tolerance: float = 0.03
     explore_share: float = 0.01
+    guard_margin: float = 0.02
     costs: StepCosts = field(default_factory=StepCosts)
     curves: dict[tuple[str, str], AcceptanceCurve] = field(default_factory=dict)
     # Per (model-free proposer, route): [tokens accepted, tokens its probabilities predicted],
@@ -308,6 +315,9 @@ class GoodputController:
     _explore_spent: float = 0.0
     _probed: bool = False  # this step took a probe
     _probe_excess: float = 0.0  # the last probe step's seconds beyond the base
+    # Per batch-size bucket, over recent drafting steps that were not probes:
+    # [weight, tokens emitted, tokens the target alone would have emitted in their seconds].
+    _gain: dict[int, list[float]] = field(default_factory=dict)
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
     # This step's (draft model's tokens/s, seconds by looked-up width), by the same key.
     _compared: dict[tuple[str, str, int, int], tuple[float, list[float]]] = field(
@@ -350,6 +360,8 @@ class GoodputController:
         k = best_k(rates, self.costs.seconds(batch, limit), self.tolerance)
         if k > 0 and self.costs.lacks_base(batch):
             return 0  # a step without drafting is measured first (StepCosts.lacks_base)
+        if k > 0 and self.held_off(batch):
+            k = 0  # drafting lost here of late: probes alone (below)
         if k > 0:
             curve.backoff = 0
             if self.steps % self.zero_probe_every == self.probe_every - 1:
@@ -405,6 +417,8 @@ class GoodputController:
         draft_rate, free_seconds = self._compared[key]
         best = ("draft", k, draft_rate)
         probing = self._probing_lookups()
+        if not probing and self.held_off(batch):
+            return best[0], best[1]
         for name, probs in offers:
             m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
             if probing:  # at least one token: a cost or calibration that fell is measured again
@@ -440,7 +454,23 @@ class GoodputController:
             extra = sum(min(w, len(e) - 1) for e in expected) / batch if packed else w
             rates.append(tokens / max(self.costs.free_cost(batch, extra), 1e-9))
         width = shortest_good(rates, self.tolerance)
-        return max(width, 1) if self._probing_lookups() else width
+        if self._probing_lookups():
+            return max(width, 1)
+        return 0 if self.held_off(batch) else width
+
+    def held_off(self, batch: int) -> bool:
+        """Drafting at this batch size lost to the target alone of late: its recent drafting
+        steps (probes aside; catch-ups counted, they are what drafting costs) emitted less
+        than ``1 - guard_margin`` of the tokens the target alone would have emitted in their
+        seconds. A guard on realized tokens, not on the estimates: at 16 sampled rows a
+        model of acceptance and step costs, each estimate noisy, let whole batches draft (or
+        verify lookups) that cost 1.5-3x a step for 1.1x its tokens, as rows joined a batch
+        with their prompts unread. While held off only probes draft; the sums fade (about
+        500 steps) below their evidence and the controller's choices are tried again."""
+        sums = self._gain.get(StepCosts.bucket(batch))
+        if sums is None or sums[0] < _GAIN_EVIDENCE:
+            return False
+        return sums[1] < (1 - self.guard_margin) * sums[2]
 
     def _probing_lookups(self) -> bool:
         """One step in ``probe_every`` (a phase of its own) looked-up drafts are taken even
@@ -475,18 +505,40 @@ class GoodputController:
         self.curve(adapter, route).observe(num_drafted, num_accepted, self.decay)
         self._forget_step()
 
-    def observe_step(self, batch: int, k: float, seconds: float, model: bool = True) -> None:
+    def observe_step(
+        self,
+        batch: int,
+        k: float,
+        seconds: float,
+        model: bool = True,
+        catching_up: bool = False,
+        emitted: int = 0,
+    ) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
-        (:meth:`StepCosts.observe`); ``model``: the draft model ran in it."""
+        (:meth:`StepCosts.observe`); ``model``: the draft model ran in it. ``catching_up``:
+        the draft read many tokens a row first (rows back on the draft after steps without
+        it): its seconds count against the exploration share if it probed, but not in the
+        cost line, which prices drafting step after step (a line fitted to probes, each with
+        its rows' catch-up, kept a good draft off at 16 rows). ``emitted``: the tokens the
+        step's rows emitted (the realized-gain guard, :meth:`held_off`)."""
         # Remembered over about 10,000 steps: the share holds over many probe intervals
         # (a short memory would let each probe through once its cost had faded).
         self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds
         self._explore_spent *= _EXPLORE_KEEP
+        bucket = StepCosts.bucket(batch)
+        gain = self._gain.setdefault(bucket, [0.0, 0.0, 0.0])
+        for i, value in enumerate(gain):
+            gain[i] = value * _GAIN_KEEP
+        if k > 0 and emitted and not self._probed:
+            base = self.costs.seconds(batch, 0)[0]
+            for i, value in enumerate((1.0, float(emitted), batch * seconds / max(base, 1e-9))):
+                gain[i] += value
         if self._probed:
             self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)
             self._explore_spent += self._probe_excess
             self._probed = False
-        self.costs.observe(batch, k, seconds, model)
+        if not catching_up:
+            self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._forget_step()
 

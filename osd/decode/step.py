@@ -20,7 +20,7 @@ import torch
 
 from osd.decode import rng
 from osd.decode.choices import share_prompt
-from osd.decode.drafting import Drafts, propose
+from osd.decode.drafting import CATCH_UP_TOKENS, Drafts, propose
 from osd.decode.forward import (
     ModelPair,
     as_tensor,
@@ -261,6 +261,9 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     masks = None
     if GrammarMasks.needed(rows):
         masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
+    # Rows back on the draft model after steps without it read what they missed first.
+    unread = [len(r.seq) - r.draft_len for r, k in zip(rows, plan.model_k, strict=True) if k]
+    catching_up = bool(unread) and sum(unread) > CATCH_UP_TOKENS * len(unread)
     # No row of the draft model: no draft forward this step.
     drafts = propose(pair, rows, sampling, history, plan.model_k, branches, max(width, 1), masks)
     pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)
@@ -401,5 +404,8 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         else:
             computed = computed_positions(pair.target, num_real, input_ids.shape[1])
             extra = max(computed / len(fan_out) - 1, 0.0)
-        pair.controller.observe_step(num_rows, extra, seconds, plan.model_runs)
+        emitted = num_rows + sum(row[0] for row in packed)
+        pair.controller.observe_step(
+            num_rows, extra, seconds, plan.model_runs, catching_up, emitted
+        )
     return chunks

@@ -225,3 +225,34 @@ def test_probes_cost_at_most_the_exploration_share():
     # Negative control: without the share, probes on their schedule cost 3.4 % here.
     unbounded, _ = probe_share(explore_share=1.0)
     assert unbounded > 0.03
+
+
+def test_drafting_that_emits_less_than_the_target_alone_would_is_held_off():
+    controller = GoodputController(max_k=4, prior=0.9)
+    controller.observe_step(batch=16, k=0, seconds=1.0)  # the target alone: 16 tokens a second
+    assert controller.choose("v", "", batch=16, limit=4) > 0  # the prior: draft
+    for _ in range(6):  # drafting steps cost 2x for 1.2x the tokens (their rows catching up)
+        controller.observe_step(batch=16, k=2, seconds=2.0, catching_up=True, emitted=19)
+    assert controller.held_off(16) and controller.choose("v", "", batch=16, limit=4) == 0
+    name, k = controller.choose_proposer("v", "", 16, 4, [("suffix", (0.99, 0.99))])
+    assert (name, k) == ("draft", 0)  # looked-up drafts too (but on their probe steps)
+    assert controller.batch_width(16, [[1.0, 2.0, 3.0]], 15) == 0
+    assert not controller.held_off(4)  # per batch size
+    for _ in range(700):  # the evidence fades: the controller's choices are tried again
+        controller.observe_step(batch=16, k=0, seconds=1.0)
+    assert not controller.held_off(16)
+
+
+def test_drafting_that_pays_is_not_held_off():
+    controller = GoodputController(max_k=4, prior=0.9)
+    controller.observe_step(batch=16, k=0, seconds=1.0)
+    for _ in range(20):  # 1.5x the step for 2x the tokens
+        controller.observe_step(batch=16, k=2, seconds=1.5, emitted=32)
+    assert not controller.held_off(16)
+    # Probe steps are the exploration share's, not the guard's evidence.
+    bad = GoodputController(max_k=4, prior=0.9)
+    bad.observe_step(batch=16, k=0, seconds=1.0)
+    for _ in range(20):
+        bad._probed = True
+        bad.observe_step(batch=16, k=1, seconds=5.0, emitted=16)
+    assert not bad.held_off(16)

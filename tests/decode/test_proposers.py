@@ -18,7 +18,7 @@ from osd import SamplingParams, SpeculativeDecoder
 from osd.decode import step as step_module
 from osd.decode.goodput import GoodputController
 from osd.decode.loop import BatchedEngine
-from osd.decode.proposers import LookupBackoff
+from osd.decode.proposers import LookupBackoff, LookupYield
 from osd.decode.scheduler import BatchLimits
 from osd.errors import ParamError
 from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
@@ -299,3 +299,18 @@ def test_an_auto_row_whose_lookups_find_nothing_looks_up_less_often(text_decoder
     result = text_decoder.generate(prompt, max_tokens=40, temperature=0, proposer="auto")
     assert result.token_ids == alone.token_ids
     assert 0 < len(offered) <= 12  # of ~40 steps: at steps 0, 1, 3, 7, 15, then every 8
+
+
+def test_rows_of_a_route_whose_lookups_never_draft_start_backed_off():
+    route = LookupYield()
+    misses = 0
+    while not route.cold:
+        route.add(drafted=False)
+        misses += 1
+    assert 50 <= misses <= 60  # judged once 50 recent lookups' worth are seen
+    cold = LookupBackoff(max_gap=32, misses=4)
+    due = [step for step in range(64) if cold.due(step) and not cold.update(False, step)]
+    assert due == [0, 16, 48]  # against 11 lookups in 64 steps for a row of a warm route
+    for _ in range(10):
+        route.add(drafted=True)
+    assert not route.cold  # lookups that draft warm the route again
