@@ -169,6 +169,12 @@ class StepCosts:
         for i, value in enumerate(values):
             sums[i] += value
 
+    def own_base(self, batch: int) -> float | None:
+        """Seconds of a step without drafting measured at this batch size's bucket (None:
+        none measured there)."""
+        zero = self._zero.get(self.bucket(batch))
+        return zero[1] / zero[0] if zero else None
+
     def lacks_base(self, batch: int) -> bool:
         """Drafting steps were measured at this batch size, a step without drafting not: the
         costs would be the prior's ratios to a base read off the drafting steps, which is how a
@@ -529,8 +535,8 @@ class GoodputController:
         gain = self._gain.setdefault(bucket, [0.0, 0.0, 0.0])
         for i, value in enumerate(gain):
             gain[i] = value * _GAIN_KEEP
-        if k > 0 and emitted and not self._probed:
-            base = self.costs.seconds(batch, 0)[0]
+        base = self.costs.own_base(batch)  # not a prior's or a neighbour's
+        if k > 0 and emitted and not self._probed and base is not None:
             for i, value in enumerate((1.0, float(emitted), batch * seconds / max(base, 1e-9))):
                 gain[i] += value
         if self._probed:

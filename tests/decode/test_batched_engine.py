@@ -283,6 +283,9 @@ class CheapDraftCosts:
     def lacks_base(self, batch: int) -> bool:
         return False
 
+    def own_base(self, batch: int) -> float | None:
+        return None
+
 
 def test_auto_draft_length_drafts_a_draft_that_fits(decoder):
     """The draft model pinned: with lookups, the earlier tests' identical outputs let suffix

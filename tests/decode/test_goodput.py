@@ -256,3 +256,13 @@ def test_drafting_that_pays_is_not_held_off():
         bad._probed = True
         bad.observe_step(batch=16, k=1, seconds=5.0, emitted=16)
     assert not bad.held_off(16)
+
+
+def test_the_guard_judges_only_against_a_measured_step_without_drafting():
+    controller = GoodputController(max_k=4, prior=0.9)
+    for _ in range(10):  # cold: no step without drafting measured at 16 rows (nor anywhere)
+        controller.observe_step(batch=16, k=2, seconds=0.02, emitted=20)
+    controller.observe_step(batch=16, k=0, seconds=0.01)
+    for _ in range(6):  # 2x the step for 1.25x the tokens: held off, the cold steps unheard
+        controller.observe_step(batch=16, k=2, seconds=0.02, emitted=20)
+    assert controller.held_off(16)
