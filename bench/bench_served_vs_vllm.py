@@ -41,6 +41,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -356,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 finally:
                     vllm.close()
+        # A fresh run directory every round: it holds the redis-server's data, and a replica
+        # warms its suffix store from the newest logged records (serving/suffix_warmup.py), so
+        # an earlier run's answers to these very prompts would be replayed (greedy demo c1 read
+        # 4.5x against 2.2x from an empty one).
+        run_dir = args.logs / f"osd-run-{round_index}"
+        shutil.rmtree(run_dir, ignore_errors=True)
         port = free_port()
         osd = Server(
             "osd",
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"serve.port={port}",
                 f"serve.model_name={MODEL}",
                 f"serve.torch_threads={args.osd_threads}",
-                f"run_dir={args.logs / f'osd-run-{round_index}'}",
+                f"run_dir={run_dir}",
             ],
             port,
             args.logs / f"osd-{round_index}.log",

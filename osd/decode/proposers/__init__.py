@@ -184,7 +184,10 @@ class Proposers:
                 continue
             assert controller is not None
             offers: dict[str, Continuation | None] = {}
-            cold = self.yields.setdefault(request.route, LookupYield()).cold
+            route = self.yields.get(request.route)
+            if route is None:
+                route = self.yields[request.route] = LookupYield()
+            cold = route.cold
             if LookupBackoff.of(row, cold).due(row.step):
                 offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
                 looked_up.append(b)
