@@ -135,6 +135,11 @@ class StepCosts:
     free_prior_ratio: float = 0.015
     decay: float = 0.98
     free_decay: float = 0.95  # per step with looked-up drafts (their line's memory)
+    # A drafting step counts at most this many times its estimate (once its bucket's step
+    # without drafting is measured): served, a step can take 3-5x its due (the replica's
+    # other threads, a first call of a shape), and the drafting lines forget only with their
+    # own steps, which such an outlier could keep from ever coming again.
+    outlier_ratio: float = 2.0
     _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
     _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
     _free: dict[int, list[float]] = field(default_factory=dict)  # the same, no draft forward
@@ -148,6 +153,7 @@ class StepCosts:
         """One step whose rows verified k drafted positions each (its width, or their mean
         where the target's forward computed only the positions rows have); ``model``: the
         draft model ran (else the drafts were looked up)."""
+        seconds = min(seconds, self.ceiling(batch, k, model))
         bucket = self.bucket(batch)
         # Steps without drafting are averaged over recent steps. The drafting kinds forget
         # only as their own steps come: probes (GoodputController) measure them again. A line
@@ -168,6 +174,19 @@ class StepCosts:
             sums = lines.setdefault(bucket, [0.0] * 5)
         for i, value in enumerate(values):
             sums[i] += value
+
+    def ceiling(self, batch: int, k: float, model: bool = True) -> float:
+        """The most seconds a step drafting k (``model``: with the draft model) is counted
+        as: ``outlier_ratio`` times its estimate, where the batch size's own step without
+        drafting is measured (else no limit: the estimate is the prior's)."""
+        if k <= 0 or self.own_base(batch) is None:
+            return math.inf
+        if model:
+            _, intercept, slope = self._model_line(batch)
+            expected = intercept + slope * k
+        else:
+            expected = self.free_cost(batch, k)
+        return self.outlier_ratio * expected
 
     def own_base(self, batch: int) -> float | None:
         """Seconds of a step without drafting measured at this batch size's bucket (None:
@@ -190,9 +209,14 @@ class StepCosts:
         costs' ratios, which change slowly with the batch); with nothing measured, the prior
         alone: 1 for a step without drafting, ``prior_ratio`` more per drafted token.
         """
+        base, intercept, slope = self._model_line(batch)
+        return [base] + [intercept + slope * k for k in range(1, max_k + 1)]
+
+    def _model_line(self, batch: int) -> tuple[float, float, float]:
+        """(seconds without drafting, the draft model's line: intercept, slope per k)."""
         measured = self._zero.keys() | self._line.keys()
         if not measured:
-            return [1.0] + [1.0 + self.prior_ratio * k for k in range(1, max_k + 1)]
+            return 1.0, 1.0, self.prior_ratio
         wanted = self.bucket(batch)
         bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
         zero, line = self._zero.get(bucket), self._line.get(bucket)
@@ -204,7 +228,7 @@ class StepCosts:
         intercept, slope = fitted
         if base is None:  # no step without drafting seen: the line less one drafted token
             base = intercept / (1 + self.prior_ratio)
-        return [base] + [intercept + slope * k for k in range(1, max_k + 1)]
+        return base, intercept, slope
 
     def free_seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k when the k tokens come without a model.
@@ -213,8 +237,9 @@ class StepCosts:
         verifies anything leaves the target-alone path: the verifiers' draws and tensors, a
         forward with more than one position per row) plus a slope per position each row
         verifies, both fitted to the excess over the base of steps in which no draft forward
-        ran, by least squares with the prior as one pseudo-step at k = 1. Until such steps are
-        measured in the nearest bucket, or while they all verified about one width, the slope is
+        ran, by least squares with the prior as one pseudo-step at k = 1 (the nearest measured
+        bucket's steps, their excess scaled by the ratio of the two buckets' bases). Until such
+        steps are measured, or while they all verified about one width, the slope is
         ``free_prior_ratio`` of the base per token and row (a position costs every row of a
         padded batch one more token in the forward) and the rest of their excess is the fixed
         cost. Measured on the demo pair at 16 sampled rows: one row verifying one looked-up
@@ -241,8 +266,14 @@ class StepCosts:
             wanted = self.bucket(batch)
             bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
             w, k, kk, t, kt = self._free[bucket]
+            # Another bucket's steps lend their excess as a share of their own base: borrowed
+            # in seconds, 16 rows' excess made one looked-up token cost a lone row 6.9x its
+            # step, and a replica whose first looked-up drafts came at 16 never took one at 1.
+            own = base if bucket == wanted else self.seconds(1 << bucket, 0)[0]
+            scale = base / max(own, 1e-12)
             weight, k_sum, kk_sum = weight + w, k_sum + k, kk_sum + kk
-            excess, k_excess = excess + t - base * w, k_excess + kt - base * k
+            excess += (t - own * w) * scale
+            k_excess += (kt - own * k) * scale
         mean_k, mean_excess = k_sum / weight, excess / weight
         variance = kk_sum / weight - mean_k * mean_k
         slope = prior

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from osd.decode.goodput import (
@@ -189,6 +191,44 @@ def test_looked_up_widths_fit_a_fixed_cost_and_a_slope():
     for extra in (0.5, 1.0, 2.0, 4.0) * 5:  # 0.3 fixed, 0.1 per position a row verifies
         costs.observe(batch=16, k=extra, seconds=1.3 + 0.1 * extra, model=False)
     assert costs.free_seconds(batch=16, max_k=3) == pytest.approx([1.0, 1.4, 1.5, 1.6], abs=0.02)
+
+
+@pytest.mark.parametrize("model", [True, False])
+def test_a_slow_drafting_step_counts_at_most_twice_its_estimate(model: bool):
+    costs, clean = StepCosts(), StepCosts()
+    for c in (costs, clean):
+        for _ in range(5):
+            c.observe(batch=16, k=0, seconds=1.0)
+        c.observe(batch=16, k=1, seconds=1.3, model=model)
+    costs.observe(batch=16, k=1, seconds=6.0, model=model)  # the replica's other threads
+    clean.observe(batch=16, k=1, seconds=1.3 * 2, model=model)  # what it is counted as
+    assert costs.seconds(16, 1) == pytest.approx(clean.seconds(16, 1))
+    assert costs.free_seconds(16, 1) == pytest.approx(clean.free_seconds(16, 1))
+    # Costs that really rose are learnt, each step up to twice the last estimate.
+    for _ in range(40):
+        costs.observe(batch=16, k=1, seconds=6.0, model=model)
+    estimate = costs.seconds(16, 1)[1] if model else costs.free_seconds(16, 1)[1]
+    assert estimate == pytest.approx(6.0, rel=0.1)
+    # Before the batch size's step without drafting is measured nothing is cut.
+    cold = StepCosts()
+    cold.observe(batch=4, k=1, seconds=6.0, model=model)
+    assert cold.ceiling(4, 1, model) == math.inf
+
+
+def test_another_batch_sizes_looked_up_costs_are_lent_as_shares_of_its_base():
+    costs = StepCosts(free_decay=1.0)
+    costs.observe(batch=16, k=0, seconds=10.0)
+    costs.observe(batch=1, k=0, seconds=2.0)
+    for extra in (0.5, 1.0, 2.0, 4.0) * 5:  # at 16 rows: 3 fixed, 1 per position (of 10)
+        costs.observe(batch=16, k=extra, seconds=13.0 + extra, model=False)
+    assert costs.free_seconds(batch=16, max_k=2) == pytest.approx([10.0, 14.0, 15.0], abs=0.2)
+    # A lone row borrows 0.3 and 0.1 of its own base, not 16 rows' seconds (which made one
+    # looked-up token cost it 3x its step, and it never took one).
+    assert costs.free_seconds(batch=1, max_k=2) == pytest.approx([2.0, 2.8, 3.0], abs=0.1)
+    for _ in range(20):  # its own steps, once measured, are its own
+        costs.observe(batch=1, k=1, seconds=2.2, model=False)
+        costs.observe(batch=1, k=2, seconds=2.4, model=False)
+    assert costs.free_seconds(batch=1, max_k=2) == pytest.approx([2.0, 2.2, 2.4], abs=0.05)
 
 
 def test_a_batch_size_with_only_drafting_measured_gets_a_step_without_drafting_first():
