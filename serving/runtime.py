@@ -33,6 +33,7 @@ from osd.decode.loop import BatchedEngine, EngineFull
 from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
 from osd.threads import single_threaded_torch
+from osd.versions.errors import BASE_VERSION
 from serving.adapter_slots import AdapterLease, AdapterSlots
 from serving.jobs import Job
 from serving.live_monitor import LiveMonitor
@@ -212,7 +213,9 @@ class ReplicaRuntime:
                 self.metrics.router_fallbacks.inc()
             lease = self.slots.acquire(route.adapter)
             try:
-                prepared = dataclasses.replace(prepared, adapter=lease.peft_name)
+                prepared = dataclasses.replace(
+                    prepared, adapter=lease.peft_name, base_weights=lease.version == BASE_VERSION
+                )
                 streams = self.batch.submit_group(choice_requests(prepared, request.n))
             except EngineFull as exc:
                 self._give_back(lease)

@@ -39,6 +39,9 @@ class DecodeRequest:
         log_top_m: target tokens logged per position; None: not logged.
         adaptive_threshold: the engine's early stop of drafting.
         auto_spec: k chosen per step by the goodput controller (at most num_spec_tokens).
+        base_weights: the adapter's weights are the base draft's (serving: every adapter's
+            version 0, identity-initialised), so its drafts count toward the base draft's
+            acceptance.
     """
 
     options: RequestOptions
@@ -52,6 +55,7 @@ class DecodeRequest:
     log_top_m: int | None
     adaptive_threshold: float
     auto_spec: bool = False
+    base_weights: bool = False
 
     @property
     def params(self) -> SamplingParams:

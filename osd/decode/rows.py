@@ -103,8 +103,12 @@ class Row:
 
     @property
     def stats_key(self) -> str:
-        """The draft whose acceptance this row measures (adapter version, or the base)."""
-        return self.request.adapter or "base"
+        """The draft whose acceptance this row measures: the adapter version, or ``base`` for
+        the base draft's weights under any name. A cold replica's five untrained adapters each
+        started at the controller's optimistic prior and drafted, catch-ups and all, until
+        disproven one by one: at 16 greedy clients 0.85x the target alone."""
+        request = self.request
+        return "base" if request.base_weights or not request.adapter else request.adapter
 
     def emit(
         self,

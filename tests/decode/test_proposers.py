@@ -9,6 +9,7 @@ told the looked-up tokens were drawn from a uniform q instead of chosen (q one-h
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -314,3 +315,18 @@ def test_rows_of_a_route_whose_lookups_never_draft_start_backed_off():
     for _ in range(10):
         route.add(drafted=True)
     assert not route.cold  # lookups that draft warm the route again
+
+
+def test_an_adapter_with_the_base_drafts_weights_counts_toward_the_base_drafts_acceptance(pair):
+    """Serving's version 0 of every adapter is the base draft (LoRA's B at zero): one curve, so
+    a cold replica's untrained adapters are not each tried at the optimistic prior in turn."""
+    decoder = SpeculativeDecoder(*pair)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, kv_slots=8))
+    try:
+        for base_weights in (True, False):
+            request = decoder.prepare(PROMPT, max_tokens=8, seed=1, adapter="a", log=False)
+            request = dataclasses.replace(request, base_weights=base_weights)
+            engine.submit(request).result()
+        assert {adapter for adapter, _ in engine.controller.curves} == {"base", "a"}
+    finally:
+        engine.close()
