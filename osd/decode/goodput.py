@@ -509,6 +509,12 @@ class GoodputController:
             return False
         return sums[1] < (1 - self.guard_margin) * sums[2]
 
+    def wants_lookups(self, batch: int) -> bool:
+        """Whether a step of ``batch`` rows could take a looked-up draft: not while drafting is
+        held off there (:meth:`held_off`), but on the lookups' probe steps. Rows skip their
+        lookups otherwise (a sixth of :meth:`Proposers.plan`'s time, for nothing)."""
+        return not self.held_off(batch) or self._probing_lookups()
+
     def _probing_lookups(self) -> bool:
         """One step in ``probe_every`` (a phase of its own) looked-up drafts are taken even
         where the estimates advise against them, so estimates that fell are measured again

@@ -277,6 +277,12 @@ def test_drafting_that_emits_less_than_the_target_alone_would_is_held_off():
     name, k = controller.choose_proposer("v", "", 16, 4, [("suffix", (0.99, 0.99))])
     assert (name, k) == ("draft", 0)  # looked-up drafts too (but on their probe steps)
     assert controller.batch_width(16, [[1.0, 2.0, 3.0]], 15) == 0
+    # Rows skip their lookups then, but on the lookups' probe steps.
+    wanted = []
+    for _ in range(controller.probe_every):
+        wanted.append(controller.wants_lookups(16))
+        controller.steps += 1
+    assert wanted.count(True) == 1 and controller.wants_lookups(4)
     assert not controller.held_off(4)  # per batch size
     for _ in range(700):  # the evidence fades: the controller's choices are tried again
         controller.observe_step(batch=16, k=0, seconds=1.0)

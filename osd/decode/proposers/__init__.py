@@ -160,6 +160,7 @@ class Proposers:
         batch = len(rows)
         plan = StepPlan([0] * batch, [0] * batch, ["draft"] * batch)
         looked_up: list[int] = []  # auto rows that looked up this step (LookupBackoff)
+        look_up = controller is not None and controller.wants_lookups(batch)
         for b, row in enumerate(rows):
             request = row.request
             if request.method == "none":
@@ -188,7 +189,7 @@ class Proposers:
             if route is None:
                 route = self.yields[request.route] = LookupYield()
             cold = route.cold
-            if LookupBackoff.of(row, cold).due(row.step):
+            if look_up and LookupBackoff.of(row, cold).due(row.step):
                 offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
                 looked_up.append(b)
             found = [(name, c.probs) for name, c in offers.items() if c is not None]
