@@ -107,7 +107,7 @@ def propose(
             base=[row.slots[0] for row in owners],
             prefix=[len(row.seq) for row in owners],
             num_logits=1,
-            adapters=[row.request.adapter for row in owners],
+            adapters=[row.draft_adapter for row in owners],
         )
         seen = history_rows(history, row_of)  # and the branch's drafts before position i
         seen = None if seen is None else extend_history(seen, ids[row_of, branch_of, :i])
@@ -146,7 +146,7 @@ def _read_unread(pair: ModelPair, rows: list[Row], ends: list[int]) -> torch.Ten
         base=[row.slots[0] for row in rows],
         prefix=[0] * len(rows),
         num_logits=1,
-        adapters=[row.request.adapter for row in rows],
+        adapters=[row.draft_adapter for row in rows],
     )
 
 

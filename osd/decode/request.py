@@ -41,7 +41,7 @@ class DecodeRequest:
         auto_spec: k chosen per step by the goodput controller (at most num_spec_tokens).
         base_weights: the adapter's weights are the base draft's (serving: every adapter's
             version 0, identity-initialised), so its drafts count toward the base draft's
-            acceptance.
+            acceptance and its draft forwards run without the adapter (it adds exactly zero).
     """
 
     options: RequestOptions

@@ -102,6 +102,13 @@ class Row:
         return max(1, limit)
 
     @property
+    def draft_adapter(self) -> str | None:
+        """The LoRA adapter of the row's draft forwards: None (the bare draft) where the adapter
+        has the base draft's weights, whose LoRA adds exactly zero at the cost of its layers (at
+        one row on the demo draft: 0.55 ms a forward against 0.38 ms without it)."""
+        return None if self.request.base_weights else self.request.adapter
+
+    @property
     def stats_key(self) -> str:
         """The draft whose acceptance this row measures: the adapter version, or ``base`` for
         the base draft's weights under any name. A cold replica's five untrained adapters each

@@ -330,3 +330,29 @@ def test_an_adapter_with_the_base_drafts_weights_counts_toward_the_base_drafts_a
         assert {adapter for adapter, _ in engine.controller.curves} == {"base", "a"}
     finally:
         engine.close()
+
+
+def test_rows_with_the_base_drafts_weights_draft_without_their_adapter(pair, monkeypatch):
+    """Their LoRA adds exactly zero (B at zero) at the cost of its layers: the bare draft runs."""
+    from osd.decode import drafting
+
+    seen: list[list[str | None]] = []
+    real = drafting.run_model
+
+    def spy(*args, **kwargs):
+        seen.append(list(kwargs["adapters"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(drafting, "run_model", spy)
+    decoder = SpeculativeDecoder(*pair)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, kv_slots=8))
+    try:
+        for base_weights in (True, False):
+            request = decoder.prepare(
+                PROMPT, max_tokens=8, seed=1, adapter="a", num_spec_tokens=2, log=False
+            )
+            engine.submit(dataclasses.replace(request, base_weights=base_weights)).result()
+            assert seen and all(a == [None if base_weights else "a"] for a in seen)
+            seen.clear()
+    finally:
+        engine.close()
