@@ -237,13 +237,12 @@ class StepCosts:
         verifies anything leaves the target-alone path: the verifiers' draws and tensors, a
         forward with more than one position per row) plus a slope per position each row
         verifies, both fitted to the excess over the base of steps in which no draft forward
-        ran, by least squares with the prior as one pseudo-step at k = 1 (the nearest measured
-        bucket's steps, their excess scaled by the ratio of the two buckets' bases). Until such
-        steps are measured, or while they all verified about one width, the slope is
-        ``free_prior_ratio`` of the base per token and row (a position costs every row of a
-        padded batch one more token in the forward) and the rest of their excess is the fixed
-        cost. Measured on the demo pair at 16 sampled rows: one row verifying one looked-up
-        token made the step 48 % dearer, nearly all of it fixed.
+        ran at this batch size's bucket, by least squares with the prior as one pseudo-step at
+        k = 1. Until such steps are measured there, or while they all verified about one
+        width, the slope is ``free_prior_ratio`` of the base per token and row (a position
+        costs every row of a padded batch one more token in the forward) and the rest of their
+        excess is the fixed cost. Measured on the demo pair at 16 sampled rows: one row
+        verifying one looked-up token made the step 48 % dearer, nearly all of it fixed.
         """
         base, fixed, slope = self._free_line(batch)
         return [base] + [base + fixed + slope * k for k in range(1, max_k + 1)]
@@ -261,19 +260,15 @@ class StepCosts:
         base = self.seconds(batch, 0)[0]
         prior = base * min(1.0, self.free_prior_ratio * batch)
         weight, k_sum, kk_sum, excess, k_excess = 1.0, 1.0, 1.0, prior, prior  # the prior
-        measured = self._free.keys()
-        if measured:
-            wanted = self.bucket(batch)
-            bucket = min(measured, key=lambda b: (abs(b - wanted), -b))
-            w, k, kk, t, kt = self._free[bucket]
-            # Another bucket's steps lend their excess as a share of their own base: borrowed
-            # in seconds, 16 rows' excess made one looked-up token cost a lone row 6.9x its
-            # step, and a replica whose first looked-up drafts came at 16 never took one at 1.
-            own = base if bucket == wanted else self.seconds(1 << bucket, 0)[0]
-            scale = base / max(own, 1e-12)
+        # Only this batch size's own steps: another's were lent first in seconds (16 rows'
+        # excess priced a lone row's lookup at 3-7x its step), then as shares of their base,
+        # and a few slow warm-up steps still priced lookups out at one row for good (their
+        # probes wait on the exploration share). The prior is optimistic; a step corrects it.
+        own = self._free.get(self.bucket(batch))
+        if own:
+            w, k, kk, t, kt = own
             weight, k_sum, kk_sum = weight + w, k_sum + k, kk_sum + kk
-            excess += (t - own * w) * scale
-            k_excess += (kt - own * k) * scale
+            excess, k_excess = excess + t - base * w, k_excess + kt - base * k
         mean_k, mean_excess = k_sum / weight, excess / weight
         variance = kk_sum / weight - mean_k * mean_k
         slope = prior

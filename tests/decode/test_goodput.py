@@ -215,16 +215,17 @@ def test_a_slow_drafting_step_counts_at_most_twice_its_estimate(model: bool):
     assert cold.ceiling(4, 1, model) == math.inf
 
 
-def test_another_batch_sizes_looked_up_costs_are_lent_as_shares_of_its_base():
+def test_a_batch_size_without_looked_up_steps_of_its_own_takes_the_prior():
     costs = StepCosts(free_decay=1.0)
     costs.observe(batch=16, k=0, seconds=10.0)
     costs.observe(batch=1, k=0, seconds=2.0)
     for extra in (0.5, 1.0, 2.0, 4.0) * 5:  # at 16 rows: 3 fixed, 1 per position (of 10)
         costs.observe(batch=16, k=extra, seconds=13.0 + extra, model=False)
     assert costs.free_seconds(batch=16, max_k=2) == pytest.approx([10.0, 14.0, 15.0], abs=0.2)
-    # A lone row borrows 0.3 and 0.1 of its own base, not 16 rows' seconds (which made one
-    # looked-up token cost it 3x its step, and it never took one).
-    assert costs.free_seconds(batch=1, max_k=2) == pytest.approx([2.0, 2.8, 3.0], abs=0.1)
+    # A lone row takes the prior (1.5 % of its step a position), not 16 rows' line, in
+    # seconds or as shares of their step (either kept a replica from ever taking a lookup
+    # at one row, whose probes wait on the exploration share).
+    assert costs.free_seconds(batch=1, max_k=2) == pytest.approx([2.0, 2.03, 2.06])
     for _ in range(20):  # its own steps, once measured, are its own
         costs.observe(batch=1, k=1, seconds=2.2, model=False)
         costs.observe(batch=1, k=2, seconds=2.4, model=False)
