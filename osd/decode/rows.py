@@ -114,8 +114,7 @@ class Row:
         the base draft's weights under any name. A cold replica's five untrained adapters each
         started at the controller's optimistic prior and drafted, catch-ups and all, until
         disproven one by one: at 16 greedy clients 0.85x the target alone."""
-        request = self.request
-        return "base" if request.base_weights or not request.adapter else request.adapter
+        return self.draft_adapter or "base"
 
     def emit(
         self,

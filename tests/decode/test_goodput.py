@@ -195,13 +195,16 @@ def test_looked_up_widths_fit_a_fixed_cost_and_a_slope():
 
 @pytest.mark.parametrize("model", [True, False])
 def test_a_slow_drafting_step_counts_at_most_twice_its_estimate(model: bool):
-    costs, clean = StepCosts(), StepCosts()
+    costs, clean = StepCosts(), StepCosts(outlier_ratio=math.inf)  # clean: nothing cut
     for c in (costs, clean):
         for _ in range(5):
             c.observe(batch=16, k=0, seconds=1.0)
         c.observe(batch=16, k=1, seconds=1.3, model=model)
+    estimate = costs.seconds(16, 1)[1] if model else costs.free_seconds(16, 1)[1]
+    cap = costs.ceiling(16, 1, model)
+    assert cap == pytest.approx(2 * estimate)
     costs.observe(batch=16, k=1, seconds=6.0, model=model)  # the replica's other threads
-    clean.observe(batch=16, k=1, seconds=1.3 * 2, model=model)  # what it is counted as
+    clean.observe(batch=16, k=1, seconds=cap, model=model)  # what it is counted as
     assert costs.seconds(16, 1) == pytest.approx(clean.seconds(16, 1))
     assert costs.free_seconds(16, 1) == pytest.approx(clean.free_seconds(16, 1))
     # Costs that really rose are learnt, each step up to twice the last estimate.

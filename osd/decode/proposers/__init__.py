@@ -185,13 +185,11 @@ class Proposers:
                 continue
             assert controller is not None
             offers: dict[str, Continuation | None] = {}
-            route = self.yields.get(request.route)
-            if route is None:
-                route = self.yields[request.route] = LookupYield()
-            cold = route.cold
-            if look_up and LookupBackoff.of(row, cold).due(row.step):
-                offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
-                looked_up.append(b)
+            if look_up:  # (LookupBackoff: rows of a cold route start backed off)
+                cold = self._route_yield(request.route).cold
+                if LookupBackoff.of(row, cold).due(row.step):
+                    offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
+                    looked_up.append(b)
             found = [(name, c.probs) for name, c in offers.items() if c is not None]
             name, k = controller.choose_proposer(row.stats_key, request.route, batch, limit, found)
             if name == "draft":
@@ -202,8 +200,14 @@ class Proposers:
             self._cap_width(plan, rows, controller, packs)
         for b in looked_up:
             LookupBackoff.of(rows[b]).update(b in plan.lookups, rows[b].step)
-            self.yields[rows[b].request.route].add(b in plan.lookups)
+            self._route_yield(rows[b].request.route).add(b in plan.lookups)
         return plan
+
+    def _route_yield(self, route: str) -> LookupYield:
+        found = self.yields.get(route)
+        if found is None:
+            found = self.yields[route] = LookupYield()
+        return found
 
     @staticmethod
     def _cap_width(
