@@ -193,6 +193,9 @@ class ServeConfig:
     kv_cache_memory_bytes: int = 0
     # torch intra-op threads of the decode loop; 0: every core the replica may use.
     torch_threads: int = 0
+    # Run each batch size's steps once before the replica reports ready (osd.decode.warmup):
+    # the first forwards of a shape are slow; without it the first clients pay for them.
+    warmup: bool = True
     num_cpus: float = 1.0
     num_gpus: float = 0.0
     max_tokens_limit: int = 1024

@@ -90,6 +90,11 @@ class ReplicaMetrics:
         self.decode_steps = Gauge(
             "osd_decode_steps", "Batched decode steps since the replica started", registry=r
         )
+        self.warmup_seconds = Gauge(
+            "osd_engine_warmup_seconds",
+            "Seconds the decode loop's warm-up took before the replica was ready (0: none)",
+            registry=r,
+        )
         self.log_written = Gauge("osd_log_records_written", "Records written to Redis", registry=r)
         self.log_dropped = Gauge("osd_log_records_dropped", "Records dropped", registry=r)
         self.log_opted_out = Gauge(

@@ -22,6 +22,7 @@ from osd.config import OSDConfig, ServeConfig
 from osd.decode.engine import SpeculativeDecoder
 from osd.decode.loop import BatchedEngine
 from osd.decode.scheduler import BatchLimits
+from osd.decode.warmup import warm_up
 from osd.device_memory import forward_peak_bytes, kv_budget_bytes
 from osd.model_sources import attach_lora_adapters, load_model_pair
 from osd.routing.store import open_routing_store, routing_model_name
@@ -122,6 +123,11 @@ def build_runtime(
         ),
         num_threads=threads.num_threads,
     )
+    metrics = metrics or ReplicaMetrics(model_name=config.serve.model_name)
+    if serve.warmup:  # before the replica reports ready: its first clients pay nothing
+        report = warm_up(batch)
+        logger.info(report.describe())
+        metrics.warmup_seconds.set(report.seconds)
     adapters = list(config.model.adapters)
     return ReplicaRuntime(
         config,
@@ -129,7 +135,7 @@ def build_runtime(
         batch,
         models.slots,
         AdapterRouter(adapters, general=adapters[0], min_confidence=config.routing.min_confidence),
-        metrics or ReplicaMetrics(model_name=config.serve.model_name),
+        metrics,
         log_writer=log_writer,
         monitor=monitor,
         events=events,

@@ -218,6 +218,28 @@ def test_a_slow_drafting_step_counts_at_most_twice_its_estimate(model: bool):
     assert cold.ceiling(4, 1, model) == math.inf
 
 
+def test_a_slow_step_without_drafting_counts_at_most_twice_the_base():
+    costs, clean = StepCosts(), StepCosts(outlier_ratio=math.inf)  # clean: nothing cut
+    for c in (costs, clean):
+        for _ in range(5):
+            c.observe(batch=16, k=0, seconds=1.0)
+    assert costs.ceiling(16, 0) == pytest.approx(2.0)
+    uncut = StepCosts(outlier_ratio=math.inf)
+    for _ in range(5):
+        uncut.observe(batch=16, k=0, seconds=1.0)
+    costs.observe(batch=16, k=0, seconds=33.0)  # a full garbage collection
+    clean.observe(batch=16, k=0, seconds=2.0)  # what it is counted as
+    uncut.observe(batch=16, k=0, seconds=33.0)
+    assert costs.own_base(16) == pytest.approx(clean.own_base(16))
+    assert uncut.own_base(16) > 6.0  # the control: the guard's base six times what it is
+    # A base that really rose is learnt, each step up to twice the last.
+    for _ in range(60):
+        costs.observe(batch=16, k=0, seconds=3.0)
+    assert costs.own_base(16) == pytest.approx(3.0, rel=0.05)
+    # The first step of a batch size is not cut: nothing to cut it by.
+    assert StepCosts().ceiling(4, 0) == math.inf
+
+
 def test_a_batch_size_without_looked_up_steps_of_its_own_takes_the_prior():
     costs = StepCosts(free_decay=1.0)
     costs.observe(batch=16, k=0, seconds=10.0)

@@ -1,0 +1,138 @@
+"""A decode loop's warm-up before it serves: each batch size's steps run once, then forgotten.
+
+The first forwards of a shape are slow on every device (oneDNN's primitive caches and the
+allocator on a CPU; cuBLAS's heuristics and the caching allocator's pools on a GPU): a cold
+replica's first steps on the demo pair took 26-44 ms against 5-10 once warm, and its first
+clients paid for them. :func:`warm_up` sends synthetic requests (token ids, no text) through
+the loop at every power-of-two batch size up to ``max_num_seqs`` (and that size itself): one
+round drafted as served requests are (``"auto"``: the controller's choice, the model-free
+proposers included; greedy and sampled rows; the bare draft and, where the draft has adapters,
+one of them), then one with the target alone. Its steps go to a throwaway controller and
+proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
+requests are never logged (no record is written outside the replica's runtime).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from osd.decode.goodput import GoodputController
+from osd.decode.loop import BatchedEngine, LoopStats
+from osd.decode.methods import Method
+from osd.decode.options import RequestOptions
+from osd.decode.proposers import Proposers
+from osd.decode.request import DecodeRequest
+from osd.decode.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from osd.decode.engine import SpeculativeDecoder
+
+__all__ = ["WarmupReport", "warm_up", "warmup_batch_sizes"]
+
+log = logging.getLogger(__name__)
+
+_MOTIF = 8  # a prompt repeats a motif of this many tokens: the lookups find continuations
+_PROMPT_TOKENS = 32
+_METHODS: tuple[Method, ...] = ("block", "none")  # served speculation, then the target alone
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What a warm-up ran: its batch sizes, requests, steps and seconds (0 requests: none)."""
+
+    batch_sizes: tuple[int, ...]
+    requests: int
+    steps: int
+    seconds: float
+    failed: int = 0
+
+    def describe(self) -> str:
+        if not self.requests:
+            return "engine warm-up skipped"
+        failed = f", {self.failed} failed" if self.failed else ""
+        return (
+            f"engine warm-up: {self.requests} requests, {self.steps} steps at batch sizes "
+            f"{', '.join(map(str, self.batch_sizes))} in {self.seconds:.1f} s{failed}"
+        )
+
+
+def warmup_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """1, 2, 4, ... up to ``max_num_seqs``, and ``max_num_seqs`` itself."""
+    sizes, size = [], 1
+    while size < max_num_seqs:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_num_seqs)
+
+
+def warm_up(engine: BatchedEngine) -> WarmupReport:
+    """Runs the warm-up rounds through ``engine`` and waits for them; call it before the engine
+    takes requests (its controller and proposers are swapped for throwaway ones meanwhile).
+    A request that fails is counted and logged, never raised: warm-up only saves time. The
+    loop's counters start again after it (its metrics count served steps only)."""
+    decoder = engine.decoder
+    k = decoder.max_spec_tokens
+    max_tokens = min(2 * (k + 1), engine.max_len // 4)
+    prompt_tokens = min(_PROMPT_TOKENS, engine.max_len - max_tokens - 1)
+    sizes = tuple(
+        s for s in warmup_batch_sizes(engine.limits.max_num_seqs) if s <= engine.limits.max_waiting
+    )
+    if max_tokens < 1 or prompt_tokens < 2 or not sizes:
+        return WarmupReport((), 0, 0, 0.0)
+    adapter = decoder.adapters[0] if decoder.adapters else None
+    pair = engine.pair
+    kept = pair.controller, pair.proposers
+    pair.controller = GoodputController(max_k=k)
+    pair.proposers = Proposers(kept[1].settings)
+    started, steps, num_requests, failed = time.perf_counter(), engine.stats.steps, 0, 0
+    try:
+        for size in sizes:
+            for method in _METHODS:
+                requests = [
+                    _request(decoder, row, method, adapter, prompt_tokens, max_tokens)
+                    for row in range(size)
+                ]
+                handles = [engine.submit(request) for request in requests]
+                for handle in handles:
+                    try:
+                        handle.result()
+                    except Exception:  # noqa: BLE001 - counted and logged, serving goes on
+                        failed += 1
+                        log.exception("a warm-up request failed")
+                num_requests += size
+    finally:
+        pair.controller, pair.proposers = kept
+    report = WarmupReport(
+        sizes, num_requests, engine.stats.steps - steps, time.perf_counter() - started, failed
+    )
+    engine.stats = LoopStats()
+    return report
+
+
+def _request(
+    decoder: SpeculativeDecoder,
+    row: int,
+    method: Method,
+    adapter: str | None,
+    prompt_tokens: int,
+    max_tokens: int,
+) -> DecodeRequest:
+    """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth."""
+    vocab = decoder.vocab_size
+    low = vocab // 4
+    motif = [low + (row * 131 + i * 37) % max(vocab // 4, 1) for i in range(_MOTIF)]
+    prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
+    options = RequestOptions(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=1.0 if row % 2 else 0.0),
+        stop_token_ids=(),
+        seed=row,
+        method=method,
+        adapter=adapter if row % 4 == 3 else None,
+        log=True,  # the target's top-m of the log runs on served steps: warmed too
+        route="warm-up",
+    )
+    return decoder.prepare(prompt, options)
