@@ -121,9 +121,8 @@ def _request(
     max_tokens: int,
 ) -> DecodeRequest:
     """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth."""
-    vocab = decoder.vocab_size
-    low = vocab // 4
-    motif = [low + (row * 131 + i * 37) % max(vocab // 4, 1) for i in range(_MOTIF)]
+    quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
+    motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]
     prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
     options = RequestOptions(
         max_tokens=max_tokens,

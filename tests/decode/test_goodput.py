@@ -219,14 +219,12 @@ def test_a_slow_drafting_step_counts_at_most_twice_its_estimate(model: bool):
 
 
 def test_a_slow_step_without_drafting_counts_at_most_twice_the_base():
-    costs, clean = StepCosts(), StepCosts(outlier_ratio=math.inf)  # clean: nothing cut
-    for c in (costs, clean):
+    # clean and uncut cut nothing: clean is fed what costs counts, uncut the raw seconds.
+    costs, clean, uncut = StepCosts(), *(StepCosts(outlier_ratio=math.inf) for _ in range(2))
+    for c in (costs, clean, uncut):
         for _ in range(5):
             c.observe(batch=16, k=0, seconds=1.0)
     assert costs.ceiling(16, 0) == pytest.approx(2.0)
-    uncut = StepCosts(outlier_ratio=math.inf)
-    for _ in range(5):
-        uncut.observe(batch=16, k=0, seconds=1.0)
     costs.observe(batch=16, k=0, seconds=33.0)  # a full garbage collection
     clean.observe(batch=16, k=0, seconds=2.0)  # what it is counted as
     uncut.observe(batch=16, k=0, seconds=33.0)

@@ -28,7 +28,7 @@ def test_batch_sizes_are_the_powers_of_two_up_to_the_most_rows():
 
 def test_warm_up_runs_each_batch_size_drafted_and_not_and_keeps_nothing(engine, monkeypatch):
     controller, proposers = engine.pair.controller, engine.pair.proposers
-    batches: list[tuple[int, bool]] = []  # (rows, a row drafted with the model)
+    batches: list[tuple[int, bool]] = []  # (rows, a row has drafted: model or lookup)
     import osd.decode.loop as loop
 
     real_step = loop.run_step
