@@ -47,18 +47,18 @@ class ModelPair:
     # Who drafts each row (osd.decode.proposers); the default: the draft model alone.
     proposers: Proposers = field(default_factory=Proposers)
     history: TokenHistory = field(init=False)  # token counts of rows with a penalty
+    # The models' device, read once: a step asks for it several times, and asking a model
+    # walks its parameters (the models do not move while a pair serves).
+    device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
+        self.device = self.target.device
         self.history = TokenHistory(self.target_cache.num_slots, self.vocab_size, self.device)
 
     def sampling(self, rows: list[Row]) -> tuple[RowSampling, History | None]:
         """The rows' sampling parameters, and their histories when a penalty needs them."""
         sampling = RowSampling.of([r.request.params for r in rows], self.device, self.vocab_size)
         return sampling, self.history.of(rows) if sampling.any_history else None
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
 
     @property
     def dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from osd.decode.generation import TextAssembler
+from osd.decode.generation import TextAssembler, text_decoder
 from osd.testing import char_tokenizer
 
 EOS = 1  # both tokenizers: <pad> 0, <eos> 1, then the characters or bytes
@@ -225,3 +225,23 @@ def test_long_generations_decode_incrementally_to_the_whole_decode(kind, utf8):
             assert whole.startswith(out) and whole[len(out) :].startswith(stop[0])
         else:
             assert out == whole
+
+
+def test_text_decoder_is_the_tokenizers_decode(chars: PreTrainedTokenizerFast) -> None:
+    """The backend shortcut decodes exactly as ``tokenizer.decode(ids, skip_special_tokens=
+    True)`` (special tokens dropped, partial characters as U+FFFD), and a tokenizer whose decode
+    does more (cleaning up spaces) keeps its own decode."""
+    utf8 = byte_tokenizer()
+    cases = [
+        (chars, [EOS, *char_ids(chars, "a b, c."), EOS, 0]),
+        (utf8, [EOS, *byte_ids("né ✓")[:-1]]),
+        (utf8, byte_ids("日本")),
+    ]
+    for tokenizer, ids in cases:
+        assert text_decoder(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+    cleaning = char_tokenizer()
+    cleaning.clean_up_tokenization_spaces = True
+    spaced = char_ids(chars, "a , b .")  # the same vocabulary
+    shortcut = cleaning.backend_tokenizer.decode(spaced, skip_special_tokens=True)
+    assert text_decoder(cleaning)(spaced) == cleaning.decode(spaced, skip_special_tokens=True)
+    assert text_decoder(cleaning)(spaced) != shortcut  # the control: cleaning changed the text
