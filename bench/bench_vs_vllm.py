@@ -38,6 +38,7 @@ from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.decode.loop import BatchedEngine
 from osd.decode.scheduler import BatchLimits
+from osd.decode.warmup import warm_up
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.report import load_pair
 
@@ -155,6 +156,12 @@ def main() -> None:
     parser.add_argument(
         "--speculative", action="store_true", help="add block verification, k 4 (both sides)"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="add osd with model.compile (its layers through torch.compile, compiled in its "
+        "warm-up) beside the eager osd",
+    )
     args = parser.parse_args()
 
     paths = build_demo_models()
@@ -165,13 +172,17 @@ def main() -> None:
         for domain in DOMAINS
         for doc in load_corpus_split(paths.corpus, domain, "heldout")[:per_domain]
     ]
-    decoder = SpeculativeDecoder(target, draft, tokenizer)
-    engine = BatchedEngine(
-        decoder, BatchLimits(max_num_seqs=max(BATCHES)), num_threads=args.threads
-    )
+    engines: dict[str, tuple[SpeculativeDecoder, BatchedEngine]] = {}
+    for name, compiled in [("osd", False), *([("osd compiled", True)] if args.compile else [])]:
+        decoder = SpeculativeDecoder(target, draft, tokenizer, compile_forward=compiled)
+        limits = BatchLimits(max_num_seqs=max(BATCHES))
+        engines[name] = decoder, BatchedEngine(decoder, limits, num_threads=args.threads)
+        report = warm_up(engines[name][1])
+        print(f"{name}: {report.describe()}", flush=True)
     methods = ["none", "block"] if args.speculative else ["none"]
-    for method in methods:  # warm-up
-        osd_round(engine, decoder, prompts[:16], 16, 8, method)
+    for decoder, engine in engines.values():  # the bench's own warm-up, on its prompts
+        for method in methods:
+            osd_round(engine, decoder, prompts[:16], 16, 8, method)
 
     sides: dict[str, VllmSide] = {}
     if not args.no_vllm:
@@ -199,13 +210,15 @@ def main() -> None:
     figures: dict[tuple[str, int], list[float]] = {}
     for batch in BATCHES:
         for _ in range(args.rounds):
-            for method in methods:
-                figures.setdefault((f"osd {method}", batch), []).append(
-                    osd_round(engine, decoder, prompts, batch, args.max_tokens, method)
-                )
+            for label, (decoder, engine) in engines.items():
+                for method in methods:
+                    figures.setdefault((f"{label} {method}", batch), []).append(
+                        osd_round(engine, decoder, prompts, batch, args.max_tokens, method)
+                    )
             for name, side in sides.items():
                 figures.setdefault((name, batch), []).append(side.round(batch))
-    engine.close()
+    for _, engine in engines.values():
+        engine.close()
     for side in sides.values():
         side.close()
 
@@ -229,6 +242,17 @@ def main() -> None:
                 ratios = sorted(a / b for a, b in pairs)
                 row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
             rows.append(row)
+    for method in methods if args.compile else []:
+        row = [f"osd compiled {method} / osd {method}"]
+        for batch in BATCHES:
+            pairs = zip(
+                figures[(f"osd compiled {method}", batch)],
+                figures[(f"osd {method}", batch)],
+                strict=True,
+            )
+            ratios = sorted(a / b for a, b in pairs)
+            row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        rows.append(row)
     print_table(
         "osd beside vLLM, target alone", ["tokens/s", *[f"batch {b}" for b in BATCHES]], rows
     )

@@ -64,6 +64,10 @@ class ModelConfig:
     # Slot-cache forwards of Llama-shaped families (Llama, Mistral, Qwen2/3) through osd's lean
     # forward (osd.decode.lean_forward); false: transformers' own forward, for debugging.
     lean_forward: bool = True
+    # The lean forward's decode layers through torch.compile (osd.decode.compiled_forward):
+    # faster steps, compiled during the replica's warm-up (tens of seconds on a small CPU the
+    # first time, seconds from inductor's on-disk cache after). Off: the eager forward.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         _require(bool(self.target), "model.target", self.target, "a path or hub id")

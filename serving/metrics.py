@@ -9,6 +9,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from osd.decode.compiled_forward import compile_stats
 from serving.vllm_metrics import VllmMetrics
 
 __all__ = ["ReplicaMetrics"]
@@ -93,6 +94,17 @@ class ReplicaMetrics:
         self.warmup_seconds = Gauge(
             "osd_engine_warmup_seconds",
             "Seconds the decode loop's warm-up took before the replica was ready (0: none)",
+            registry=r,
+        )
+        self.compilations = Gauge(
+            "osd_engine_compilations_total",
+            "Graphs torch.compile compiled in the replica's process (model.compile; the "
+            "warm-up compiles them all: a rise while serving is a recompilation)",
+            registry=r,
+        )
+        self.compile_seconds = Gauge(
+            "osd_engine_compile_seconds",
+            "Seconds inductor spent compiling those graphs",
             registry=r,
         )
         self.log_written = Gauge("osd_log_records_written", "Records written to Redis", registry=r)
@@ -208,6 +220,9 @@ class ReplicaMetrics:
         self.batch_waiting.set(waiting)
         self.batch_mean.set(mean_rows)
         self.decode_steps.set(steps)
+        compiled = compile_stats()
+        self.compilations.set(compiled.compilations)
+        self.compile_seconds.set(compiled.seconds)
         self.vllm.observe_batch(running, waiting)
 
     def adapter_swapped(self, adapter: str) -> None:

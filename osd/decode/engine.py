@@ -77,6 +77,7 @@ class SpeculativeDecoder:
         draft_guard: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         check_models: bool = True,
         lean_forward: bool = True,
+        compile_forward: bool = False,
         suffix_budget: int = 500_000,
         suffix_scope: SuffixScope = "global",
         proposers: bool = True,
@@ -92,14 +93,17 @@ class SpeculativeDecoder:
 
         ``lean_forward`` runs the models' slot-cache forwards through
         :mod:`osd.decode.lean_forward` where their family has one (False: transformers' own
-        forward, the debugging switch; outputs are the same)."""
+        forward, the debugging switch; outputs are the same). ``compile_forward`` compiles its
+        decode layers (:mod:`osd.decode.compiled_forward`; outputs differ in the last bits)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
         draft_model = load_causal_lm(draft, device=device, dtype=dtype)
         vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
-        self.target = CausalLM(target_model, vocab_size, lean=lean_forward)
-        self.draft = CausalLM(draft_model, vocab_size, guard=draft_guard, lean=lean_forward)
+        self.target = CausalLM(target_model, vocab_size, lean=lean_forward, compile=compile_forward)
+        self.draft = CausalLM(
+            draft_model, vocab_size, guard=draft_guard, lean=lean_forward, compile=compile_forward
+        )
         if self.draft.device != self.target.device:
             raise ValueError(
                 f"target is on {self.target.device} but draft on {self.draft.device}; "

@@ -339,6 +339,24 @@ class SlotKVCache:
                 read_pos = positions % kept if ring else positions
                 self._read_index[kept] = (plan.read_slot * capacity + read_pos).reshape(-1)
 
+    def in_place_io(
+        self, num_layers: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int] | None:
+        """Every layer's key and value storage, the bound plan's write index and its first
+        slot, when the plan computes every column and each of ``num_layers`` layers reads its
+        rows in place from full-length storage (the decode steady state: a compiled forward
+        takes plain tensors, :mod:`osd.decode.compiled_forward`); None otherwise."""
+        plan = self._plan
+        if (
+            plan is None
+            or plan.first_slot is None
+            or plan.packed is not None
+            or len(self._capacity) != 1
+            or len(self._keys) != num_layers
+        ):
+            return None
+        return self._keys, self._values, self._write_index[self.max_len], plan.first_slot
+
     def _reads_in_place(self, kept: int) -> bool:
         """Whether the bound plan's rows read this group's keys as a view (consecutive slots,
         and positions in order: no ring, or one that has not wrapped)."""

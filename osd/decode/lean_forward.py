@@ -28,6 +28,7 @@ transformers is refused before it serves.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from osd.decode.attention import FULL
+from osd.decode.compiled_forward import compiled_layers
 from osd.decode.kv_cache import Packing
 
 __all__ = ["LeanForward", "lean_forward_for"]
@@ -137,15 +139,84 @@ class _Layer:
         k_norm = getattr(attn, "k_norm", None)
         self.q_norm = None if q_norm is None else (q_norm.weight, q_norm.variance_epsilon)
         self.k_norm = None if k_norm is None else (k_norm.weight, k_norm.variance_epsilon)
+        modules = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        modules += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        self.plain = all(type(m) is torch.nn.Linear for m in modules)  # no LoRA layer
         self.head_dim = int(attn.head_dim)
-        self.groups = int(attn.num_key_value_groups)
+        self.gqa = int(attn.num_key_value_groups) > 1  # a bool: static when compiled
         self.scaling = float(attn.scaling)
+
+
+def _attention_inputs(
+    layer: _Layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's queries, keys and values, (..., H, D) each, rotary applied."""
+    x = _rms_norm(hidden, *layer.norm1)
+    shape = (*hidden.shape[:-1], -1, layer.head_dim)
+    q, k, v = layer.q(x).view(shape), layer.k(x).view(shape), layer.v(x).view(shape)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q, k = _rms_norm(q, *layer.q_norm), _rms_norm(k, *layer.k_norm)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _attend(
+    layer: _Layer,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """(B, T, H, D) queries over (B, H_kv, S, D) keys and values -> (B, T, H, D)."""
+    return F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=mask,
+        scale=layer.scaling,
+        enable_gqa=layer.gqa,
+    ).transpose(1, 2)
+
+
+def _after_attention(layer: _Layer, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The output projection and the MLP, each with its residual."""
+    hidden = residual + layer.o(out)
+    x = _rms_norm(hidden, *layer.norm2)
+    return hidden + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+
+
+def _in_place_layers(
+    layers: list[_Layer],
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    write_index: torch.Tensor,
+) -> torch.Tensor:
+    """The decoder layers over (B, T, hidden) when row b reads slot b of ``keys``/``values``
+    (each layer's (slots, capacity, H_kv, D) storage from the first row's slot on) in place and
+    its new keys go to the flat ``write_index`` (:meth:`osd.decode.kv_cache.SlotKVCache.
+    in_place_io`): tensors only, the function ``model.compile`` compiles."""
+    batch, width = hidden.shape[:2]
+    kv_len = mask.shape[-1]
+    for index, layer in enumerate(layers):
+        q, k, v = _attention_inputs(layer, hidden, cos, sin)
+        stores = keys[index], values[index]
+        for store, new in zip(stores, (k, v), strict=True):
+            store.view(-1, *store.shape[2:]).index_copy_(0, write_index, new.flatten(0, 1))
+        rows = [store[:batch, :kv_len].transpose(1, 2) for store in stores]  # views
+        out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch, width, -1)
+        hidden = _after_attention(layer, hidden, out)
+    return hidden
 
 
 class LeanForward:
     """The lean forward of one Llama-shaped model (see the module docstring)."""
 
-    def __init__(self, model: Any, layer_kinds: list[str]) -> None:
+    def __init__(self, model: Any, layer_kinds: list[str], compile_layers: bool = False) -> None:
+        """``compile_layers``: the in-place layers through ``torch.compile``
+        (:mod:`osd.decode.compiled_forward`) where every layer is plain (no LoRA)."""
         inner = model.model
         self.embed = _embedding(inner.embed_tokens)
         self.rotary = inner.rotary_emb
@@ -156,6 +227,9 @@ class LeanForward:
         head = model.lm_head
         tied = head.weight is getattr(inner.embed_tokens, "weight", None)
         self.head = _linear(head, relayout=not tied)  # a LoRA head is called as its module
+        layers = functools.partial(_in_place_layers, self.layers)
+        self.compiled = compile_layers and all(layer.plain for layer in self.layers)
+        self.in_place_layers = compiled_layers(layers) if self.compiled else layers
 
     def __call__(
         self,
@@ -181,22 +255,31 @@ class LeanForward:
             input_ids = input_ids.reshape(-1)[packed.index]  # (N,)
             position_ids = position_ids.reshape(-1)[packed.index].unsqueeze(0)  # (1, N)
         hidden = self.embed(input_ids)  # (B, T, hidden) or (N, hidden)
-        lead = hidden.shape[:-1]
         cos, sin = self.rotary(hidden, position_ids)  # (B, T, D) or (1, N, D)
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # rotate_half's signs
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D) or (1, N, 1, D)
         if packed is not None:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
-        for index, layer in enumerate(self.layers):
+        io = (
+            None
+            if packed is not None or isinstance(masks, dict)
+            else cache.in_place_io(len(self.layers))
+        )
+        if io is not None:  # every layer reads its rows in place: plain tensors in and out
+            keys, values, write_index, first = io
+            hidden = self.in_place_layers(
+                hidden,
+                cos,
+                sin,
+                masks,
+                [k[first:] for k in keys],  # from the first row's slot: no slot offsets inside
+                [v[first:] for v in values],
+                write_index - first * keys[0].shape[1],
+            )
+        for index, layer in enumerate(() if io is not None else self.layers):
             mask = masks[layer.kind] if isinstance(masks, dict) else masks
-            residual = hidden
-            x = _rms_norm(hidden, *layer.norm1)
-            shape = (*lead, -1, layer.head_dim)
-            q, k, v = layer.q(x).view(shape), layer.k(x).view(shape), layer.v(x).view(shape)
-            if layer.q_norm is not None and layer.k_norm is not None:
-                q, k = _rms_norm(q, *layer.q_norm), _rms_norm(k, *layer.k_norm)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)  # (..., H, D)
+            q, k, v = _attention_inputs(layer, hidden, cos, sin)
             heads_kv = k.shape[-2]
             keys, values = cache.update_packed(  # (B, H_kv, S, D)
                 k.reshape(-1, heads_kv, layer.head_dim),
@@ -205,18 +288,12 @@ class LeanForward:
             )
             if packed is not None:
                 q = q.new_zeros(batch * width, *q.shape[1:]).index_copy_(0, packed.index, q)
-            q = q.view(batch, width, -1, layer.head_dim).transpose(1, 2)  # (B, H, T, D)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.groups > 1
-            ).transpose(1, 2)  # (B, T, H, D)
+            out = _attend(layer, q.view(batch, width, -1, layer.head_dim), keys, values, mask)
             if packed is None:
                 out = out.reshape(batch, width, -1)
             else:
                 out = out.reshape(batch * width, -1)[packed.index]
-            hidden = residual + layer.o(out)
-            residual = hidden
-            x = _rms_norm(hidden, *layer.norm2)
-            hidden = residual + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+            hidden = _after_attention(layer, hidden, out)
         if packed is None:
             hidden = hidden[:, -num_logits:]
             return self.head(_rms_norm(hidden, *self.norm))
@@ -225,9 +302,10 @@ class LeanForward:
         return out.index_copy_(0, packed.logits_to, logits).view(batch, num_logits, -1)
 
 
-def lean_forward_for(model: Any) -> LeanForward | None:
+def lean_forward_for(model: Any, compile_layers: bool = False) -> LeanForward | None:
     """The lean forward of a loaded (unwrapped) Hugging Face causal LM, or None when its
-    architecture is not one this module runs exactly like transformers does."""
+    architecture is not one this module runs exactly like transformers does;
+    ``compile_layers`` as :class:`LeanForward` takes it."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in _FAMILIES:
         return None
@@ -260,4 +338,4 @@ def lean_forward_for(model: Any) -> LeanForward | None:
         if has_qk_norm and not (_is_rms_norm(attn.q_norm) and _is_rms_norm(attn.k_norm)):
             return None
     kinds = list(getattr(config, "layer_types", None) or [FULL] * len(inner.layers))
-    return LeanForward(model, kinds)
+    return LeanForward(model, kinds, compile_layers)

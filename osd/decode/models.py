@@ -175,6 +175,8 @@ class CausalLM:
             (:class:`osd.decode.attention.UnsupportedModel`).
         lean: run slot-cache forwards through :mod:`osd.decode.lean_forward` where the model's
             family has one (False: transformers' own forward, for debugging).
+        compile: the lean forward's in-place layers through ``torch.compile``
+            (:mod:`osd.decode.compiled_forward`).
     """
 
     model: PreTrainedModel
@@ -183,6 +185,7 @@ class CausalLM:
     # decoding makes it a shared (read) lock so module dicts never change mid-forward.
     guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     lean: bool = True
+    compile: bool = False
 
     attention: AttentionLayout = field(init=False)
 
@@ -215,7 +218,7 @@ class CausalLM:
             return None
         names = self.adapter_names
         if self._lean is None or self._lean[0] != names:
-            self._lean = (names, lean_forward_for(_base_model(self.model)))
+            self._lean = (names, lean_forward_for(_base_model(self.model), self.compile))
         return self._lean[1]
 
     @property

@@ -9,7 +9,9 @@ round drafted as served requests are (``"auto"``: the controller's choice, the m
 proposers included; greedy and sampled rows; the bare draft and, where the draft has adapters,
 one of them), then one with the target alone. Its steps go to a throwaway controller and
 proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
-requests are never logged (no record is written outside the replica's runtime).
+requests are never logged (no record is written outside the replica's runtime). With
+``model.compile`` the warm-up is also when every graph is compiled
+(:mod:`osd.decode.compiled_forward`): one and several rows, one and several tokens a row.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from osd.decode.compiled_forward import compile_stats
 from osd.decode.goodput import GoodputController
 from osd.decode.loop import BatchedEngine, LoopStats
 from osd.decode.methods import Method
@@ -48,14 +51,17 @@ class WarmupReport:
     steps: int
     seconds: float
     failed: int = 0
+    compilations: int = 0  # graphs torch.compile compiled meanwhile (model.compile)
 
     def describe(self) -> str:
         if not self.requests:
             return "engine warm-up skipped"
-        failed = f", {self.failed} failed" if self.failed else ""
+        notes = f", {self.failed} failed" if self.failed else ""
+        if self.compilations:
+            notes += f", {self.compilations} graphs compiled"
         return (
             f"engine warm-up: {self.requests} requests, {self.steps} steps at batch sizes "
-            f"{', '.join(map(str, self.batch_sizes))} in {self.seconds:.1f} s{failed}"
+            f"{', '.join(map(str, self.batch_sizes))} in {self.seconds:.1f} s{notes}"
         )
 
 
@@ -88,6 +94,7 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     pair.controller = GoodputController(max_k=k)
     pair.proposers = Proposers(kept[1].settings)
     started, steps, num_requests, failed = time.perf_counter(), engine.stats.steps, 0, 0
+    compiled_before = compile_stats().compilations
     try:
         for size in sizes:
             for method in _METHODS:
@@ -106,7 +113,12 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     finally:
         pair.controller, pair.proposers = kept
     report = WarmupReport(
-        sizes, num_requests, engine.stats.steps - steps, time.perf_counter() - started, failed
+        sizes,
+        num_requests,
+        engine.stats.steps - steps,
+        time.perf_counter() - started,
+        failed,
+        compile_stats().compilations - compiled_before,
     )
     engine.stats = LoopStats()
     return report

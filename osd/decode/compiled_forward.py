@@ -1,0 +1,111 @@
+"""``model.compile``: the lean forward's decoder layers through ``torch.compile``.
+
+What is compiled is :func:`osd.decode.lean_forward._in_place_layers`: the layers of a forward
+whose rows read their keys in place (consecutive slots, full-length storage, every column
+computed), which is every decode step of rows in step, the target alone's and most verify
+steps. It takes plain tensors, so its graph depends on no host state of the engine. The batch,
+the tokens per row, the context and the cache's slots and capacity are dynamic from the first
+compilation, so a changing batch mix does not recompile: there is one graph for each of one
+row or several, times one token a row or several (torch specializes sizes of 1), four in
+all. Other forwards (packed, gathered, rings, LoRA layers, and the first forward of a
+one-token prompt, whose context of 1 would be a graph of its own) run the same Python
+eagerly.
+
+Inductor fuses the elementwise work between the matmuls (norms, rotary, SiLU gate,
+residuals) and the KV writes; outputs differ from the eager ones in the last bits (sums in
+another order). Every token still comes from this one forward, so verification stays exact.
+Compiling costs seconds to tens of seconds a graph on a small CPU, the first time; inductor
+keeps what it compiled in its on-disk cache (``TORCHINDUCTOR_CACHE_DIR``), so a restart
+takes seconds. The replica's warm-up (:mod:`osd.decode.warmup`) runs every batch size before
+the replica reports ready, so no request pays for a compilation, and
+:func:`compile_stats` counts every one (``osd_engine_compilations_total``: it should not move
+once a replica serves). Measured in ``docs/batched_engine.md``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["CompileStats", "compile_stats", "compiled_layers"]
+
+# Graphs one model's compiled layers may hold before torch runs them eagerly: the four shapes
+# above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
+# compiled call of one function shares the limit (the target's and a plain draft's, or every
+# engine a process builds).
+_RECOMPILE_LIMIT = 8
+
+
+@dataclass
+class CompileStats:
+    """Compilations in this process: graphs compiled, and the seconds inductor took."""
+
+    compilations: int = 0
+    seconds: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.compilations += 1
+            self.seconds += seconds
+
+
+_STATS = CompileStats()
+
+
+def compile_stats() -> CompileStats:
+    """This process's compilations (every compiled forward counts here)."""
+    return _STATS
+
+
+def _counting_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    """Inductor, counted: dynamo calls its backend once for each graph it compiles."""
+    from torch._inductor.compile_fx import compile_fx
+
+    started = time.perf_counter()
+    compiled_graph = compile_fx(graph, example_inputs)
+    _STATS.add(time.perf_counter() - started)
+    return compiled_graph
+
+
+LayersFunction = Callable[..., torch.Tensor]
+
+
+def compiled_layers(layers: LayersFunction) -> LayersFunction:
+    """``layers`` (called as ``_in_place_layers`` without its first argument) compiled, with
+    the sizes that change from step to step dynamic and the model's own sizes (hidden, heads,
+    head dimension) static, so the kernels are specialized to them."""
+    import torch._dynamo as dynamo
+
+    function = torch.compile(  # type: ignore[call-overload]  # (2.13 stubs lag)
+        layers,
+        backend=_counting_inductor,
+        dynamic=None,
+        recompile_limit=_RECOMPILE_LIMIT,
+        isolate_recompiles=True,
+    )
+
+    def run(*inputs: Any) -> torch.Tensor:
+        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index."""
+        hidden, cos, sin, mask, keys, values, write_index = inputs
+        if mask.shape[-1] < 2:  # a one-token prompt's forward: eager, not a graph of its own
+            return layers(*inputs)
+        for tensor, dims in (
+            (hidden, (0, 1)),  # rows, tokens a row
+            (cos, (0, 1)),
+            (sin, (0, 1)),
+            (mask, (0, 2, 3)),  # rows, tokens a row, keys
+            (write_index, (0,)),
+            *((store, (0, 1)) for store in (*keys, *values)),  # slots, capacity
+        ):
+            for dim in dims:
+                dynamo.maybe_mark_dynamic(tensor, dim)
+        out: torch.Tensor = function(*inputs)
+        return out
+
+    return run

@@ -1,0 +1,127 @@
+"""``model.compile`` (osd.decode.compiled_forward): the in-place decoder layers through
+torch.compile compute what the eager lean forward computes (logits and the keys and values
+they cache), a changing batch mix does not recompile, and greedy speculation still gives
+exactly the target alone's tokens.
+
+One compiled model for the module: graphs are compiled once (seconds each on 2 cores), and
+torch caps the graphs of one compiled function in a process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from osd import SpeculativeDecoder
+from osd.decode.compiled_forward import compile_stats
+from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.models import CausalLM
+from tests.families import build_family, family_pair
+
+SLOTS = 6
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[CausalLM, CausalLM]:
+    """(eager, compiled) lean forwards of one tiny Llama."""
+    model = build_family("llama3", 3)
+    compiled = CausalLM(model, 64, compile=True)
+    assert compiled._lean_forward() is not None and compiled._lean_forward().compiled
+    return CausalLM(model, 64), compiled
+
+
+def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int):
+    """Rows in slots 0.. reading their own slot in place, ``lengths[b]`` new tokens each."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(1, 60, (len(lengths), width), generator=gen)
+    left = [width - n for n in lengths]
+    column = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    rows = list(range(len(lengths)))
+    return plan_forward(
+        input_ids=ids,
+        start=column(start),
+        left=column(left),
+        real=column(lengths),
+        own_slot=column(rows),
+        base_slot=column(rows),
+        prefix_len=column([0] * len(rows)),
+        trash_slot=SLOTS,
+        dtype=torch.float32,
+        layout=lm.attention,
+        first_slot=0,
+    )
+
+
+def _run(models, plans):
+    """Each plan through both forwards, each over its own cache: (eager, compiled) logits."""
+    caches = [SlotKVCache(SLOTS, 160) for _ in models]
+    outs = []
+    with torch.inference_mode():
+        for plan in plans:
+            width = plan.input_ids.shape[1]
+            runs = zip(models, caches, strict=True)
+            outs.append([lm.run(plan, cache, num_logits=width) for lm, cache in runs])
+    return outs, caches
+
+
+def test_compiled_layers_compute_what_the_eager_ones_do(models):
+    before = compile_stats().compilations
+    eager = models[0]
+    # A prefill of ragged rows, then decode steps of one token a row, then a verify-shaped
+    # step of several: the four graphs (one row and several, one token a row and several).
+    plans = [
+        _plan(eager, [9, 5], [0, 0], 0),
+        _plan(eager, [1, 1], [9, 5], 1),
+        _plan(eager, [4, 4], [10, 6], 2),
+        _plan(eager, [6], [0], 3),
+        _plan(eager, [1], [6], 4),
+    ]
+    outs, caches = _run(models, plans)
+    assert compile_stats().compilations > before  # the compiled path ran
+    for want, got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[1]._keys, caches[0]._keys, strict=True):
+        torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[1]._values, caches[0]._values, strict=True):
+        torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS], rtol=1e-5, atol=1e-5)
+
+
+def test_a_changing_batch_mix_does_not_recompile(models):
+    eager = models[0]
+    _run(models, [_plan(eager, [7, 3], [0, 0], 5), _plan(eager, [1, 1], [7, 3], 6)])
+    _run(models, [_plan(eager, [3, 3], [0, 0], 7), _plan(eager, [1], [0], 7)])
+    _run(models, [_plan(eager, [2], [0], 7), _plan(eager, [3, 3], [2, 0], 7)])
+    warm = compile_stats().compilations
+    # Other batch sizes, contexts, tokens a row, and a cache that grows past its capacity.
+    outs, _ = _run(
+        models,
+        [
+            _plan(eager, [12, 3, 8, 5], [0, 0, 0, 0], 8),
+            _plan(eager, [1, 1, 1, 1], [12, 3, 8, 5], 9),
+            _plan(eager, [3, 2, 5, 1], [13, 4, 9, 6], 10),
+            _plan(eager, [40, 100, 2], [0, 0, 0], 11),
+            _plan(eager, [1, 1, 1], [40, 100, 2], 12),
+            _plan(eager, [1] * 5, [0] * 5, 13),
+        ],
+    )
+    assert compile_stats().compilations == warm
+    for want, got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_greedy_speculation_gives_the_target_alones_tokens_when_compiled():
+    target, draft = family_pair("llama3", 4)
+    decoder = SpeculativeDecoder(target, draft, None, compile_forward=True, max_spec_tokens=4)
+    assert decoder.target._lean_forward().compiled
+    before = compile_stats().compilations
+    prompt = [3, 17, 9, 22, 41, 5, 8]
+    greedy = {"max_tokens": 24, "temperature": 0.0, "stop_token_ids": []}
+    alone = decoder.generate(prompt, method="none", **greedy).token_ids
+    for method in ("token", "block"):
+        for adapter in (None, "sql"):
+            out = decoder.generate(
+                prompt, method=method, num_spec_tokens=3, adapter=adapter, **greedy
+            )
+            assert out.token_ids == alone, (method, adapter)
+    assert compile_stats().compilations > before  # its graphs, not an eager fallback
