@@ -12,7 +12,11 @@ Hence:
 
 - threads: every usable core when alone; an even share of them when the local stack runs a
   replica and a trainer side by side (it tells its children so through
-  ``OSD_TORCH_PROCESSES``, see :func:`child_env`);
+  ``OSD_TORCH_PROCESSES``, see :func:`child_env`); a replica leaves one core of its share to
+  its own HTTP side, as vLLM binds its engine to one core of two and its API server to the
+  other (2 cores, through HTTP, target alone at one client: 386-393 tok/s on one thread
+  against 344-348 on two: the event loop's wake-ups no longer stall an OpenMP team;
+  ``docs/benchmarks.md``);
 - a long CPU training loop (the demo build) measures whether fewer threads would be faster
   now and switches (:class:`ThreadTuner`), since a busy neighbour comes and goes;
 - the wait policy stays OpenMP's default: ``OMP_WAIT_POLICY=PASSIVE`` avoided the worst case
@@ -154,6 +158,8 @@ def choose_threads(
     else:
         # Alone, every core wins; beside a busy process, fewer threads win (see the module doc).
         count, source = max(1, num_cores // num_processes), "auto"
+        if role == "replica":  # its own HTTP side (event loop, tokenizing) keeps a core
+            count = max(1, count - 1)
     return ThreadChoice(role, count, num_cores, num_processes, source, env.get(ENV_WAIT_POLICY, ""))
 
 

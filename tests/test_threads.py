@@ -37,6 +37,15 @@ def test_automatic_count_splits_the_usable_cores_among_the_torch_processes(
     assert (choice.num_threads, choice.source) == (expected, "auto")
 
 
+@pytest.mark.parametrize(
+    ("num_cores", "num_processes", "expected"),
+    [(2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 2, 7), (1, 1, 1)],
+)
+def test_a_replica_leaves_a_core_of_its_share_to_its_http_side(num_cores, num_processes, expected):
+    choice = choose_threads("replica", num_cores=num_cores, num_processes=num_processes)
+    assert (choice.num_threads, choice.source) == (expected, "auto")
+
+
 def test_environment_override_beats_the_automatic_choice():
     choice = choose_threads("build", num_cores=8, num_processes=2, env={"OSD_TORCH_THREADS": "3"})
     assert (choice.num_threads, choice.source) == (3, "OSD_TORCH_THREADS")
