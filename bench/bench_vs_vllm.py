@@ -234,23 +234,13 @@ def main() -> None:
         for batch in BATCHES:
             row.append(f"{statistics.median(figures[(name, batch)]):.1f}")
         rows.append(row)
-    if "vllm" in sides:
-        for name in [n for n in names if n.startswith("osd")]:
-            row = [f"{name} / vllm"]
-            for batch in BATCHES:
-                pairs = zip(figures[(name, batch)], figures[("vllm", batch)], strict=True)
-                ratios = sorted(a / b for a, b in pairs)
-                row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
-            rows.append(row)
-    for method in methods if args.compile else []:
-        row = [f"osd compiled {method} / osd {method}"]
+    pairs = [(n, "vllm") for n in names if n.startswith("osd")] if "vllm" in sides else []
+    pairs += [(f"osd compiled {m}", f"osd {m}") for m in (methods if args.compile else [])]
+    for name, reference in pairs:
+        row = [f"{name} / {reference}"]
         for batch in BATCHES:
-            pairs = zip(
-                figures[(f"osd compiled {method}", batch)],
-                figures[(f"osd {method}", batch)],
-                strict=True,
-            )
-            ratios = sorted(a / b for a, b in pairs)
+            both = zip(figures[(name, batch)], figures[(reference, batch)], strict=True)
+            ratios = sorted(a / b for a, b in both)
             row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
         rows.append(row)
     print_table(

@@ -227,9 +227,11 @@ class LeanForward:
         head = model.lm_head
         tied = head.weight is getattr(inner.embed_tokens, "weight", None)
         self.head = _linear(head, relayout=not tied)  # a LoRA head is called as its module
-        layers = functools.partial(_in_place_layers, self.layers)
-        self.compiled = compile_layers and all(layer.plain for layer in self.layers)
-        self.in_place_layers = compiled_layers(layers) if self.compiled else layers
+        self.in_place_layers = (
+            compiled_layers(functools.partial(_in_place_layers, self.layers))
+            if compile_layers and all(layer.plain for layer in self.layers)
+            else None
+        )
 
     def __call__(
         self,
@@ -261,12 +263,14 @@ class LeanForward:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D) or (1, N, 1, D)
         if packed is not None:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
+        # Compiled, every layer reading its rows in place takes plain tensors in and out; the
+        # eager forward keeps the cache's own reads and writes (no per-step slicing for it).
         io = (
-            None
-            if packed is not None or isinstance(masks, dict)
-            else cache.in_place_io(len(self.layers))
+            cache.in_place_io(len(self.layers))
+            if self.in_place_layers is not None and packed is None and not isinstance(masks, dict)
+            else None
         )
-        if io is not None:  # every layer reads its rows in place: plain tensors in and out
+        if io is not None and self.in_place_layers is not None:
             keys, values, write_index, first = io
             hidden = self.in_place_layers(
                 hidden,
@@ -277,7 +281,36 @@ class LeanForward:
                 [v[first:] for v in values],
                 write_index - first * keys[0].shape[1],
             )
-        for index, layer in enumerate(() if io is not None else self.layers):
+        else:
+            hidden = self._layers_through_cache(
+                hidden, cos, sin, masks, cache, packed, (batch, width)
+            )
+        if packed is None:
+            hidden = hidden[:, -num_logits:]
+            return self.head(_rms_norm(hidden, *self.norm))
+        logits = self.head(_rms_norm(hidden[packed.logits_from], *self.norm))  # (M, V)
+        out = logits.new_zeros(batch * num_logits, logits.shape[-1])
+        return out.index_copy_(0, packed.logits_to, logits).view(batch, num_logits, -1)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the in-place layers run compiled (``compile_layers`` and no LoRA layer)."""
+        return self.in_place_layers is not None
+
+    def _layers_through_cache(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: torch.Tensor | dict[str, torch.Tensor],
+        cache: Any,
+        packed: Packing | None,
+        grid: tuple[int, int],
+    ) -> torch.Tensor:
+        """The decoder layers, their keys and values through ``cache.update_packed`` (any
+        plan: packed, gathered, rings, mixed layer kinds); ``grid``: the (B, T) input's."""
+        batch, width = grid
+        for index, layer in enumerate(self.layers):
             mask = masks[layer.kind] if isinstance(masks, dict) else masks
             q, k, v = _attention_inputs(layer, hidden, cos, sin)
             heads_kv = k.shape[-2]
@@ -294,12 +327,7 @@ class LeanForward:
             else:
                 out = out.reshape(batch * width, -1)[packed.index]
             hidden = _after_attention(layer, hidden, out)
-        if packed is None:
-            hidden = hidden[:, -num_logits:]
-            return self.head(_rms_norm(hidden, *self.norm))
-        logits = self.head(_rms_norm(hidden[packed.logits_from], *self.norm))  # (M, V)
-        out = logits.new_zeros(batch * num_logits, logits.shape[-1])
-        return out.index_copy_(0, packed.logits_to, logits).view(batch, num_logits, -1)
+        return hidden
 
 
 def lean_forward_for(model: Any, compile_layers: bool = False) -> LeanForward | None:
