@@ -141,20 +141,27 @@ def index_costs(corpus: Any, tokenizer: Any, budget: int) -> dict[str, float]:
     }
 
 
-def distilled_sql_draft(
-    paths: Any, target: Any, draft: Any, tokenizer: Any, steps: int, threads: int
+def distilled_draft(
+    paths: Any,
+    target: Any,
+    draft: Any,
+    tokenizer: Any,
+    domain: str = "sql",
+    steps: int = DistillRecipe.steps,
+    threads: int = 1,
 ) -> Any:
-    """The draft with an ``sql`` LoRA adapter distilled offline (in a thread that then ends:
-    a thread that ran parallel torch work keeps an OpenMP team that slows the decode loop)."""
+    """The draft with a LoRA adapter named ``domain`` distilled offline on that domain's
+    training text (in a thread that then ends: a thread that ran parallel torch work keeps an
+    OpenMP team that slows the decode loop)."""
     out: dict[str, Any] = {}
 
     def distill() -> None:
         torch.set_num_threads(threads)
-        texts = {"sql": [doc.text for doc in load_corpus_split(paths.corpus, "sql", "train")]}
+        texts = {domain: [doc.text for doc in load_corpus_split(paths.corpus, domain, "train")]}
         outcome = distill_adapter(
-            target, draft, encode_streams(tokenizer, texts), "sql", DistillRecipe(steps=steps)
+            target, draft, encode_streams(tokenizer, texts), domain, DistillRecipe(steps=steps)
         )
-        print(f"distilled 'sql' in {outcome.seconds:.0f}s", flush=True)
+        print(f"distilled {domain!r} in {outcome.seconds:.0f}s", flush=True)
         out["draft"] = outcome.draft
 
     worker = threading.Thread(target=distill)
@@ -200,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.workloads.split(",")
     per_workload: dict[str, dict[str, Any]] = {w: {} for w in names}
     if "sql" in names and args.distill_steps > 0:
-        draft = distilled_sql_draft(paths, target, draft, tokenizer, args.distill_steps, threads)
+        draft = distilled_draft(paths, target, draft, tokenizer, "sql", args.distill_steps, threads)
         per_workload["sql"] = {"adapter": "sql", "route": "sql"}
     decoder = SpeculativeDecoder(target, draft, tokenizer, suffix_budget=args.budget)
     workloads: dict[str, Any] = {

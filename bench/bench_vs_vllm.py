@@ -15,7 +15,11 @@ Cores: vLLM's CPU backend binds its engine's OpenMP threads to one core and keep
 its front end on this 2-core machine (it says so at start); osd's loop gets ``--threads``
 torch threads (default 1: the same one core for the model forwards). ``--speculative`` adds
 osd's block verification (k 4) with the demo draft beside it, and vLLM's own draft-model
-speculation with the same draft where its CPU build takes it.
+speculation with the same draft where its CPU build takes it. ``--distill DOMAIN`` (with
+``--domains DOMAIN``: that domain's held-out prompts) first distills a LoRA adapter of the draft
+on the domain's training text, as ``bench_batched`` does, and adds osd's block verification
+with it (k 4 and k auto, the goodput controller's); vLLM then speculates with the same draft,
+the adapter merged into its weights (vLLM takes no LoRA on a draft model).
 
 Run alone on a quiet machine: ``python -m bench.bench_vs_vllm`` (``--help`` for options).
 """
@@ -23,17 +27,21 @@ Run alone on a quiet machine: ``python -m bench.bench_vs_vllm`` (``--help`` for 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench.bench_proposers import distilled_draft
 from bench.tables import print_table
 from osd import SpeculativeDecoder
 from osd.decode.loop import BatchedEngine
@@ -120,9 +128,10 @@ def osd_round(
     prompts: list[list[int]],
     batch: int,
     max_tokens: int,
-    method: str,
+    options: dict[str, Any],
 ) -> float:
-    """Every prompt, ``batch`` at a time, through the engine; generated tokens per second."""
+    """Every prompt, ``batch`` at a time, through the engine with the request ``options``
+    (method, k, adapter); generated tokens per second."""
     tokens = 0
     started = time.perf_counter()
     for i in range(0, len(prompts), batch):
@@ -132,16 +141,44 @@ def osd_round(
                     prompt,
                     max_tokens=max_tokens,
                     temperature=0,
-                    method=method,
-                    num_spec_tokens=4,
                     stop_token_ids=[],
                     log=False,
+                    **{"num_spec_tokens": 4, **options},
                 )
             )
             for prompt in prompts[i : i + batch]
         ]
         tokens += sum(len(h.result().token_ids) for h in handles)
     return tokens / (time.perf_counter() - started)
+
+
+def merged_copy(draft: Any, source: Path, into: Path) -> Path:
+    """``draft`` (a peft model) with its adapter merged into a copy of its weights, saved in
+    ``into`` beside ``source``'s other files (tokenizer, generation config): the same draft as a
+    plain model directory, for vLLM."""
+    merged = copy.deepcopy(draft).merge_and_unload()
+    into.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and item.suffix != ".safetensors":
+            shutil.copy(item, into / item.name)
+    merged.save_pretrained(into, safe_serialization=True)
+    return into
+
+
+def variants(speculative: bool, adapter: str | None) -> dict[str, dict[str, Any]]:
+    """osd's request options by name: the target alone, then block verification with the draft
+    model drafting (as vLLM's draft-model speculation: no lookups, which would read the earlier
+    rounds' answers to these same prompts): k 4 with the base draft, then with the adapter at
+    k 4 and at k auto (the goodput controller's)."""
+    out: dict[str, dict[str, Any]] = {"none": {"method": "none"}}
+    drafted = {"method": "block", "proposer": "draft"}
+    if speculative:
+        out["block"] = drafted
+    if adapter is not None:
+        routed = {**drafted, "adapter": adapter, "route": adapter}
+        out[f"block {adapter}"] = routed
+        out[f"block auto {adapter}"] = {**routed, "num_spec_tokens": "auto"}
+    return out
 
 
 def main() -> None:
@@ -154,7 +191,20 @@ def main() -> None:
     )
     parser.add_argument("--no-vllm", action="store_true", help="osd alone")
     parser.add_argument(
+        "--domains",
+        default=",".join(DOMAINS),
+        help="held-out prompts of these demo domains, 32 in all (default: all four)",
+    )
+    parser.add_argument(
         "--speculative", action="store_true", help="add block verification, k 4 (both sides)"
+    )
+    parser.add_argument(
+        "--distill",
+        metavar="DOMAIN",
+        default=None,
+        help="distill a draft adapter on DOMAIN first; add osd's block verification with it "
+        "(k 4 and auto) and vLLM's draft-model speculation with it merged (implies "
+        "--speculative)",
     )
     parser.add_argument(
         "--compile",
@@ -163,15 +213,26 @@ def main() -> None:
         "warm-up) beside the eager osd",
     )
     args = parser.parse_args()
+    domains = [d.strip() for d in args.domains.split(",") if d.strip()]
+    unknown = sorted(set(domains) - set(DOMAINS) | ({args.distill} - set(DOMAINS) - {None}))
+    if unknown or not domains:
+        parser.error(f"domains are among {', '.join(DOMAINS)}; got {unknown or 'none'}")
+    speculative = args.speculative or args.distill is not None
 
     paths = build_demo_models()
     target, draft, tokenizer = load_pair(paths)
-    per_domain = 32 // len(DOMAINS)
+    per_domain = -(-32 // len(domains))
     prompts = [
         tokenizer(doc.prompt)["input_ids"]
-        for domain in DOMAINS
+        for domain in domains
         for doc in load_corpus_split(paths.corpus, domain, "heldout")[:per_domain]
-    ]
+    ][:32]
+    vllm_draft = paths.draft
+    scratch = Path(tempfile.mkdtemp(prefix="bench_vs_vllm."))
+    if args.distill is not None:
+        draft = distilled_draft(paths, target, draft, tokenizer, args.distill, threads=args.threads)
+        vllm_draft = merged_copy(draft, paths.draft, scratch / f"draft-{args.distill}")
+    options = variants(speculative, args.distill)
     engines: dict[str, tuple[SpeculativeDecoder, BatchedEngine]] = {}
     for name, compiled in [("osd", False), *([("osd compiled", True)] if args.compile else [])]:
         decoder = SpeculativeDecoder(target, draft, tokenizer, compile_forward=compiled)
@@ -179,10 +240,9 @@ def main() -> None:
         engines[name] = decoder, BatchedEngine(decoder, limits, num_threads=args.threads)
         report = warm_up(engines[name][1])
         print(f"{name}: {report.describe()}", flush=True)
-    methods = ["none", "block"] if args.speculative else ["none"]
     for decoder, engine in engines.values():  # the bench's own warm-up, on its prompts
-        for method in methods:
-            osd_round(engine, decoder, prompts[:16], 16, 8, method)
+        for option in options.values():
+            osd_round(engine, decoder, prompts[:16], 16, 8, option)
 
     sides: dict[str, VllmSide] = {}
     if not args.no_vllm:
@@ -198,8 +258,8 @@ def main() -> None:
             }
             sides["vllm"] = VllmSide(python, job, Path("/tmp/bench_vs_vllm.vllm.log"))
             print(f"vLLM ready in {sides['vllm'].ready_seconds:.0f} s (compiles its model)")
-            if args.speculative:
-                spec = {"model": str(paths.draft), "num_speculative_tokens": 4}
+            if speculative:
+                spec = {"model": str(vllm_draft), "num_speculative_tokens": 4}
                 try:
                     sides["vllm-spec"] = VllmSide(
                         python, {**job, "speculative": spec}, Path("/tmp/bench_vs_vllm.spec.log")
@@ -211,9 +271,9 @@ def main() -> None:
     for batch in BATCHES:
         for _ in range(args.rounds):
             for label, (decoder, engine) in engines.items():
-                for method in methods:
-                    figures.setdefault((f"{label} {method}", batch), []).append(
-                        osd_round(engine, decoder, prompts, batch, args.max_tokens, method)
+                for name, option in options.items():
+                    figures.setdefault((f"{label} {name}", batch), []).append(
+                        osd_round(engine, decoder, prompts, batch, args.max_tokens, option)
                     )
             for name, side in sides.items():
                 figures.setdefault((name, batch), []).append(side.round(batch))
@@ -221,11 +281,13 @@ def main() -> None:
         engine.close()
     for side in sides.values():
         side.close()
+    shutil.rmtree(scratch, ignore_errors=True)
 
     print(
-        f"\n{len(prompts)} prompts x {args.max_tokens} tokens, greedy; osd on {args.threads} "
-        f"torch thread(s), vLLM's engine on 1 core (its own binding); torch "
-        f"{torch.__version__}; median of {args.rounds} paired rounds"
+        f"\n{len(prompts)} prompts ({', '.join(domains)}) x {args.max_tokens} tokens, greedy; "
+        f"osd on {args.threads} torch thread(s), vLLM's engine on 1 core (its own binding); "
+        f"torch {torch.__version__}; median of {args.rounds} paired rounds"
+        + (f"; draft adapter distilled on {args.distill!r}" if args.distill else "")
     )
     names = sorted({name for name, _ in figures})
     rows = []
@@ -234,18 +296,35 @@ def main() -> None:
         for batch in BATCHES:
             row.append(f"{statistics.median(figures[(name, batch)]):.1f}")
         rows.append(row)
-    pairs = [(n, "vllm") for n in names if n.startswith("osd")] if "vllm" in sides else []
-    pairs += [(f"osd compiled {m}", f"osd {m}") for m in (methods if args.compile else [])]
-    for name, reference in pairs:
-        row = [f"{name} / {reference}"]
-        for batch in BATCHES:
-            both = zip(figures[(name, batch)], figures[(reference, batch)], strict=True)
-            ratios = sorted(a / b for a, b in both)
-            row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
-        rows.append(row)
+    print_table("osd beside vLLM", ["tokens/s", *[f"batch {b}" for b in BATCHES]], rows)
     print_table(
-        "osd beside vLLM, target alone", ["tokens/s", *[f"batch {b}" for b in BATCHES]], rows
+        "paired ratios: median (range)",
+        ["ratio", *[f"batch {b}" for b in BATCHES]],
+        [
+            [f"{name} / {reference}", *[_paired(figures, name, reference, b) for b in BATCHES]]
+            for name, reference in ratio_pairs(names, list(engines), list(options), args.compile)
+        ],
     )
+
+
+def ratio_pairs(
+    names: list[str], engines: list[str], options: list[str], compiled: bool
+) -> list[tuple[str, str]]:
+    """Which figures to divide: every osd figure by vLLM's target alone; speculation by its own
+    engine's target alone (osd's, and vLLM's); compiled by eager."""
+    pairs = [(n, "vllm") for n in names if n.startswith("osd")] if "vllm" in names else []
+    pairs += [(f"{e} {o}", f"{e} none") for e in engines for o in options if o != "none"]
+    pairs += [("vllm-spec", "vllm")] if "vllm-spec" in names else []
+    pairs += [(f"osd compiled {o}", f"osd {o}") for o in (options if compiled else [])]
+    return pairs
+
+
+def _paired(
+    figures: dict[tuple[str, int], list[float]], name: str, reference: str, batch: int
+) -> str:
+    both = zip(figures[(name, batch)], figures[(reference, batch)], strict=True)
+    ratios = sorted(a / b for a, b in both)
+    return f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 if __name__ == "__main__":
