@@ -5,16 +5,47 @@ deploys it there, under its own route prefix: tests/serving/conftest.py's ``serv
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from osd.decode.models import CausalLM
 from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapters
 
 # Tiny models run fastest single-threaded; the CI machine has two cores.
 torch.set_num_threads(1)
+
+# OSD_TEST_COMPILE=1: every model the tests build runs with ``model.compile`` on (its lean
+# forward's layers through torch.compile), to run the exactness suites over the compiled path
+# (docs/batched_engine.md, "Compiled layers"). Every model compiles its own graphs, so this is
+# a run of its own on chosen suites, not CI's.
+if os.environ.get("OSD_TEST_COMPILE") == "1":
+    _plain_post_init = CausalLM.__post_init__
+
+    def _compiled_post_init(self: CausalLM) -> None:
+        self.compile = True
+        _plain_post_init(self)
+
+    CausalLM.__post_init__ = _compiled_post_init  # type: ignore[method-assign]
+
+
+def pytest_report_header() -> str | None:
+    if os.environ.get("OSD_TEST_COMPILE") == "1":
+        return "OSD_TEST_COMPILE=1: every CausalLM compiled (model.compile)"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if os.environ.get("OSD_TEST_COMPILE") == "1":
+        from osd.decode.compiled_forward import compile_stats
+
+        stats = compile_stats()
+        terminalreporter.write_line(
+            f"OSD_TEST_COMPILE=1: {stats.compilations} graphs compiled in {stats.seconds:.0f} s"
+        )
 
 
 @pytest.fixture(scope="session")

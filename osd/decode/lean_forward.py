@@ -17,7 +17,9 @@ Anything else (Gemma's offset norms and soft-caps, Phi-3's fused projections, Mo
 an unexpected module) keeps transformers' forward: :func:`lean_forward_for` returns None. LoRA
 layers (a peft-wrapped draft) are called as modules, so their per-row adapter groups
 (:mod:`osd.decode.models`) apply unchanged; plain linear layers are called as ``F.linear`` on their
-weights.
+weights. A forward whose rows all run one adapter (or none) can instead take a *merged* lean
+forward (``merged=True``): each LoRA layer becomes one plain weight, its base weight plus that
+adapter's delta (peft's ``get_delta_weight``), so the draft costs what a plain draft costs.
 
 Exactness does not rest on this module matching transformers bit for bit: verification is
 exact for whatever distribution the target's forward computes, and every sampled token comes
@@ -47,25 +49,59 @@ _FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 _Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _linear(module: Any, relayout: bool = True) -> _Linear:
+class _Merge:
+    """Every row of a forward runs one LoRA ``adapter`` (None: the base weights alone)."""
+
+    def __init__(self, adapter: str | None) -> None:
+        self.adapter = adapter
+
+
+def _plain_weight(module: Any, kind: type, merge: _Merge | None) -> Any:
+    """The weight a layer of ``kind`` (``nn.Linear`` or ``nn.Embedding``) computes with, or None
+    where it must be called as its module: a plain layer's own weight; a peft LoRA layer's base
+    weight plus ``merge.adapter``'s delta when merging (a new tensor; the base weight itself
+    where the adapter is None or does not touch the layer). Layers peft treats specially (an
+    adapter merged into the base already, DoRA and other variants, LoRA biases) are not merged."""
+    if _is_exactly(module, kind):
+        return module.weight
+    base: Any = getattr(module, "base_layer", None)
+    if merge is None or not _is_exactly(base, kind) or getattr(module, "merged", False):
+        return None
+    name = merge.adapter
+    if name is None or name not in module.scaling:
+        return base.weight
+    if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
+        return None
+    return base.weight + module.get_delta_weight(name).to(base.weight.dtype)
+
+
+def _is_exactly(module: Any, kind: type) -> bool:
+    return type(module) is kind
+
+
+def _linear(module: Any, relayout: bool = True, merge: _Merge | None = None) -> _Linear:
     """``F.linear`` on a plain linear layer's weights (laid out column-major on the CPU unless
-    ``relayout`` is False: a head tied to the embedding, which reads it by rows); the module
-    itself otherwise (LoRA)."""
-    if type(module) is torch.nn.Linear:
-        if relayout:
-            _column_major_on_cpu(module.weight)
-        weight, bias = module.weight, module.bias
-        return lambda x: F.linear(x, weight, bias)
-    return module
+    ``relayout`` is False: a head tied to the embedding, which reads it by rows), or on a LoRA
+    layer's merged ones (``merge``); the module itself otherwise (LoRA, per row)."""
+    weight = _plain_weight(module, torch.nn.Linear, merge)
+    if weight is None:
+        return module
+    bias = getattr(module, "base_layer", module).bias
+    if relayout and isinstance(weight, torch.nn.Parameter):
+        _column_major_on_cpu(weight)
+    elif relayout:  # a merged weight: this forward's own tensor
+        weight = _column_major(weight)
+    return lambda x: F.linear(x, weight, bias)
 
 
-def _embedding(module: Any) -> _Linear:
-    """``F.embedding`` on a plain embedding's weights; the module itself otherwise (a LoRA
-    embedding: the distilled demo adapters train the embeddings too)."""
-    if type(module) is torch.nn.Embedding:
-        weight = module.weight
-        return lambda ids: F.embedding(ids, weight)
-    return module
+def _embedding(module: Any, merge: _Merge | None = None) -> _Linear:
+    """``F.embedding`` on a plain embedding's weights (or a LoRA embedding's merged ones); the
+    module itself otherwise (a LoRA embedding: the distilled demo adapters train the embeddings
+    too)."""
+    weight = _plain_weight(module, torch.nn.Embedding, merge)
+    if weight is None:
+        return module
+    return lambda ids: F.embedding(ids, weight)
 
 
 def _column_major_on_cpu(weight: torch.Tensor) -> None:
@@ -81,10 +117,17 @@ def _column_major_on_cpu(weight: torch.Tensor) -> None:
     reads the same parameter), and ``save_pretrained`` saves the same values. CUDA's GEMMs take
     either layout at the same speed: nothing changes there.
     """
-    data = weight.data
+    relaid = _column_major(weight.data)
+    if relaid is not weight.data:
+        weight.data = relaid
+
+
+def _column_major(data: torch.Tensor) -> torch.Tensor:
+    """A CPU matrix's values stored as the transpose of a contiguous matrix (``data`` itself
+    where it already is, or is not on the CPU)."""
     if data.device.type != "cpu" or data.dim() != 2 or data.stride() == (1, data.shape[0]):
-        return
-    weight.data = data.t().contiguous().t()
+        return data
+    return data.t().contiguous().t()
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -116,19 +159,19 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 class _Layer:
     """One decoder layer's weights and callables, looked up once."""
 
-    def __init__(self, layer: Any, kind: str) -> None:
+    def __init__(self, layer: Any, kind: str, merge: _Merge | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.kind = kind
         self.q, self.k, self.v, self.o = (
-            _linear(attn.q_proj),
-            _linear(attn.k_proj),
-            _linear(attn.v_proj),
-            _linear(attn.o_proj),
+            _linear(attn.q_proj, merge=merge),
+            _linear(attn.k_proj, merge=merge),
+            _linear(attn.v_proj, merge=merge),
+            _linear(attn.o_proj, merge=merge),
         )
         self.gate, self.up, self.down = (
-            _linear(mlp.gate_proj),
-            _linear(mlp.up_proj),
-            _linear(mlp.down_proj),
+            _linear(mlp.gate_proj, merge=merge),
+            _linear(mlp.up_proj, merge=merge),
+            _linear(mlp.down_proj, merge=merge),
         )
         self.norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
         self.norm2 = (
@@ -139,9 +182,8 @@ class _Layer:
         k_norm = getattr(attn, "k_norm", None)
         self.q_norm = None if q_norm is None else (q_norm.weight, q_norm.variance_epsilon)
         self.k_norm = None if k_norm is None else (k_norm.weight, k_norm.variance_epsilon)
-        modules = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        modules += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        self.plain = all(type(m) is torch.nn.Linear for m in modules)  # no LoRA layer
+        callables = [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
+        self.plain = not any(isinstance(c, torch.nn.Module) for c in callables)  # no LoRA call
         self.head_dim = int(attn.head_dim)
         self.gqa = int(attn.num_key_value_groups) > 1  # a bool: static when compiled
         self.scaling = float(attn.scaling)
@@ -214,19 +256,31 @@ def _in_place_layers(
 class LeanForward:
     """The lean forward of one Llama-shaped model (see the module docstring)."""
 
-    def __init__(self, model: Any, layer_kinds: list[str], compile_layers: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        layer_kinds: list[str],
+        compile_layers: bool = False,
+        merge: _Merge | None = None,
+    ) -> None:
         """``compile_layers``: the in-place layers through ``torch.compile``
-        (:mod:`osd.decode.compiled_forward`) where every layer is plain (no LoRA)."""
+        (:mod:`osd.decode.compiled_forward`) where every layer is plain (no LoRA). ``merge``:
+        every LoRA layer merged for one adapter (:func:`lean_forward_for`)."""
         inner = model.model
-        self.embed = _embedding(inner.embed_tokens)
+        self.embed = _embedding(inner.embed_tokens, merge)
         self.rotary = inner.rotary_emb
         self.layers = [
-            _Layer(layer, kind) for layer, kind in zip(inner.layers, layer_kinds, strict=True)
+            _Layer(layer, kind, merge)
+            for layer, kind in zip(inner.layers, layer_kinds, strict=True)
         ]
         self.norm = (inner.norm.weight, inner.norm.variance_epsilon)
         head = model.lm_head
         tied = head.weight is getattr(inner.embed_tokens, "weight", None)
-        self.head = _linear(head, relayout=not tied)  # a LoRA head is called as its module
+        # A LoRA head is called as its module (or merged: a weight of its own, not tied).
+        self.head = _linear(head, relayout=not tied, merge=merge)
+        self.plain = all(layer.plain for layer in self.layers) and not any(
+            isinstance(c, torch.nn.Module) for c in (self.embed, self.head)
+        )
         self.in_place_layers = (
             compiled_layers(functools.partial(_in_place_layers, self.layers))
             if compile_layers and all(layer.plain for layer in self.layers)
@@ -330,10 +384,14 @@ class LeanForward:
         return hidden
 
 
-def lean_forward_for(model: Any, compile_layers: bool = False) -> LeanForward | None:
+def lean_forward_for(
+    model: Any, compile_layers: bool = False, *, merged: bool = False, adapter: str | None = None
+) -> LeanForward | None:
     """The lean forward of a loaded (unwrapped) Hugging Face causal LM, or None when its
     architecture is not one this module runs exactly like transformers does;
-    ``compile_layers`` as :class:`LeanForward` takes it."""
+    ``compile_layers`` as :class:`LeanForward` takes it. ``merged``: a forward for rows that
+    all run ``adapter`` (None: the base weights), every LoRA layer one plain weight; None also
+    where some LoRA layer cannot be merged (:attr:`LeanForward.plain` is then True)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in _FAMILIES:
         return None
@@ -366,4 +424,7 @@ def lean_forward_for(model: Any, compile_layers: bool = False) -> LeanForward | 
         if has_qk_norm and not (_is_rms_norm(attn.q_norm) and _is_rms_norm(attn.k_norm)):
             return None
     kinds = list(getattr(config, "layer_types", None) or [FULL] * len(inner.layers))
-    return LeanForward(model, kinds, compile_layers)
+    if not merged:
+        return LeanForward(model, kinds, compile_layers)
+    forward = LeanForward(model, kinds, compile_layers, _Merge(adapter))
+    return forward if forward.plain else None

@@ -193,3 +193,72 @@ def test_the_switch_gives_the_same_output():
         )
         outputs.append(result.token_ids)
     assert outputs[0] == outputs[1]
+
+
+def _demo_shaped_lora_draft(seed: int = 5):
+    """A draft with LoRA adapters ``sql`` and ``code`` on its embeddings, projections and head."""
+    from peft import get_peft_model
+
+    targets = ["embed_tokens", "q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"]
+    config = LoraConfig(r=4, target_modules=targets, init_lora_weights=False)
+    draft = get_peft_model(build_family("llama3", seed), config, adapter_name="sql")
+    draft.add_adapter("code", config)
+    return draft.eval()
+
+
+@pytest.mark.parametrize("adapter", ["sql", "code", None])
+def test_rows_of_one_adapter_run_a_merged_forward_that_computes_the_per_row_one(adapter):
+    """Every row on one adapter (or none): each LoRA layer merged into one plain weight gives
+    the per-row LoRA forward's logits and caches the same keys and values."""
+    draft = _demo_shaped_lora_draft()
+    merged, per_row = CausalLM(draft, 64), CausalLM(draft, 64, merged_limit=0)
+    caches = [SlotKVCache(4, 64) for _ in range(2)]
+    with torch.inference_mode():
+        for plan in _steps(merged):
+            adapters = [adapter] * plan.input_ids.shape[0]
+            got = merged.run(plan, caches[0], num_logits=2, adapters=adapters)
+            want = per_row.run(plan, caches[1], num_logits=2, adapters=adapters)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert list(merged._merged) == [adapter] and merged._merged[adapter] is not None
+    assert not per_row._merged  # the control ran per row
+    for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
+        torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_adapters_run_per_row_and_merged_forwards_are_bounded_and_dropped():
+    draft = _demo_shaped_lora_draft()
+    lm = CausalLM(draft, 64, merged_limit=2)
+    ids = [[3, 4, 5], [6, 7, 8]]
+    plan = lambda: _plan(lm, ids, [0, 0], [0, 0], [3, 3], [0, 1], [0, 1], [0, 0], 0)  # noqa: E731
+    with torch.inference_mode():
+        mixed = lm.run(plan(), SlotKVCache(4, 64), num_logits=3, adapters=["sql", "code"])
+        assert not lm._merged  # two adapters in one forward: per row
+        alone = [
+            lm.run(plan(), SlotKVCache(4, 64), num_logits=3, adapters=[n, n])
+            for n in ("sql", "code")
+        ]
+        torch.testing.assert_close(mixed[0], alone[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed[1], alone[1][1], rtol=1e-5, atol=1e-5)
+        lm.run(plan(), SlotKVCache(4, 64), num_logits=3)  # the base: a third, "sql" goes
+        assert list(lm._merged) == ["code", None]
+        draft.add_adapter("json", LoraConfig(r=4, target_modules=["q_proj"]))
+        lm.run(plan(), SlotKVCache(4, 64), num_logits=3, adapters=["json", "json"])
+        assert list(lm._merged) == ["json"]  # the adapters changed: the others were dropped
+
+
+def test_an_adapter_peft_treats_specially_is_not_merged():
+    from peft import get_peft_model
+
+    config = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], lora_bias=True, init_lora_weights=False
+    )
+    draft = get_peft_model(build_family("llama3", 5), config, adapter_name="sql").eval()
+    lm = CausalLM(draft, 64)
+    plan = _plan(lm, [[3, 4, 5]], [0], [0], [3], [0], [0], [0], 0)
+    with torch.inference_mode():
+        got = lm.run(plan, SlotKVCache(4, 64), num_logits=3, adapters=["sql"])
+        want = CausalLM(draft, 64, lean=False).run(
+            plan, SlotKVCache(4, 64), num_logits=3, adapters=["sql"]
+        )
+    assert lm._merged == {"sql": None}  # a LoRA bias: per row
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
