@@ -68,9 +68,14 @@ class ModelConfig:
     # faster steps, compiled during the replica's warm-up (tens of seconds on a small CPU the
     # first time, seconds from inductor's on-disk cache after). Off: the eager forward.
     compile: bool = False
+    # Draft forwards whose rows all run one adapter run it merged into plain weights
+    # (osd.decode.models): this many adapters' merged weights are kept, each a copy of the
+    # draft weights its LoRA touches; 0: every draft forward runs its adapters per row.
+    merged_drafts: int = 4
 
     def __post_init__(self) -> None:
         _require(bool(self.target), "model.target", self.target, "a path or hub id")
+        _require(self.merged_drafts >= 0, "model.merged_drafts", self.merged_drafts, ">= 0")
         _require(bool(self.draft), "model.draft", self.draft, "a path or hub id")
         _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, ">= 1")
         _require(bool(self.adapters), "model.adapters", self.adapters, "at least one name")

@@ -78,6 +78,7 @@ class SpeculativeDecoder:
         check_models: bool = True,
         lean_forward: bool = True,
         compile_forward: bool = False,
+        merged_drafts: int = 4,
         suffix_budget: int = 500_000,
         suffix_scope: SuffixScope = "global",
         proposers: bool = True,
@@ -94,7 +95,9 @@ class SpeculativeDecoder:
         ``lean_forward`` runs the models' slot-cache forwards through
         :mod:`osd.decode.lean_forward` where their family has one (False: transformers' own
         forward, the debugging switch; outputs are the same). ``compile_forward`` compiles its
-        decode layers (:mod:`osd.decode.compiled_forward`; outputs differ in the last bits)."""
+        decode layers (:mod:`osd.decode.compiled_forward`; outputs differ in the last bits).
+        ``merged_drafts``: adapters whose merged draft forward is kept
+        (:class:`osd.decode.models.CausalLM`'s ``merged_limit``; 0: LoRA per row always)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
@@ -102,7 +105,12 @@ class SpeculativeDecoder:
         vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
         self.target = CausalLM(target_model, vocab_size, lean=lean_forward, compile=compile_forward)
         self.draft = CausalLM(
-            draft_model, vocab_size, guard=draft_guard, lean=lean_forward, compile=compile_forward
+            draft_model,
+            vocab_size,
+            guard=draft_guard,
+            lean=lean_forward,
+            compile=compile_forward,
+            merged_limit=merged_drafts,
         )
         if self.draft.device != self.target.device:
             raise ValueError(

@@ -262,3 +262,9 @@ def test_an_adapter_peft_treats_specially_is_not_merged():
         )
     assert lm._merged == {"sql": None}  # a LoRA bias: per row
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_decoder_passes_its_merged_draft_limit_on():
+    target, draft = family_pair("llama3")
+    assert SpeculativeDecoder(target, draft).draft.merged_limit == 4
+    assert SpeculativeDecoder(target, draft, merged_drafts=0).draft.merged_limit == 0

@@ -57,6 +57,7 @@ def test_overrides_are_typed_and_applied():
         ("spec.num_spec_tokens=many", "spec.num_spec_tokens must be int or one of"),
         ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization must be in"),
         ("serve.kv_cache_memory_bytes=-1", "serve.kv_cache_memory_bytes must be >= 0"),
+        ("model.merged_drafts=-1", "model.merged_drafts must be >= 0"),
         ("serve.port", "a.b=value"),
     ],
 )
