@@ -89,20 +89,36 @@ def learn(
     return {"requests": sent, "swaps": swaps, "seconds": time.monotonic() - started}
 
 
-def measure(server: Server, prompts: list[str], extra: dict[str, Any]) -> dict[str, float]:
-    closed_loop(server.url, MODEL, prompts[:16], 16, True, extra)  # warm-up
+def cell_prompts(prompts: list[str]) -> dict[str, list[str]]:
+    """The warm-up's prompts and each cell's, all different: osd's suffix store remembers the
+    answers it gave, so a prompt asked again would be replayed, not decoded."""
+    sizes = [("warm-up", 16)] + [(_cell(c, s), 16 if c == 1 else 64) for c, s in CELLS]
+    out, start = {}, 0
+    for name, size in sizes:
+        out[name], start = prompts[start : start + size], start + size
+    return out
+
+
+def _cell(concurrency: int, stream: bool) -> str:
+    return f"c{concurrency} {'stream' if stream else 'whole'}"
+
+
+def measure(
+    server: Server, prompts: dict[str, list[str]], extra: dict[str, Any]
+) -> dict[str, float]:
+    closed_loop(server.url, MODEL, prompts["warm-up"], 16, True, extra)
     out = {}
     for conc, stream in CELLS:
-        cell = closed_loop(server.url, MODEL, prompts[: 8 * max(conc, 2)], conc, stream, extra)
-        out[f"c{conc} {'stream' if stream else 'whole'}"] = cell["tok/s"]
-        print(f"  c{conc} {'streamed' if stream else 'whole'}: {cell['tok/s']:.1f} tok/s")
+        cell = closed_loop(server.url, MODEL, prompts[_cell(conc, stream)], conc, stream, extra)
+        out[_cell(conc, stream)] = cell["tok/s"]
+        print(f"  {_cell(conc, stream)}: {cell['tok/s']:.1f} tok/s", flush=True)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--domain", default="sql")
-    parser.add_argument("--teach", type=int, default=160, help="held-out prompts to learn on")
+    parser.add_argument("--teach", type=int, default=100, help="held-out prompts to learn on")
     parser.add_argument("--versions", type=int, default=2, help="adapter swaps to wait for")
     parser.add_argument("--learn-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--vllm-spec", default="ngram", help="as bench_served_vs_vllm's")
@@ -115,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     paths = build_demo_models()
     prompts = [p[:200] for p in heldout_prompts(paths.corpus, [args.domain])[args.domain]]
-    if len(prompts) < args.teach + 128:
-        parser.error(f"{args.domain!r} has {len(prompts)} held-out prompts; need teach + 128")
-    teach, test = prompts[: args.teach], prompts[args.teach :]
+    teach, test = prompts[: args.teach], cell_prompts(prompts[args.teach :])
+    if len(test["c16 whole"]) < 64:
+        parser.error(f"{args.domain!r} has {len(prompts)} held-out prompts; need teach + 176")
     args.logs.mkdir(parents=True, exist_ok=True)
     run_dir = args.logs / "osd-run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 figures[f"vllm {variant}"] = measure(vllm, test, {"ignore_eos": True})
             finally:
                 vllm.close()
-    cells = list(figures["osd default"])
+    cells = [_cell(c, s) for c, s in CELLS]
     ratios = [("osd default", "osd target alone")]
     vllm_names = [n for n in figures if n.startswith("vllm")]
     if vllm_names:
