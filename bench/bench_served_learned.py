@@ -11,8 +11,10 @@ store warms from; the trainer stops because in production it runs on machines of
 here it would take the two cores being measured), then vLLM's servers, one at a time, each sent
 the same other held-out prompts of the domain (labelled too; vLLM ignores the label), greedy,
 64 tokens with ``ignore_eos``, at 1 and 16 clients, streamed and whole. osd is asked for its
-default and for its target alone. Ratios: osd's default over the best vLLM configuration of
-each cell (issue 31 item 4: >= 1.3x on the demo's SQL traffic).
+default, for its learned draft alone (no lookups: what the adapter buys) and for its target
+alone. Ratios: osd's default over the best vLLM configuration of each cell (issue 31 item 4:
+>= 1.3x on the demo's SQL traffic). Every cell and the warm-up get prompts of their own (osd's
+suffix store would replay the answer to a prompt asked again). One run, not paired rounds.
 
 Run alone on a quiet machine: ``python -m bench.bench_served_learned`` (``--help``).
 """
@@ -151,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         print("osd default")
         figures["osd default"] = measure(osd, test, base)
+        print("osd, the learned draft alone (no lookups)")
+        drafted = {**base, "spec": {"proposer": "draft"}}
+        figures["osd draft only"] = measure(osd, test, drafted)
         print("osd target alone")
         figures["osd target alone"] = measure(osd, test, {**base, "spec": {"method": "none"}})
     finally:
@@ -175,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 vllm.close()
     cells = [_cell(c, s) for c, s in CELLS]
-    ratios = [("osd default", "osd target alone")]
+    ratios = [("osd default", "osd target alone"), ("osd draft only", "osd target alone")]
     vllm_names = [n for n in figures if n.startswith("vllm")]
     if vllm_names:
         best = max(vllm_names, key=lambda n: sum(figures[n].values()))
