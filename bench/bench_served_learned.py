@@ -113,7 +113,8 @@ def measure(
     for conc, stream in CELLS:
         cell = closed_loop(server.url, MODEL, prompts[_cell(conc, stream)], conc, stream, extra)
         out[_cell(conc, stream)] = cell["tok/s"]
-        print(f"  {_cell(conc, stream)}: {cell['tok/s']:.1f} tok/s", flush=True)
+        failed = f", {cell['errors']} failed ({cell['first_error']})" if cell["errors"] else ""
+        print(f"  {_cell(conc, stream)}: {cell['tok/s']:.1f} tok/s{failed}", flush=True)
     return out
 
 
