@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,11 +50,11 @@ _FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 _Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
 class _Merge:
     """Every row of a forward runs one LoRA ``adapter`` (None: the base weights alone)."""
 
-    def __init__(self, adapter: str | None) -> None:
-        self.adapter = adapter
+    adapter: str | None
 
 
 def _plain_weight(module: Any, kind: type, merge: _Merge | None) -> Any:
@@ -72,7 +73,8 @@ def _plain_weight(module: Any, kind: type, merge: _Merge | None) -> Any:
         return base.weight
     if name in getattr(module, "lora_variant", {}) or getattr(module, "lora_bias", {}).get(name):
         return None
-    return base.weight + module.get_delta_weight(name).to(base.weight.dtype)
+    with torch.no_grad():  # a trainable adapter's delta must not keep its autograd graph
+        return base.weight + module.get_delta_weight(name).to(base.weight.dtype)
 
 
 def _is_exactly(module: Any, kind: type) -> bool:

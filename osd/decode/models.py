@@ -23,7 +23,7 @@ all of that: it runs a lean forward whose LoRA layers are merged into plain weig
 adapter (:func:`osd.decode.lean_forward.lean_forward_for`, ``merged``), made on its first use
 and kept for the last ``merged_limit`` adapters used (each costs a copy of the weights its
 adapter touches). Measured on the demo draft with a LoRA adapter on every layer, embeddings and
-head: 1.01 -> 0.52 ms a forward at one row, 2.30 -> 1.10 ms at 16 (``docs/batched_engine.md``).
+head: 1.01 -> 0.43 ms a forward at one row, 2.30 -> 0.84 ms at 16 (``docs/batched_engine.md``).
 A peft adapter's weights never change under its name (a replica loads each version under a name
 of its own), so a merged forward stays right until its adapter is deleted; any change to the
 loaded adapters drops them all.

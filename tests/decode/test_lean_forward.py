@@ -268,3 +268,12 @@ def test_the_decoder_passes_its_merged_draft_limit_on():
     target, draft = family_pair("llama3")
     assert SpeculativeDecoder(target, draft).draft.merged_limit == 4
     assert SpeculativeDecoder(target, draft, merged_drafts=0).draft.merged_limit == 0
+
+
+def test_a_merged_forward_keeps_no_autograd_graph_of_a_trainable_adapter():
+    draft = _demo_shaped_lora_draft()  # peft leaves its LoRA weights trainable
+    assert any(p.requires_grad for n, p in draft.named_parameters() if "lora_" in n)
+    lm = CausalLM(draft, 64)
+    plan = _plan(lm, [[3, 4, 5]], [0], [0], [3], [0], [0], [0], 0)
+    logits = lm.run(plan, SlotKVCache(4, 64), num_logits=3, adapters=["sql"])  # no no_grad
+    assert lm._merged["sql"] is not None and not logits.requires_grad
