@@ -25,7 +25,6 @@ import argparse
 import json
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ from bench.bench_served_vs_vllm import (
     Server,
     closed_loop,
     free_port,
+    osd_command,
+    vllm_command,
     vllm_python,
     vllm_variants,
 )
@@ -53,27 +54,14 @@ def adapter_swaps(base_url: str, adapter: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
 
 
-def osd_command(run_dir: Path, port: int, trainer: bool) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "launcher.cli",
-        "up",
-        "--config",
-        "demo",
-        *([] if trainer else ["--no-trainer"]),
-        f"serve.port={port}",
-        f"serve.model_name={MODEL}",
-        f"run_dir={run_dir}",
-    ]
-
-
 def learn(
     run_dir: Path, logs: Path, domain: str, prompts: list[str], versions: int, timeout_s: float
 ) -> dict[str, Any]:
     """Phase one: the loop on ``prompts`` until ``versions`` swaps of the domain's adapter."""
     port = free_port()
-    server = Server("osd", osd_command(run_dir, port, True), port, logs / "osd-learning.log")
+    server = Server(
+        "osd", osd_command(run_dir, port, trainer=True), port, logs / "osd-learning.log"
+    )
     base_url = server.url.removesuffix("/v1")
     started, sent, swaps = time.monotonic(), 0, 0.0
     try:
@@ -145,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"learned: {learned}", flush=True)
     figures: dict[str, dict[str, float]] = {}
     port = free_port()
-    osd = Server("osd", osd_command(run_dir, port, False), port, args.logs / "osd-measure.log")
+    osd = Server(
+        "osd", osd_command(run_dir, port, trainer=False), port, args.logs / "osd-measure.log"
+    )
     try:
         base = {"ignore_eos": True, "domain": args.domain}
         print(
@@ -167,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for variant, (_, flags) in vllm_variants(args.vllm_spec).items():
             port = free_port()
-            command = [
-                str(python), "-m", "vllm.entrypoints.openai.api_server", "--model",
-                str(paths.target), "--served-model-name", MODEL, "--dtype", "float32",
-                "--max-model-len", "256", "--max-num-seqs", "16",
-                "--gpu-memory-utilization", "0.3", "--port", str(port), *flags,
-            ]  # fmt: skip
+            command = vllm_command(python, paths.target, port, flags)
             log = args.logs / f"vllm-{variant.split()[0]}.log"
             vllm = Server("vllm", command, port, log, cwd="/tmp")
             try:

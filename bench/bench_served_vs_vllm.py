@@ -118,6 +118,48 @@ class Server:
         self._log.close()
 
 
+def osd_command(run_dir: Path, port: int, trainer: bool, threads: int = 0) -> list[str]:
+    """``osd up`` on the demo config (``threads``: ``serve.torch_threads``, 0 automatic)."""
+    return [
+        sys.executable,
+        "-m",
+        "launcher.cli",
+        "up",
+        "--config",
+        "demo",
+        *([] if trainer else ["--no-trainer"]),
+        f"serve.port={port}",
+        f"serve.model_name={MODEL}",
+        f"serve.torch_threads={threads}",
+        f"run_dir={run_dir}",
+    ]
+
+
+def vllm_command(python: Path, model: Path, port: int, flags: list[str]) -> list[str]:
+    """vLLM's OpenAI server on ``model`` as the bench runs it (float32, 256 positions, 16
+    sequences a batch)."""
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "16",
+        "--gpu-memory-utilization",  # on the CPU: the share of RAM it reserves
+        "0.3",
+        "--port",
+        str(port),
+        *flags,
+    ]
+
+
 def one_request(client: Any, model: str, prompt: str, stream: bool, extra: dict) -> Sample:
     start = time.perf_counter()
     body = dict(model=model, prompt=prompt, max_tokens=64, temperature=0.0, extra_body=extra)
@@ -324,26 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                 tag = variant.split()[0]
                 vllm = Server(
                     "vllm",
-                    [
-                        str(python),
-                        "-m",
-                        "vllm.entrypoints.openai.api_server",
-                        "--model",
-                        str(paths.target),
-                        "--served-model-name",
-                        MODEL,
-                        "--dtype",
-                        "float32",
-                        "--max-model-len",
-                        "256",
-                        "--max-num-seqs",
-                        "16",
-                        "--gpu-memory-utilization",  # on the CPU: the share of RAM it reserves
-                        "0.3",
-                        "--port",
-                        str(port),
-                        *flags,
-                    ],
+                    vllm_command(python, paths.target, port, flags),
                     port,
                     args.logs / f"vllm-{tag}-{round_index}.log",
                     cwd="/tmp",  # not the checkout: its `bench` and `osd` must not shadow vLLM's
@@ -366,19 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         osd = Server(
             "osd",
-            [
-                sys.executable,
-                "-m",
-                "launcher.cli",
-                "up",
-                "--config",
-                "demo",
-                "--no-trainer",
-                f"serve.port={port}",
-                f"serve.model_name={MODEL}",
-                f"serve.torch_threads={args.osd_threads}",
-                f"run_dir={run_dir}",
-            ],
+            osd_command(run_dir, port, trainer=False, threads=args.osd_threads),
             port,
             args.logs / f"osd-{round_index}.log",
         )
