@@ -5,6 +5,7 @@ deploys it there, under its own route prefix: tests/serving/conftest.py's ``serv
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import socket
 from collections.abc import Iterator
@@ -32,10 +33,28 @@ if os.environ.get("OSD_TEST_COMPILE") == "1":
     CausalLM.__post_init__ = _compiled_post_init  # type: ignore[method-assign]
 
 
-def pytest_report_header() -> str | None:
+# OSD_TEST_DEVICE=cuda: every CausalLM wraps a copy of its model on that device, to run the
+# engine's suites on a GPU (a run of its own, as above; CI has no GPU). The tests' own
+# references (exact distributions, plain forwards) stay on the CPU models.
+_TEST_DEVICE = os.environ.get("OSD_TEST_DEVICE")
+if _TEST_DEVICE:
+    _unmoved_post_init = CausalLM.__post_init__
+
+    def _moved_post_init(self: CausalLM) -> None:
+        if self.model.device.type != torch.device(_TEST_DEVICE).type:
+            self.model = copy.deepcopy(self.model).to(_TEST_DEVICE)
+        _unmoved_post_init(self)
+
+    CausalLM.__post_init__ = _moved_post_init  # type: ignore[method-assign]
+
+
+def pytest_report_header() -> list[str]:
+    lines = []
     if os.environ.get("OSD_TEST_COMPILE") == "1":
-        return "OSD_TEST_COMPILE=1: every CausalLM compiled (model.compile)"
-    return None
+        lines.append("OSD_TEST_COMPILE=1: every CausalLM compiled (model.compile)")
+    if _TEST_DEVICE:
+        lines.append(f"OSD_TEST_DEVICE={_TEST_DEVICE}: every CausalLM's model moved there")
+    return lines
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

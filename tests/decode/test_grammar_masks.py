@@ -61,7 +61,9 @@ def exact_output_probs(decoder: SpeculativeDecoder, temperature: float) -> dict[
             [bool(matcher.validate_tokens([t])) for t in range(VOCAB)], dtype=torch.bool
         )
         with torch.no_grad():
-            logits = decoder.target.model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
+            model = decoder.target.model
+            ids = torch.tensor([PROMPT + list(prefix)], device=model.device)
+            logits = model(ids).logits[0, -1].cpu()
         masked = logits.double().masked_fill(~allowed, float("-inf"))
         probs = logits_to_probs(masked, SamplingParams(temperature=temperature))
         for token in range(VOCAB):

@@ -42,9 +42,9 @@ def exact_sequence_probs(
 ) -> dict[tuple[int, ...], float]:
     """Every LENGTH-token continuation of ``prompt`` and its probability under ``target``."""
     prefixes = list(itertools.product(range(vocab), repeat=LENGTH - 1))
-    ids = torch.tensor([prompt + list(p) for p in prefixes])
+    ids = torch.tensor([prompt + list(p) for p in prefixes], device=target.device)
     with torch.no_grad():
-        logits = target(ids).logits[:, len(prompt) - 1 :]  # (N, LENGTH, V)
+        logits = target(ids).logits[:, len(prompt) - 1 :].cpu()  # (N, LENGTH, V)
     probs = logits_to_probs(logits.double(), params)
     out = {}
     for row, prefix in enumerate(prefixes):

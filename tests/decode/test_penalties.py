@@ -125,9 +125,9 @@ def exact_sequence_probs(target, params: SamplingParams) -> dict[tuple[int, ...]
     """Each 4-token sequence's probability under the processed target, position by position
     with that position's own prefix (History.of from plain lists)."""
     prefixes = list(itertools.product(range(VOCAB), repeat=LENGTH - 1))
-    ids = torch.tensor([PROMPT + list(p) for p in prefixes])
+    ids = torch.tensor([PROMPT + list(p) for p in prefixes], device=target.device)
     with torch.no_grad():
-        logits = target(ids).logits[:, len(PROMPT) - 1 :].double()  # (N, LENGTH, V)
+        logits = target(ids).logits[:, len(PROMPT) - 1 :].double().cpu()  # (N, LENGTH, V)
     out = {}
     for row, prefix in enumerate(prefixes):
         probs = [
