@@ -68,6 +68,10 @@ class ModelConfig:
     # faster steps, compiled during the replica's warm-up (tens of seconds on a small CPU the
     # first time, seconds from inductor's on-disk cache after). Off: the eager forward.
     compile: bool = False
+    # On CUDA, those decode layers (compiled or not) replay CUDA graphs captured per batch
+    # bucket (osd.decode.cuda_graphs), merged draft forwards' too; no effect on the CPU. Off by
+    # default: a capture while another thread copies between host and GPU fails that copy.
+    cuda_graphs: bool = False
     # Draft forwards whose rows all run one adapter run it merged into plain weights
     # (osd.decode.models): this many adapters' merged weights are kept, each a copy of the
     # draft weights its LoRA touches; 0: every draft forward runs its adapters per row.

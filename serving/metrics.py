@@ -102,6 +102,12 @@ class ReplicaMetrics:
             "warm-up compiles them all: a rise while serving is a recompilation)",
             registry=r,
         )
+        self.cuda_graphs = Gauge(
+            "osd_engine_cuda_graphs_captured_total",
+            "CUDA graphs the replica's lean forwards captured (model.cuda_graphs; one per batch "
+            "bucket, tokens a row and key bucket, on first use; 0 off CUDA)",
+            registry=r,
+        )
         self.compile_seconds = Gauge(
             "osd_engine_compile_seconds",
             "Seconds inductor spent compiling those graphs",
@@ -223,6 +229,7 @@ class ReplicaMetrics:
         compiled = compile_stats()
         self.compilations.set(compiled.compilations)
         self.compile_seconds.set(compiled.seconds)
+        self.cuda_graphs.set(compiled.captures)
         self.vllm.observe_batch(running, waiting)
 
     def adapter_swapped(self, adapter: str) -> None:

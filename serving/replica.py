@@ -104,6 +104,7 @@ def build_runtime(
         max_spec_tokens=spec.max_spec_tokens,
         lean_forward=config.model.lean_forward,
         compile_forward=config.model.compile,
+        cuda_graphs=config.model.cuda_graphs,
         merged_drafts=config.model.merged_drafts,
         suffix_budget=spec.suffix_budget_tokens,
         suffix_scope=spec.suffix_scope,

@@ -24,6 +24,7 @@ once a replica serves). Measured in ``docs/batched_engine.md``.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -39,20 +40,30 @@ __all__ = ["CompileStats", "compile_stats", "compiled_layers"]
 # compiled call of one function shares the limit (the target's and a plain draft's, or every
 # engine a process builds).
 _RECOMPILE_LIMIT = 8
+# Where torch cannot count each model alone: the limit all models' compiled layers share.
+_SHARED_RECOMPILE_LIMIT = 64
 
 
 @dataclass
 class CompileStats:
-    """Compilations in this process: graphs compiled, and the seconds inductor took."""
+    """Compilations in this process: graphs compiled, and the seconds inductor took; CUDA
+    graphs captured, and the seconds their captures took."""
 
     compilations: int = 0
     seconds: float = 0.0
+    captures: int = 0  # CUDA graphs captured (osd.decode.cuda_graphs)
+    capture_seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, seconds: float) -> None:
         with self._lock:
             self.compilations += 1
             self.seconds += seconds
+
+    def add_capture(self, seconds: float) -> None:
+        with self._lock:
+            self.captures += 1
+            self.capture_seconds += seconds
 
 
 _STATS = CompileStats()
@@ -76,23 +87,34 @@ def _counting_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -
 LayersFunction = Callable[..., torch.Tensor]
 
 
+def _compile(layers: LayersFunction) -> Any:
+    """``torch.compile`` of ``layers`` through the counting inductor, each model's recompiles
+    counted alone where this torch takes that (2.13 does, 2.11 does not); elsewhere dynamo's
+    one limit per function is raised to cover every model a process compiles."""
+    import torch._dynamo as dynamo
+
+    options: dict[str, Any] = {"backend": _counting_inductor, "dynamic": None}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        options |= {"recompile_limit": _RECOMPILE_LIMIT, "isolate_recompiles": True}
+    else:
+        config: Any = dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), _SHARED_RECOMPILE_LIMIT))
+    return torch.compile(layers, **options)  # type: ignore[call-overload]  # (stubs lag)
+
+
 def compiled_layers(layers: LayersFunction) -> LayersFunction:
     """``layers`` (called as ``_in_place_layers`` without its first argument) compiled, with
     the sizes that change from step to step dynamic and the model's own sizes (hidden, heads,
     head dimension) static, so the kernels are specialized to them."""
     import torch._dynamo as dynamo
 
-    function = torch.compile(  # type: ignore[call-overload]  # (2.13 stubs lag)
-        layers,
-        backend=_counting_inductor,
-        dynamic=None,
-        recompile_limit=_RECOMPILE_LIMIT,
-        isolate_recompiles=True,
-    )
+    function = _compile(layers)
 
     def run(*inputs: Any) -> torch.Tensor:
-        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index."""
-        hidden, cos, sin, mask, keys, values, write_index = inputs
+        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index and
+        slots (None: the rows' slots are the storage's first)."""
+        hidden, cos, sin, mask, keys, values, write_index, slots = inputs
         if mask.shape[-1] < 2:  # a one-token prompt's forward: eager, not a graph of its own
             return layers(*inputs)
         for tensor, dims in (
@@ -101,6 +123,7 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
             (sin, (0, 1)),
             (mask, (0, 2, 3)),  # rows, tokens a row, keys
             (write_index, (0,)),
+            *(() if slots is None else ((slots, (0,)),)),
             *((store, (0, 1)) for store in (*keys, *values)),  # slots, capacity
         ):
             for dim in dims:

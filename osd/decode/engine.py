@@ -78,6 +78,7 @@ class SpeculativeDecoder:
         check_models: bool = True,
         lean_forward: bool = True,
         compile_forward: bool = False,
+        cuda_graphs: bool = False,
         merged_drafts: int = 4,
         suffix_budget: int = 500_000,
         suffix_scope: SuffixScope = "global",
@@ -96,20 +97,28 @@ class SpeculativeDecoder:
         :mod:`osd.decode.lean_forward` where their family has one (False: transformers' own
         forward, the debugging switch; outputs are the same). ``compile_forward`` compiles its
         decode layers (:mod:`osd.decode.compiled_forward`; outputs differ in the last bits).
-        ``merged_drafts``: adapters whose merged draft forward is kept
+        ``cuda_graphs``: on CUDA, those layers replay CUDA graphs (:mod:`osd.decode.cuda_graphs`;
+        no effect elsewhere). ``merged_drafts``: adapters whose merged draft forward is kept
         (:class:`osd.decode.models.CausalLM`'s ``merged_limit``; 0: LoRA per row always)."""
         if tokenizer is None and isinstance(target, str):
             tokenizer = load_tokenizer(target)
         target_model = load_causal_lm(target, device=device, dtype=dtype)
         draft_model = load_causal_lm(draft, device=device, dtype=dtype)
         vocab_size = _shared_vocab_size(target_model, draft_model, tokenizer)
-        self.target = CausalLM(target_model, vocab_size, lean=lean_forward, compile=compile_forward)
+        self.target = CausalLM(
+            target_model,
+            vocab_size,
+            lean=lean_forward,
+            compile=compile_forward,
+            cuda_graphs=cuda_graphs,
+        )
         self.draft = CausalLM(
             draft_model,
             vocab_size,
             guard=draft_guard,
             lean=lean_forward,
             compile=compile_forward,
+            cuda_graphs=cuda_graphs,
             merged_limit=merged_drafts,
         )
         if self.draft.device != self.target.device:

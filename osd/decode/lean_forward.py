@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from osd.decode.attention import FULL
 from osd.decode.compiled_forward import compiled_layers
+from osd.decode.cuda_graphs import GraphedLayers
 from osd.decode.kv_cache import Packing
 
 __all__ = ["LeanForward", "lean_forward_for"]
@@ -237,11 +238,14 @@ def _in_place_layers(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     write_index: torch.Tensor,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoder layers over (B, T, hidden) when row b reads slot b of ``keys``/``values``
     (each layer's (slots, capacity, H_kv, D) storage from the first row's slot on) in place and
     its new keys go to the flat ``write_index`` (:meth:`osd.decode.kv_cache.SlotKVCache.
-    in_place_io`): tensors only, the function ``model.compile`` compiles."""
+    in_place_io`): tensors only, the function ``model.compile`` compiles. With ``slots`` (B,),
+    row b reads slot ``slots[b]`` of the whole storage instead, by an index: the addresses a
+    CUDA graph replays do not depend on the rows' slots (:mod:`osd.decode.cuda_graphs`)."""
     batch, width = hidden.shape[:2]
     kv_len = mask.shape[-1]
     for index, layer in enumerate(layers):
@@ -249,7 +253,14 @@ def _in_place_layers(
         stores = keys[index], values[index]
         for store, new in zip(stores, (k, v), strict=True):
             store.view(-1, *store.shape[2:]).index_copy_(0, write_index, new.flatten(0, 1))
-        rows = [store[:batch, :kv_len].transpose(1, 2) for store in stores]  # views
+        rows = [  # views in place, or copies of the indexed rows
+            (
+                store[:batch, :kv_len]
+                if slots is None
+                else store[:, :kv_len].index_select(0, slots)
+            ).transpose(1, 2)
+            for store in stores
+        ]
         out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
@@ -264,10 +275,13 @@ class LeanForward:
         layer_kinds: list[str],
         compile_layers: bool = False,
         merge: _Merge | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """``compile_layers``: the in-place layers through ``torch.compile``
         (:mod:`osd.decode.compiled_forward`) where every layer is plain (no LoRA). ``merge``:
-        every LoRA layer merged for one adapter (:func:`lean_forward_for`)."""
+        every LoRA layer merged for one adapter (:func:`lean_forward_for`). ``cuda_graphs``:
+        the in-place layers (compiled or not) replayed from CUDA graphs
+        (:mod:`osd.decode.cuda_graphs`) where every layer is plain and the model is on CUDA."""
         inner = model.model
         self.embed = _embedding(inner.embed_tokens, merge)
         self.rotary = inner.rotary_emb
@@ -283,9 +297,13 @@ class LeanForward:
         self.plain = all(layer.plain for layer in self.layers) and not any(
             isinstance(c, torch.nn.Module) for c in (self.embed, self.head)
         )
-        self.in_place_layers = (
-            compiled_layers(functools.partial(_in_place_layers, self.layers))
-            if compile_layers and all(layer.plain for layer in self.layers)
+        plain_layers = all(layer.plain for layer in self.layers)
+        layers: Callable[..., torch.Tensor] = functools.partial(_in_place_layers, self.layers)
+        self.in_place_layers = compiled_layers(layers) if compile_layers and plain_layers else None
+        on_cuda = inner.norm.weight.device.type == "cuda"
+        self.graphed_layers = (
+            GraphedLayers(self.in_place_layers or layers)
+            if cuda_graphs and plain_layers and on_cuda
             else None
         )
 
@@ -319,14 +337,18 @@ class LeanForward:
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # (B, T, 1, D) or (1, N, 1, D)
         if packed is not None:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
-        # Compiled, every layer reading its rows in place takes plain tensors in and out; the
-        # eager forward keeps the cache's own reads and writes (no per-step slicing for it).
+        # Compiled or graphed, every layer reading its rows in place takes plain tensors in and
+        # out; the eager forward keeps the cache's own reads and writes (no per-step slicing).
+        layers = self.graphed_layers or self.in_place_layers
         io = (
             cache.in_place_io(len(self.layers))
-            if self.in_place_layers is not None and packed is None and not isinstance(masks, dict)
+            if layers is not None and packed is None and not isinstance(masks, dict)
             else None
         )
-        if io is not None and self.in_place_layers is not None:
+        if io is not None and self.graphed_layers is not None and not isinstance(masks, dict):
+            keys, values, write_index, first = io
+            hidden = self.graphed_layers(hidden, cos, sin, masks, keys, values, write_index, first)
+        elif io is not None and self.in_place_layers is not None:
             keys, values, write_index, first = io
             hidden = self.in_place_layers(
                 hidden,
@@ -336,6 +358,7 @@ class LeanForward:
                 [k[first:] for k in keys],  # from the first row's slot: no slot offsets inside
                 [v[first:] for v in values],
                 write_index - first * keys[0].shape[1],
+                None,
             )
         else:
             hidden = self._layers_through_cache(
@@ -352,6 +375,12 @@ class LeanForward:
     def compiled(self) -> bool:
         """Whether the in-place layers run compiled (``compile_layers`` and no LoRA layer)."""
         return self.in_place_layers is not None
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the in-place layers replay CUDA graphs (``cuda_graphs``, no LoRA layer, on
+        CUDA)."""
+        return self.graphed_layers is not None
 
     def _layers_through_cache(
         self,
@@ -387,13 +416,19 @@ class LeanForward:
 
 
 def lean_forward_for(
-    model: Any, compile_layers: bool = False, *, merged: bool = False, adapter: str | None = None
+    model: Any,
+    compile_layers: bool = False,
+    *,
+    merged: bool = False,
+    adapter: str | None = None,
+    cuda_graphs: bool = False,
 ) -> LeanForward | None:
     """The lean forward of a loaded (unwrapped) Hugging Face causal LM, or None when its
     architecture is not one this module runs exactly like transformers does;
-    ``compile_layers`` as :class:`LeanForward` takes it. ``merged``: a forward for rows that
-    all run ``adapter`` (None: the base weights), every LoRA layer one plain weight; None also
-    where some LoRA layer cannot be merged (:attr:`LeanForward.plain` is then True)."""
+    ``compile_layers`` and ``cuda_graphs`` as :class:`LeanForward` takes them. ``merged``: a
+    forward for rows that all run ``adapter`` (None: the base weights), every LoRA layer one
+    plain weight; None also where some LoRA layer cannot be merged (:attr:`LeanForward.plain`
+    is then True)."""
     config = getattr(model, "config", None)
     if config is None or getattr(config, "model_type", None) not in _FAMILIES:
         return None
@@ -427,6 +462,6 @@ def lean_forward_for(
             return None
     kinds = list(getattr(config, "layer_types", None) or [FULL] * len(inner.layers))
     if not merged:
-        return LeanForward(model, kinds, compile_layers)
-    forward = LeanForward(model, kinds, compile_layers, _Merge(adapter))
+        return LeanForward(model, kinds, compile_layers, cuda_graphs=cuda_graphs)
+    forward = LeanForward(model, kinds, compile_layers, _Merge(adapter), cuda_graphs)
     return forward if forward.plain else None

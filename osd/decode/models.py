@@ -187,6 +187,8 @@ class CausalLM:
             family has one (False: transformers' own forward, for debugging).
         compile: the lean forward's in-place layers through ``torch.compile``
             (:mod:`osd.decode.compiled_forward`).
+        cuda_graphs: on CUDA, the lean forward's in-place layers (compiled or not) replayed
+            from CUDA graphs (:mod:`osd.decode.cuda_graphs`), merged draft forwards' too.
         merged_limit: merged lean forwards a LoRA model keeps (module docstring); 0: none,
             every forward of a LoRA model runs its adapters per row.
     """
@@ -198,6 +200,7 @@ class CausalLM:
     guard: Callable[[], AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     lean: bool = True
     compile: bool = False
+    cuda_graphs: bool = False
     merged_limit: int = 4
 
     attention: AttentionLayout = field(init=False)
@@ -234,7 +237,10 @@ class CausalLM:
             return None
         names = self.adapter_names
         if self._lean is None or self._lean[0] != names:
-            self._lean = (names, lean_forward_for(_base_model(self.model), self.compile))
+            forward = lean_forward_for(
+                _base_model(self.model), self.compile, cuda_graphs=self.cuda_graphs
+            )
+            self._lean = (names, forward)
             self._merged.clear()
         return self._lean[1]
 
@@ -254,7 +260,7 @@ class CausalLM:
             if len(self._merged) >= self.merged_limit:
                 del self._merged[next(iter(self._merged))]
             self._merged[adapter] = lean_forward_for(
-                _base_model(self.model), merged=True, adapter=adapter
+                _base_model(self.model), merged=True, adapter=adapter, cuda_graphs=self.cuda_graphs
             )
         return self._merged[adapter]
 

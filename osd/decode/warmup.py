@@ -52,6 +52,7 @@ class WarmupReport:
     seconds: float
     failed: int = 0
     compilations: int = 0  # graphs torch.compile compiled meanwhile (model.compile)
+    captures: int = 0  # CUDA graphs captured meanwhile (model.cuda_graphs)
 
     def describe(self) -> str:
         if not self.requests:
@@ -59,6 +60,8 @@ class WarmupReport:
         notes = f", {self.failed} failed" if self.failed else ""
         if self.compilations:
             notes += f", {self.compilations} graphs compiled"
+        if self.captures:
+            notes += f", {self.captures} CUDA graphs captured"
         return (
             f"engine warm-up: {self.requests} requests, {self.steps} steps at batch sizes "
             f"{', '.join(map(str, self.batch_sizes))} in {self.seconds:.1f} s{notes}"
@@ -94,7 +97,7 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     pair.controller = GoodputController(max_k=k)
     pair.proposers = Proposers(kept[1].settings)
     started, steps, num_requests, failed = time.perf_counter(), engine.stats.steps, 0, 0
-    compiled_before = compile_stats().compilations
+    compiled_before, captured_before = compile_stats().compilations, compile_stats().captures
     try:
         for size in sizes:
             for method in _METHODS:
@@ -119,6 +122,7 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
         time.perf_counter() - started,
         failed,
         compile_stats().compilations - compiled_before,
+        compile_stats().captures - captured_before,
     )
     engine.stats = LoopStats()
     return report

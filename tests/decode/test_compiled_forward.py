@@ -30,14 +30,15 @@ def models() -> tuple[CausalLM, CausalLM]:
     return CausalLM(model, 64), compiled
 
 
-def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int):
-    """Rows in slots 0.. reading their own slot in place, ``lengths[b]`` new tokens each."""
+def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int, first: int = 0):
+    """Rows in slots ``first``.. reading their own slot in place, ``lengths[b]`` new tokens
+    each."""
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.randint(1, 60, (len(lengths), width), generator=gen)
     left = [width - n for n in lengths]
     column = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
-    rows = list(range(len(lengths)))
+    rows = list(range(first, first + len(lengths)))
     return plan_forward(
         input_ids=ids,
         start=column(start),
@@ -49,12 +50,13 @@ def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int):
         trash_slot=SLOTS,
         dtype=torch.float32,
         layout=lm.attention,
-        first_slot=0,
+        first_slot=first,
     )
 
 
 def _run(models, plans):
-    """Each plan through both forwards, each over its own cache: (eager, compiled) logits."""
+    """Each plan through every forward, each over its own cache: the logits of each plan
+    (eager first), and the caches."""
     caches = [SlotKVCache(SLOTS, 160) for _ in models]
     outs = []
     with torch.inference_mode():
@@ -115,6 +117,12 @@ def test_greedy_speculation_gives_the_target_alones_tokens_when_compiled():
     decoder = SpeculativeDecoder(target, draft, None, compile_forward=True, max_spec_tokens=4)
     assert decoder.target._lean_forward().compiled
     before = compile_stats().compilations
+    assert_greedy_speculation_gives_the_target_alones_tokens(decoder)
+    assert compile_stats().compilations > before  # its graphs, not an eager fallback
+
+
+def assert_greedy_speculation_gives_the_target_alones_tokens(decoder) -> None:
+    """Token and block verification, with and without the draft's ``sql`` adapter, greedy."""
     prompt = [3, 17, 9, 22, 41, 5, 8]
     greedy = {"max_tokens": 24, "temperature": 0.0, "stop_token_ids": []}
     alone = decoder.generate(prompt, method="none", **greedy).token_ids
@@ -124,4 +132,3 @@ def test_greedy_speculation_gives_the_target_alones_tokens_when_compiled():
                 prompt, method=method, num_spec_tokens=3, adapter=adapter, **greedy
             )
             assert out.token_ids == alone, (method, adapter)
-    assert compile_stats().compilations > before  # its graphs, not an eager fallback
