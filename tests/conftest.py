@@ -43,6 +43,8 @@ if _TEST_DEVICE:
     def _moved_post_init(self: CausalLM) -> None:
         if self.model.device.type != torch.device(_TEST_DEVICE).type:
             self.model = copy.deepcopy(self.model).to(_TEST_DEVICE)
+        # OSD_TEST_CUDA_GRAPHS=1: every CausalLM with model.cuda_graphs on (scripts/gpu_check.sh)
+        self.cuda_graphs = self.cuda_graphs or os.environ.get("OSD_TEST_CUDA_GRAPHS") == "1"
         _unmoved_post_init(self)
 
     CausalLM.__post_init__ = _moved_post_init  # type: ignore[method-assign]
@@ -53,7 +55,9 @@ def pytest_report_header() -> list[str]:
     if os.environ.get("OSD_TEST_COMPILE") == "1":
         lines.append("OSD_TEST_COMPILE=1: every CausalLM compiled (model.compile)")
     if _TEST_DEVICE:
-        lines.append(f"OSD_TEST_DEVICE={_TEST_DEVICE}: every CausalLM's model moved there")
+        lines.append(f"OSD_TEST_DEVICE={_TEST_DEVICE}: every CausalLM's model copied there")
+    if os.environ.get("OSD_TEST_CUDA_GRAPHS") == "1":
+        lines.append("OSD_TEST_CUDA_GRAPHS=1: every CausalLM with model.cuda_graphs on")
     return lines
 
 
