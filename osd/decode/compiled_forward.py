@@ -15,25 +15,28 @@ Inductor fuses the elementwise work between the matmuls (norms, rotary, SiLU gat
 residuals) and the KV writes; outputs differ from the eager ones in the last bits (sums in
 another order). Every token still comes from this one forward, so verification stays exact.
 Compiling costs seconds to tens of seconds a graph on a small CPU, the first time; inductor
-keeps what it compiled in its on-disk cache (``TORCHINDUCTOR_CACHE_DIR``), so a restart
-takes seconds. The replica's warm-up (:mod:`osd.decode.warmup`) runs every batch size before
-the replica reports ready, so no request pays for a compilation, and
-:func:`compile_stats` counts every one (``osd_engine_compilations_total``: it should not move
-once a replica serves). Measured in ``docs/batched_engine.md``.
+keeps what it compiled in its on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by default here
+under osd's cache directory rather than torch's ``/tmp``), so a restart takes seconds. The
+replica's warm-up (:mod:`osd.decode.warmup`) runs every batch size before the replica
+reports ready, so no request pays for a compilation, and :func:`compile_stats` counts every
+one (``osd_engine_compilations_total``: it should not move once a replica serves). Measured
+in ``docs/batched_engine.md``.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CompileStats", "compile_stats", "compiled_layers"]
+__all__ = ["CompileStats", "compile_stats", "compiled_layers", "persistent_inductor_cache"]
 
 # Graphs one model's compiled layers may hold before torch runs them eagerly: the four shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
@@ -103,12 +106,26 @@ def _compile(layers: LayersFunction) -> Any:
     return torch.compile(layers, **options)  # type: ignore[call-overload]  # (stubs lag)
 
 
+def persistent_inductor_cache() -> Path:
+    """Inductor's on-disk cache: ``TORCHINDUCTOR_CACHE_DIR`` where set, else set to
+    ``$OSD_CACHE_DIR/inductor`` (``~/.cache/osd/inductor`` without it). torch's own default is
+    under ``/tmp``, which a reboot empties: a replica restarted after one compiled everything
+    again (51 s of inductor on a 2-core machine for the demo target, 2 s from the cache)."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        base = os.environ.get("OSD_CACHE_DIR")
+        root = Path(base) if base else Path.home() / ".cache" / "osd"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def compiled_layers(layers: LayersFunction) -> LayersFunction:
     """``layers`` (called as ``_in_place_layers`` without its first argument) compiled, with
     the sizes that change from step to step dynamic and the model's own sizes (hidden, heads,
-    head dimension) static, so the kernels are specialized to them."""
+    head dimension) static, so the kernels are specialized to them; compiled into
+    :func:`persistent_inductor_cache`."""
     import torch._dynamo as dynamo
 
+    persistent_inductor_cache()
     function = _compile(layers)
 
     def run(*inputs: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from osd import SpeculativeDecoder
-from osd.decode.compiled_forward import compile_stats
+from osd.decode.compiled_forward import compile_stats, persistent_inductor_cache
 from osd.decode.kv_cache import SlotKVCache, plan_forward
 from osd.decode.models import CausalLM
 from tests.families import build_family, family_pair
@@ -132,3 +132,11 @@ def assert_greedy_speculation_gives_the_target_alones_tokens(decoder) -> None:
                 prompt, method=method, num_spec_tokens=3, adapter=adapter, **greedy
             )
             assert out.token_ids == alone, (method, adapter)
+
+
+def test_inductor_caches_under_osds_cache_directory_unless_told_otherwise(monkeypatch, tmp_path):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("OSD_CACHE_DIR", str(tmp_path))
+    assert persistent_inductor_cache() == tmp_path / "inductor"  # not torch's /tmp default
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert persistent_inductor_cache() == tmp_path / "mine"
