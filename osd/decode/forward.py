@@ -52,6 +52,10 @@ class ModelPair:
     # the dtype read every step was 1 % of a batch-1 step on the CPU).
     device: torch.device = field(init=False)
     dtype: torch.dtype = field(init=False)
+    # The last step's rows and their sampling tensors: a step over the same rows (the steady
+    # state) reuses them instead of building and copying them to the device again.
+    _sampled_rows: tuple[Row, ...] = field(init=False, default=())
+    _sampling: RowSampling | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.device = self.target.device
@@ -59,8 +63,18 @@ class ModelPair:
         self.history = TokenHistory(self.target_cache.num_slots, self.vocab_size, self.device)
 
     def sampling(self, rows: list[Row]) -> tuple[RowSampling, History | None]:
-        """The rows' sampling parameters, and their histories when a penalty needs them."""
-        sampling = RowSampling.of([r.request.params for r in rows], self.device, self.vocab_size)
+        """The rows' sampling parameters (the last step's tensors where its rows were these,
+        in this order: a request's parameters never change), and their histories when a
+        penalty needs them."""
+        sampling = self._sampling
+        if (
+            sampling is None
+            or len(rows) != len(self._sampled_rows)
+            or any(a is not b for a, b in zip(rows, self._sampled_rows, strict=True))
+        ):
+            params = [r.request.params for r in rows]
+            sampling = RowSampling.of(params, self.device, self.vocab_size)
+            self._sampled_rows, self._sampling = tuple(rows), sampling
         return sampling, self.history.of(rows) if sampling.any_history else None
 
 

@@ -340,3 +340,20 @@ def test_a_sink_gets_every_chunk_in_order_from_the_loop_thread_then_the_end(deco
     assert handle.result().token_ids == expected
     with pytest.raises(RuntimeError, match="already delivers"):
         handle.deliver_to(sink)
+
+
+def test_a_step_over_the_same_rows_reuses_their_sampling_tensors(batched, decoder):
+    from osd.decode.rows import Row
+
+    rows = [
+        Row(decoder.prepare("ab", max_tokens=4, temperature=t), decoder.tokenizer)
+        for t in (0.0, 0.7, 1.0)
+    ]
+    pair = batched.pair
+    first, _ = pair.sampling(rows)
+    assert pair.sampling(list(rows))[0] is first  # the same rows, a new list: reused
+    for other in (rows[:2], rows[::-1], [*rows[:2], Row(rows[2].request, decoder.tokenizer)]):
+        rebuilt, _ = pair.sampling(other)
+        assert rebuilt is not first
+        want = torch.tensor([r.request.params.temperature for r in other])
+        assert torch.equal(rebuilt.temperature.cpu(), want)
