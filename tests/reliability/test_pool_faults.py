@@ -11,7 +11,7 @@ from collections import Counter
 from osd.buffer.loop_status import read_pool_status
 from osd.buffer.redis_server import LocalRedis, connect
 from tests.trainer.conftest import generate_records, headroom_draft, make_config, push
-from tests.trainer.test_pool import ADAPTERS, audited, held, relabel
+from tests.trainer.test_pool import ADAPTERS, audited, held, relabel, wait_until_accounted
 from trainer.examples import adapters_for
 from trainer.pool import AUDIT_ENV, PoolWorker, adapter_stream
 
@@ -64,11 +64,8 @@ def test_a_pool_worker_rides_out_a_redis_restart_and_trains_no_record_twice(
             return bool(statuses) and sorted(statuses[0]["adapters"]) == sorted(ADAPTERS)
 
         wait_for(drained, 90)
-        # The last rounds: every routed record trained or held (a fixed 1 s was too short on
-        # a loaded 2-core machine: the general adapter's last round had not ended).
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _accounted(audit, url) != routed:
-            time.sleep(0.1)
+        # The last rounds (a fixed 1 s was too short on a loaded 2-core machine).
+        wait_until_accounted(audit, url, STREAM, routed)
         client.close()
     finally:
         stop.set()
@@ -79,9 +76,3 @@ def test_a_pool_worker_rides_out_a_redis_restart_and_trains_no_record_twice(
     trained = Counter(pair for lines in audited(audit).values() for pair in lines)
     assert max(trained.values()) == 1, [p for p, n in trained.items() if n > 1]
     assert set(trained) | held(url, STREAM) == routed, routed - set(trained) - held(url, STREAM)
-
-
-def _accounted(audit, url: str) -> set:
-    """The (adapter, request) pairs trained so far or held for judging."""
-    trained = {pair for lines in audited(audit).values() for pair in lines}
-    return trained | held(url, STREAM)
