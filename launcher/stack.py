@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -45,9 +46,31 @@ _SERVE_SHUTDOWN_S = 45.0  # longest wait for Serve's graceful shutdown before st
 
 
 def free_port() -> int:
+    """A free TCP port on 127.0.0.1, below the kernel's ephemeral range where there is room.
+    A port ``bind(0)`` hands out comes from that range, the one the next outgoing connection's
+    local end is taken from too, so a server started on it a moment later can find it taken
+    (seen in CI: HAProxy "cannot bind socket (Address already in use)" for the port a test had
+    just been given). 20000 and up also stays clear of Ray's worker ports (10002-19999)."""
+    ephemeral_low = _ephemeral_low()
+    for _ in range(100):
+        port = random.randrange(20000, ephemeral_low) if ephemeral_low > 21000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def install_signal_handlers() -> None:

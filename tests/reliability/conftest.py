@@ -22,6 +22,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from launcher.stack import free_port  # noqa: F401 - the reliability tests take it from here
 from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import adapter_spec, lora_state_dict
 from osd.buffer.redis_server import LocalRedis
@@ -46,12 +47,6 @@ STREAM = "osd:records"  # the default log stream; each test has its own redis-se
 def toy_config(*overrides: str) -> OSDConfig:
     """The toy deployment (tiny random target and draft, adapters general and code)."""
     return load_config(None, [*TOY, *overrides])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, interval_s: float = 0.02) -> float:

@@ -9,11 +9,11 @@ its own, so it neither needs to run last nor leaves a damaged app to the tests a
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 
 import pytest
 
+from launcher.stack import free_port  # noqa: F401 - the launcher's tests take it from here
 from osd.buffer.redis_server import LocalRedis
 from osd.config import OSDConfig, load_config
 
@@ -26,12 +26,6 @@ TOY = [
     "model.adapters=[general,code]",
     "spec.num_spec_tokens=4",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
