@@ -52,14 +52,14 @@ def free_port() -> int:
     (seen in CI: HAProxy "cannot bind socket (Address already in use)" for the port a test had
     just been given). 20000 and up also stays clear of Ray's worker ports (10002-19999)."""
     ephemeral_low = _ephemeral_low()
-    for _ in range(100):
-        port = random.randrange(20000, ephemeral_low) if ephemeral_low > 21000 else 0
+    for _ in range(100 if ephemeral_low > 21000 else 0):
+        port = random.randrange(20000, ephemeral_low)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return int(s.getsockname()[1])
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -19,56 +19,50 @@ from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapte
 # Tiny models run fastest single-threaded; the CI machine has two cores.
 torch.set_num_threads(1)
 
-# OSD_TEST_COMPILE=1: every model the tests build runs with ``model.compile`` on (its lean
-# forward's layers through torch.compile), to run the exactness suites over the compiled path
-# (docs/batched_engine.md, "Compiled layers"). Every model compiles its own graphs, so this is
-# a run of its own on chosen suites, not CI's.
-if os.environ.get("OSD_TEST_COMPILE") == "1":
+# Switches that run the suites over another path than CI's (runs of their own, on chosen
+# suites; every model then compiles or captures its own graphs):
+# - OSD_TEST_COMPILE=1: every CausalLM with ``model.compile`` on (docs/batched_engine.md,
+#   "Compiled layers");
+# - OSD_TEST_DEVICE=cuda: every CausalLM wraps a copy of its model on that device (the tests'
+#   own references, exact distributions and plain forwards, stay on the CPU models);
+# - OSD_TEST_CUDA_GRAPHS=1: every CausalLM with ``model.cuda_graphs`` on (scripts/gpu_check.sh).
+_TEST_COMPILE = os.environ.get("OSD_TEST_COMPILE") == "1"
+_TEST_DEVICE = os.environ.get("OSD_TEST_DEVICE")
+_TEST_CUDA_GRAPHS = os.environ.get("OSD_TEST_CUDA_GRAPHS") == "1"
+if _TEST_COMPILE or _TEST_DEVICE or _TEST_CUDA_GRAPHS:
     _plain_post_init = CausalLM.__post_init__
 
-    def _compiled_post_init(self: CausalLM) -> None:
-        self.compile = True
+    def _switched_post_init(self: CausalLM) -> None:
+        if _TEST_DEVICE and self.model.device.type != torch.device(_TEST_DEVICE).type:
+            self.model = copy.deepcopy(self.model).to(_TEST_DEVICE)
+        self.compile = self.compile or _TEST_COMPILE
+        self.cuda_graphs = self.cuda_graphs or _TEST_CUDA_GRAPHS
         _plain_post_init(self)
 
-    CausalLM.__post_init__ = _compiled_post_init  # type: ignore[method-assign]
-
-
-# OSD_TEST_DEVICE=cuda: every CausalLM wraps a copy of its model on that device, to run the
-# engine's suites on a GPU (a run of its own, as above; CI has no GPU). The tests' own
-# references (exact distributions, plain forwards) stay on the CPU models.
-_TEST_DEVICE = os.environ.get("OSD_TEST_DEVICE")
-if _TEST_DEVICE:
-    _unmoved_post_init = CausalLM.__post_init__
-
-    def _moved_post_init(self: CausalLM) -> None:
-        if self.model.device.type != torch.device(_TEST_DEVICE).type:
-            self.model = copy.deepcopy(self.model).to(_TEST_DEVICE)
-        # OSD_TEST_CUDA_GRAPHS=1: every CausalLM with model.cuda_graphs on (scripts/gpu_check.sh)
-        self.cuda_graphs = self.cuda_graphs or os.environ.get("OSD_TEST_CUDA_GRAPHS") == "1"
-        _unmoved_post_init(self)
-
-    CausalLM.__post_init__ = _moved_post_init  # type: ignore[method-assign]
+    CausalLM.__post_init__ = _switched_post_init  # type: ignore[method-assign]
 
 
 def pytest_report_header() -> list[str]:
     lines = []
-    if os.environ.get("OSD_TEST_COMPILE") == "1":
+    if _TEST_COMPILE:
         lines.append("OSD_TEST_COMPILE=1: every CausalLM compiled (model.compile)")
     if _TEST_DEVICE:
         lines.append(f"OSD_TEST_DEVICE={_TEST_DEVICE}: every CausalLM's model copied there")
-    if os.environ.get("OSD_TEST_CUDA_GRAPHS") == "1":
+    if _TEST_CUDA_GRAPHS:
         lines.append("OSD_TEST_CUDA_GRAPHS=1: every CausalLM with model.cuda_graphs on")
     return lines
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if os.environ.get("OSD_TEST_COMPILE") == "1":
-        from osd.decode.compiled_forward import compile_stats
+    from osd.decode.compiled_forward import compile_stats
 
-        stats = compile_stats()
+    stats = compile_stats()
+    if _TEST_COMPILE:
         terminalreporter.write_line(
             f"OSD_TEST_COMPILE=1: {stats.compilations} graphs compiled in {stats.seconds:.0f} s"
         )
+    if _TEST_CUDA_GRAPHS:
+        terminalreporter.write_line(f"OSD_TEST_CUDA_GRAPHS=1: {stats.captures} graphs captured")
 
 
 @pytest.fixture(scope="session")

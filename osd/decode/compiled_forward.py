@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from osd.cache_dir import osd_cache_dir
+
 __all__ = ["CompileStats", "compile_stats", "compiled_layers", "persistent_inductor_cache"]
 
 # Graphs one model's compiled layers may hold before torch runs them eagerly: the four shapes
@@ -112,9 +114,7 @@ def persistent_inductor_cache() -> Path:
     under ``/tmp``, which a reboot empties: a replica restarted after one compiled everything
     again (51 s of inductor on a 2-core machine for the demo target, 2 s from the cache)."""
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        base = os.environ.get("OSD_CACHE_DIR")
-        root = Path(base) if base else Path.home() / ".cache" / "osd"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(osd_cache_dir() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from osd.cache_dir import osd_cache_dir
 from osd.demo.corpus import build_corpus, load_corpus_split, save_corpus
 from osd.demo.progress import Progress
 from osd.demo.recipe import DOMAINS, Recipe, recipe_for
@@ -90,8 +91,7 @@ class DemoModelPaths:
 
 def default_cache_dir() -> Path:
     """``$OSD_CACHE_DIR/demo-models`` if set, else ``~/.cache/osd/demo-models``."""
-    base = os.environ.get("OSD_CACHE_DIR")
-    return Path(base) / "demo-models" if base else Path.home() / ".cache" / "osd" / "demo-models"
+    return osd_cache_dir() / "demo-models"
 
 
 def demo_models_root(cache_dir: Path | str | None = None, scale: str = "full") -> Path:
