@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from osd.decode import rng
@@ -54,8 +55,10 @@ class Row:
     draft_len: int = 0
     step: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
-    draft_token_probs: list[torch.Tensor] = field(default_factory=list)
-    log_rows: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # The log's data, a host slice a step (osd.devices.on_host): drafted tokens' q, and the
+    # target's top ids and probabilities at each position the step emitted.
+    draft_token_probs: list[np.ndarray] = field(default_factory=list)
+    log_rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -184,7 +187,7 @@ class Row:
         )
 
     def _log(self) -> GenerationLog:
-        """Moves the log data to the CPU once, at the end (no per-step syncs).
+        """The log of the steps so far (their data came to the host with each step's sync).
 
         The record holds the answer's tokens and one target distribution per token: what a
         step verified past a stop string, a stop token or the budget is left out of both, so
@@ -195,18 +198,20 @@ class Row:
         skips positions past the last token (``trainer.examples.rejected_positions``).
         """
         request, num_generated = self.request, self.stats.num_generated
-        ids = [i for i, _ in self.log_rows] or [torch.zeros(0, 1, dtype=torch.int64)]
-        probs = [p for _, p in self.log_rows] or [torch.zeros(0, 1)]
-        draft_probs = self.draft_token_probs or [torch.zeros(0)]
+        top_m = self.request.log_top_m or 1
+        ids = [i for i, _ in self.log_rows] or [np.zeros((0, top_m), dtype=np.int64)]
+        probs = [p for _, p in self.log_rows] or [np.zeros((0, top_m), dtype=np.float32)]
+        draft_probs = self.draft_token_probs or [np.zeros(0, dtype=np.float32)]
         return GenerationLog(
             request=request,
             prompt_len=len(request.prompt_ids),
             token_ids=torch.tensor(self.seq, dtype=torch.int32),
             num_drafted=torch.tensor(self.stats.draft_lengths, dtype=torch.int32),
             num_accepted=torch.tensor(self.stats.accepted_lengths, dtype=torch.int32),
-            draft_token_probs=torch.cat(draft_probs).cpu().half(),
-            target_top_ids=torch.cat(ids)[:num_generated].cpu().int(),
-            target_top_probs=torch.cat(probs)[:num_generated].cpu().half(),
+            # Rounded to float16 by torch, as the records always were.
+            draft_token_probs=torch.from_numpy(np.concatenate(draft_probs)).half(),
+            target_top_ids=torch.from_numpy(np.concatenate(ids)[:num_generated]).int(),
+            target_top_probs=torch.from_numpy(np.concatenate(probs)[:num_generated]).half(),
             step_proposers=tuple(self.stats.step_proposers),
         )
 

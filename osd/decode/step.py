@@ -38,6 +38,7 @@ from osd.decode.prompt_logprobs import prefill_target
 from osd.decode.rows import Row
 from osd.decode.sampling import rows_to_greedy_ids, rows_to_probs, sample_from_probs
 from osd.decode.verification import VerifyOutput, block_verify, spectr_verify, token_verify
+from osd.devices import on_host
 
 __all__ = ["VERIFIERS", "prefill", "run_step"]
 
@@ -118,8 +119,8 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
     allowed = None if masks is None else masks.target_allowed(1)[:, 0]
     probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
     tokens = sample_from_probs(probs, _verify_draws(rows, device)[2])
-    if any(row.request.log_top_m for row in rows):
-        top_ids, top_probs = top_m_distribution(logits.unsqueeze(1), pair.log_top_m)  # (P, 1, m)
+    if any(row.request.log_top_m for row in rows):  # read after the sync below (on_host)
+        top_ids, top_probs = on_host(*top_m_distribution(logits.unsqueeze(1), pair.log_top_m))
     zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
     on_way = _start_logprobs(  # no drafts: the first token is position 0
         rows,
@@ -317,11 +318,11 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     everyone = torch.arange(num_rows, device=device)
     chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
     if any(row.request.log_top_m for row in rows):
-        top_ids, top_probs = top_m_distribution(
-            logits[first_row + verified.draft_index], pair.log_top_m
-        )  # (B, k + 1, m)
+        top = top_m_distribution(logits[first_row + verified.draft_index], pair.log_top_m)
         chosen_q = drafts.probs[everyone, verified.draft_index, :width]  # (B, k, V)
-        draft_token_probs = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+        draft_q = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+        # Read after the step's sync; each row's share is a host slice, not a tensor op.
+        top_ids, top_probs, draft_token_probs = on_host(*top, draft_q)
     on_way = _start_logprobs(
         rows,
         logits,

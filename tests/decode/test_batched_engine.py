@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from osd import SpeculativeDecoder
 from osd.buffer.record import Record
@@ -357,3 +358,57 @@ def test_a_step_over_the_same_rows_reuses_their_sampling_tensors(batched, decode
         assert rebuilt is not first
         want = torch.tensor([r.request.params.temperature for r in other])
         assert torch.equal(rebuilt.temperature.cpu(), want)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the tensor operations dispatched while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "none", "temperature": 1.0, "seed": 3},
+        {"method": "block", "temperature": 0.0, "num_spec_tokens": 2},
+        {"method": "token", "temperature": 1.0, "seed": 3, "num_spec_tokens": 2},
+    ],
+    ids=["target-alone-sampled", "block-greedy", "token-sampled"],
+)
+def test_a_steps_tensor_operations_do_not_grow_with_its_rows(decoder, monkeypatch, options):
+    """Batch first: a decode step of four rows dispatches the tensor operations two rows' do,
+    its log's data included (each row's share is a host slice, not a tensor op). (One row
+    takes a few other branches: a plain slice where rows are gathered.)"""
+    from osd.decode import loop
+
+    real = loop.run_step
+    counts: dict[int, list[int]] = {2: [], 4: []}
+
+    def counting(pair, rows):
+        with _CountOps() as mode:
+            chunks = real(pair, rows)
+        counts.setdefault(len(rows), []).append(mode.count)
+        return chunks
+
+    monkeypatch.setattr(loop, "run_step", counting)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    try:
+        for batch in (2, 4):
+            handles = [
+                engine.submit(
+                    decoder.prepare([3, 5, 7, 9 + i], max_tokens=10, stop_token_ids=[], **options)
+                )
+                for i in range(batch)
+            ]
+            assert all(h.result().log is not None for h in handles)
+    finally:
+        engine.close()
+    # The steps every row takes alike (the last ones draft less: fewer tokens are left).
+    two, four = (max(set(c), key=c.count) for c in (counts[2], counts[4]))
+    assert four == two, counts
