@@ -19,6 +19,7 @@ from osd.decode.grammar_masks import GrammarMasks
 from osd.decode.prefix_history import History, extend_history
 from osd.decode.rows import Row
 from osd.decode.sampling import RowSampling, rows_to_probs, sample_from_probs
+from osd.devices import to_device
 
 __all__ = ["CATCH_UP_TOKENS", "Drafts", "propose"]
 
@@ -59,9 +60,12 @@ def propose(
     drafting = [b for b in range(num_rows) if spec_k[b] > 0]
     if not drafting:
         return Drafts(ids, probs, own_k)
-    keys = as_tensor([row.draft_key for row in rows], device)
-    steps = as_tensor([row.step for row in rows], device)
-    draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
+    draws = to_device(  # (B, K, k), drawn on the host (rng.step_draws)
+        torch.from_numpy(
+            rng.step_draws([r.draft_key for r in rows], [r.step for r in rows], num_drafts, width)
+        ),
+        device,
+    )
     adaptive = any(row.request.adaptive_threshold > 0 for row in rows)
     if adaptive:
         thresholds = torch.tensor([row.request.adaptive_threshold for row in rows], device=device)

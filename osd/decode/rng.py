@@ -5,13 +5,31 @@ step are addressed by (step, branch, position), so a row gets the same numbers w
 shares its batch, and a whole batch's draws are one vectorised call on the device (no
 per-row ``torch.Generator``). The mixer is splitmix64's finaliser (Steele et al. 2014), which
 passes BigCrush on sequential counters; int64 arithmetic wraps around in torch on CPU and GPU.
+
+The engine draws a step's numbers on the host (:func:`step_draws`, numpy's uint64 arithmetic,
+bit for bit :func:`uniforms`'s) and sends them with one copy: the keys and steps are host
+values, and on the device the mixer was about twenty tensor operations (twenty kernel launches
+on a GPU) a stream a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
 import torch
 
-__all__ = ["DRAFT_STREAM", "VERIFY_STREAM", "counter", "step_uniforms", "stream_key", "uniforms"]
+__all__ = [
+    "DRAFT_STREAM",
+    "VERIFY_STREAM",
+    "counter",
+    "host_uniforms",
+    "step_draws",
+    "step_uniforms",
+    "stream_key",
+    "uniforms",
+]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -48,8 +66,11 @@ def stream_key(seed: int, stream: int) -> int:
     return _signed(_mix_int((z + stream * _GOLDEN) & _MASK64))
 
 
-def counter(step: torch.Tensor | int, branch: torch.Tensor | int, position: torch.Tensor | int):
-    """Counter of the draw for (step, branch, position); broadcasts over tensors."""
+_Index = TypeVar("_Index", torch.Tensor, np.ndarray)
+
+
+def counter(step: _Index, branch: _Index | int, position: _Index | int) -> _Index:
+    """Counter of the draw for (step, branch, position); broadcasts over tensors or arrays."""
     return (step << _STEP_SHIFT) + (branch << _BRANCH_SHIFT) + position
 
 
@@ -92,3 +113,30 @@ def step_uniforms(
             torch.arange(num_positions, device=device).view(1, 1, -1),
         ),
     )
+
+
+_U_M1, _U_M2, _U_GOLDEN = np.uint64(_M1), np.uint64(_M2), np.uint64(_GOLDEN)
+
+
+def host_uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """:func:`uniforms` in numpy: (B,) int64 keys and (B, ...) counters -> float64, the same
+    bits (uint64 arithmetic wraps as int64's does; its shifts are logical)."""
+    z = keys.astype(np.int64).view(np.uint64).reshape(keys.shape + (1,) * (counters.ndim - 1))
+    z = z + counters.astype(np.uint64) * _U_GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _U_M1
+    z = (z ^ (z >> np.uint64(27))) * _U_M2
+    z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def step_draws(
+    keys: Sequence[int], steps: Sequence[int], num_branches: int, num_positions: int
+) -> np.ndarray:
+    """One step's draws of every row on the host: (B, branches, positions) float64, as
+    :func:`step_uniforms` gives them."""
+    counters = counter(
+        np.asarray(steps, dtype=np.int64).reshape(-1, 1, 1),
+        np.arange(num_branches, dtype=np.int64).reshape(1, -1, 1),
+        np.arange(num_positions, dtype=np.int64).reshape(1, 1, -1),
+    )
+    return host_uniforms(np.asarray(keys, dtype=np.int64), counters)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from osd.decode import rng
@@ -38,7 +39,7 @@ from osd.decode.prompt_logprobs import prefill_target
 from osd.decode.rows import Row
 from osd.decode.sampling import rows_to_greedy_ids, rows_to_probs, sample_from_probs
 from osd.decode.verification import VerifyOutput, block_verify, spectr_verify, token_verify
-from osd.devices import on_host
+from osd.devices import on_host, to_device
 
 __all__ = ["VERIFIERS", "prefill", "run_step"]
 
@@ -118,7 +119,7 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
         masks = GrammarMasks(rows, [0] * len(rows), [1] * len(rows), 0, pair.vocab_size, device)
     allowed = None if masks is None else masks.target_allowed(1)[:, 0]
     probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
-    tokens = sample_from_probs(probs, _verify_draws(rows, device)[2])
+    tokens = sample_from_probs(probs, _verify_draws(rows, device)[0])
     if any(row.request.log_top_m for row in rows):  # read after the sync below (on_host)
         top_ids, top_probs = on_host(*top_m_distribution(logits.unsqueeze(1), pair.log_top_m))
     zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
@@ -168,13 +169,19 @@ def _start_logprobs(
 
 
 def _verify_draws(
-    rows: list[Row], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's verify-stream key and step (B,), and its (B,) draw for the token it samples
-    from the target: the recovered or bonus token, or the first token after its prompt."""
-    keys = as_tensor([row.verify_key for row in rows], device)
-    steps = as_tensor([row.step for row in rows], device)
-    return keys, steps, rng.uniforms(keys, rng.counter(steps, 0, _SAMPLE_POSITION))
+    rows: list[Row], device: torch.device, num_drafts: int = 0, width: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's draws from its verify stream, drawn on the host and sent in one copy: (B,)
+    for the token it samples from the target (the recovered or bonus token, or the first
+    token after its prompt) and (B, num_drafts, width) for accepting its drafts."""
+    keys, steps = [row.verify_key for row in rows], [row.step for row in rows]
+    sample = rng.host_uniforms(
+        np.asarray(keys, dtype=np.int64),
+        rng.counter(np.asarray(steps, dtype=np.int64), 0, _SAMPLE_POSITION),
+    )
+    accept = rng.step_draws(keys, steps, num_drafts, width)
+    draws = to_device(torch.from_numpy(np.concatenate([sample, accept.reshape(-1)])), device)
+    return draws[: len(rows)], draws[len(rows) :].view(accept.shape)
 
 
 @dataclass
@@ -194,13 +201,12 @@ def _verify(
 ) -> _Verified:
     """Runs each verifier once over its rows; draws come from each row's verify stream."""
     device, num_rows = target_probs.device, len(rows)
-    keys, steps, sample_draws = _verify_draws(rows, device)
+    num_drafts = drafts.ids.shape[1]
+    sample_draws, accept_draws = _verify_draws(rows, device, num_drafts, width)  # (B, K, k)
     zeros = torch.zeros(num_rows, dtype=torch.int64, device=device)
     if width == 0:  # speculation off for every row: sample from the target
         next_ids = sample_from_probs(target_probs[first_row, 0], sample_draws)
         return _Verified(zeros, next_ids, zeros.clone())
-    num_drafts = drafts.ids.shape[1]
-    accept_draws = rng.step_uniforms(keys, steps, num_drafts, width)  # (B, K, k)
     result = _Verified(zeros.clone(), zeros.clone(), zeros.clone())
     num_branches = as_tensor(branches, device)  # (B,) K per row, 1 for one draft
     # (B, K) each draft's target row; drafts beyond a row's own K repeat its last (unread).
