@@ -37,6 +37,7 @@ from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.goodput import GoodputController
 from osd.decode.limits import HTTP_MAX_DRAFTS, MAX_SPEC_TOKENS
 from osd.decode.request import DecodeRequest
+from osd.decode.request_checks import check_context
 from osd.decode.rows import Row
 from osd.decode.scheduler import BatchLimits, kv_slots_for_memory, num_to_admit
 from osd.decode.step import prefill, run_step
@@ -263,13 +264,16 @@ class BatchedEngine:
                 f"n = {num_rows} choices need {num_rows} rows; this engine decodes "
                 f"{self.limits.max_num_seqs} at once",
             )
-        total = len(request.prompt_ids) + request.max_new_tokens
-        if total > self.max_len:
+        prompt_len = len(request.prompt_ids)
+        if prompt_len >= self.max_len:
             raise ParamError(
-                "prompt",
-                f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
-                f"({request.max_new_tokens}) exceeds the context of {self.max_len}",
+                "prompt", f"prompt has {prompt_len} tokens; the context holds {self.max_len}"
             )
+        if prompt_len + request.max_new_tokens > self.max_len:
+            if not request.fit_context:
+                check_context(prompt_len, request.max_new_tokens, self.max_len)
+            room = self.max_len - prompt_len
+            requests = [dataclasses.replace(r, max_new_tokens=room) for r in requests]
         handles = [RequestHandle(Row(r, self.decoder.tokenizer), self._wake) for r in requests]
         handle = handles[0]
         handle._followers = handles[1:]

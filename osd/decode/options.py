@@ -33,6 +33,9 @@ class RequestOptions:
     Attributes:
         max_tokens: most tokens to generate; 0 runs only the prefill (prompt scoring with
             ``prompt_logprobs``; such a request is not logged).
+        fit_context: ``max_tokens`` is a most: fewer where the context has less room after the
+            prompt. False: a prompt and ``max_tokens`` that exceed the context are refused
+            (a ``ParamError`` naming max_tokens), as OpenAI's and vLLM's servers refuse them.
         sampling: temperature, top-p, top-k, min-p, the penalties and the logit bias
             (:class:`osd.decode.sampling.SamplingParams`, OpenAI's and vLLM's meaning), applied
             alike to the draft and the target, so every method stays exact. As keywords of
@@ -56,6 +59,7 @@ class RequestOptions:
     """
 
     max_tokens: int = 128
+    fit_context: bool = True
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] | None = None

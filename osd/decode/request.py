@@ -67,6 +67,11 @@ class DecodeRequest:
         return self.options.method
 
     @property
+    def fit_context(self) -> bool:
+        """``max_new_tokens`` may be cut to an engine's shorter context (else refused)."""
+        return self.options.fit_context
+
+    @property
     def stop(self) -> tuple[str, ...]:
         return self.options.stop
 

@@ -73,6 +73,12 @@ def prompt_ids(prompt: str | Sequence[int], tokenizer: Any, vocab_size: int) -> 
         if tokenizer is None:
             raise ParamError("prompt", "a text prompt needs a tokenizer; pass token ids instead")
         ids = list(tokenizer(prompt)["input_ids"])
+        bos, bos_text = (
+            getattr(tokenizer, "bos_token_id", None),
+            getattr(tokenizer, "bos_token", None),
+        )
+        if bos is not None and bos_text and prompt.startswith(bos_text) and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the text writes its own (a chat template's): not twice
     else:
         ids = [int(t) for t in prompt]
     if not ids:
@@ -81,3 +87,15 @@ def prompt_ids(prompt: str | Sequence[int], tokenizer: Any, vocab_size: int) -> 
     if bad:
         raise ParamError("prompt", f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
     return ids
+
+
+def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
+    """Raises :class:`ParamError` when a prompt and its budget do not fit ``context``
+    positions (OpenAI's and vLLM's refusal, not a silently shorter answer)."""
+    if prompt_len + max_tokens > context:
+        raise ParamError(
+            "max_tokens",
+            f"this model's context holds {context} tokens; the request needs "
+            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in the "
+            "completion): lower max_tokens or shorten the prompt",
+        )

@@ -62,3 +62,29 @@ def test_param_error_survives_pickling_with_its_param():
         SamplingParams(top_k=-1)
     copy = pickle.loads(pickle.dumps(refused.value))
     assert (type(copy), copy.param, str(copy)) == (ParamError, "top_k", str(refused.value))
+
+
+def test_a_named_budget_beyond_the_context_is_refused_a_fitting_one_is_cut(engine):
+    with pytest.raises(ParamError) as refused:
+        engine.prepare([3] * 500, max_tokens=100, fit_context=False)
+    assert refused.value.param == "max_tokens" and "context" in str(refused.value)
+    cut = engine.prepare([3] * 500, max_tokens=100)  # fit_context: the Python API's default
+    assert cut.max_new_tokens == engine.max_context - 500
+
+
+class _BosTokenizer:
+    """Adds its BOS to every text, as Llama's and Gemma's tokenizers do."""
+
+    bos_token, bos_token_id = "<s>", 1
+
+    def __call__(self, text: str) -> dict[str, list[int]]:
+        words = text.replace("<s>", " <s> ").split()
+        return {"input_ids": [1] + [1 if w == "<s>" else 2 + len(w) for w in words]}
+
+
+def test_a_text_that_writes_its_own_bos_does_not_get_a_second():
+    from osd.decode.request_checks import prompt_ids
+
+    # A chat template that starts with {{ bos_token }}: one BOS, as the model was trained.
+    assert prompt_ids("<s>user: hi", _BosTokenizer(), 64) == [1, 7, 4]
+    assert prompt_ids("user: hi", _BosTokenizer(), 64) == [1, 7, 4]
