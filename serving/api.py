@@ -9,12 +9,13 @@ hang. With ``serve.api_keys`` every ``/v1/*`` route wants ``Authorization: Beare
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Coroutine
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
@@ -116,22 +117,51 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def metrics() -> Response:
         return Response(runtime.metrics_text(), media_type="text/plain; version=0.0.4")
 
+    model = {"id": serve.model_name, "object": "model", "created": now(), "owned_by": "osd"}
+
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": serve.model_name, "object": "model", "created": 0, "owned_by": "osd"}],
-        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=authorized)
+    async def one_model(model_id: str) -> dict[str, Any]:  # the client's models.retrieve
+        if model_id != serve.model_name:
+            raise APIError(
+                404, f"model {model_id!r} does not exist", param="model", code="model_not_found"
+            )
+        return model
 
     @app.post("/v1/completions", response_model=None, dependencies=authorized)
-    async def completions(request: Request) -> JSONResponse | StreamingResponse:
-        return await _handle(runtime, request, "completion")
+    async def completions(request: Request) -> Response:
+        return await _counted(runtime, "/v1/completions", _handle(runtime, request, "completion"))
 
     @app.post("/v1/chat/completions", response_model=None, dependencies=authorized)
-    async def chat(request: Request) -> JSONResponse | StreamingResponse:
-        return await _handle(runtime, request, "chat")
+    async def chat(request: Request) -> Response:
+        return await _counted(runtime, "/v1/chat/completions", _handle(runtime, request, "chat"))
 
     return app
+
+
+async def _counted(
+    runtime: ReplicaRuntime, endpoint: str, handling: Coroutine[Any, Any, Response]
+) -> Response:
+    """The handler's response, counted by its status in ``osd_requests_total`` (refusals by
+    theirs; 499: the client left first)."""
+    status = 500
+    try:
+        response = await handling
+        status = response.status_code
+        return response
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        runtime.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+# The deepest a request's JSON may nest (a JSON schema of response_format or a tool's
+# parameters nests a level per object; Python's parser itself gives up near a thousand).
+MAX_JSON_DEPTH = 64
 
 
 async def _read_json(request: Request, max_bytes: int) -> Any:
@@ -144,14 +174,49 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         if len(body) > max_bytes:
             raise APIError(413, f"request body over {max_bytes} bytes", code="body_too_large")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels") from None
+    _check_body(data)
+    return data
+
+
+def _check_body(data: Any) -> None:
+    """Refuses (400) a body nested deeper than :data:`MAX_JSON_DEPTH` or with a string no
+    tokenizer can encode (JSON may escape lone surrogates, ``"\\ud800"``), wherever it is: a
+    tool's description reached the tokenizer unchecked and failed there (500)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            items = ()
+        for key, item in items:
+            name = key if isinstance(key, str) and _encodable(key) else f"[{key!a}]"
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{name}".lstrip(".")
+            if not _encodable(key) or (isinstance(item, str) and not _encodable(item)):
+                raise APIError(400, f"{where}: text is not valid unicode", param=where)
+            stack.append((item, where, depth + 1))
+
+
+def _encodable(text: str | int) -> bool:
+    try:
+        str(text).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 async def _handle(
     runtime: ReplicaRuntime, http: Request, kind: Literal["completion", "chat"]
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
     runtime.check_model(request)  # before any grammar is compiled for it
@@ -159,12 +224,45 @@ async def _handle(
     job = runtime.admit(request, await runtime.grammar_of(request, tools), tools)
     if request.stream:
         return _JobStream(runtime, job, _sse(runtime, job, kind))
-    results = await runtime.complete(job)
+    results = await _unless_client_leaves(http, runtime.complete(job))
+    if results is None:  # nobody reads the answer: its rows stopped at their next step
+        return Response(status_code=499)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
     echo = echo_prefix(request, job.stream.request.prompt_ids, runtime.engine.tokenizer)
     replies = _tool_replies(runtime, job)
     body = _response(job, kind, results, runtime.config.serve.model_name, logprobs, echo, replies)
     return JSONResponse(body)
+
+
+async def _unless_client_leaves(
+    http: Request, work: Coroutine[Any, Any, list[GenerationResult]]
+) -> list[GenerationResult] | None:
+    """``work``'s results, or None once the client closed its connection first: then the work
+    is cancelled (:meth:`ReplicaRuntime.complete` cancels its job). Without this a whole
+    answer went on decoding for a client that had timed out (and whose library retried),
+    holding its row and its admission slot; a stream notices at its next write."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_left(http))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+async def _client_left(http: Request) -> None:
+    """Returns when the server reports the client's connection closed (the body was read:
+    nothing else comes before that)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.01)  # a server that repeats other messages is not spun on
 
 
 def _tool_replies(runtime: ReplicaRuntime, job: Job) -> list[ToolReply | None]:
@@ -320,9 +418,20 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
             return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
+    # vLLM's continuous_usage_stats: each event says the tokens so far (all choices').
+    generated, continuous = 0, job.request.continuous_usage
+
+    def usage() -> dict[str, Any]:
+        if not continuous:
+            return {}
+        total = len(prompt_ids) + generated
+        used = {"prompt_tokens": len(prompt_ids), "completion_tokens": generated}
+        return {"usage": {**used, "total_tokens": total}}
+
     try:
         async with contextlib.aclosing(runtime.stream(job)) as chunks:
             async for i, chunk in chunks:
+                generated += len(chunk.token_ids)
                 held_ids[i] += chunk.token_ids
                 if chunk.logprobs is not None:
                     # The prompt's (echo's) come with the first chunk only.
@@ -337,7 +446,7 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
                         tail, last = reply.finish()
                         text, calls, finish = text + tail, calls + last, reply.finish_reason(finish)
                 if text or calls or finish or first[i]:
-                    yield event([choice(i, echo[i] + text, finish, calls)])
+                    yield event([choice(i, echo[i] + text, finish, calls)], **usage())
                     echo[i], first[i] = "", False
                     held_ids[i], held[i] = [], None if held[i] is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band

@@ -110,6 +110,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -122,7 +124,9 @@ class _Common(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=2**31 - 1)  # the record stores it as int32
+    # 0 or -1 (vLLM's spelling, which clients moving from it send) keep every token; the record
+    # stores it as int32.
+    top_k: int = Field(default=0, ge=-1, le=2**31 - 1)
     # Applied alike to draft and target (osd.decode.sampling), so every method stays exact.
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -161,6 +165,11 @@ class _Common(BaseModel):
         # As the engine does (osd.decode.sampling.SamplingParams): responses and records say 0.
         return 0.0 if temperature < GREEDY_BELOW else temperature
 
+    @field_validator("top_k")
+    @classmethod
+    def _all_tokens_is_zero(cls, top_k: int) -> int:
+        return max(top_k, 0)
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
@@ -196,9 +205,23 @@ class _Common(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streamed(
+        cls, options: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("stream_options needs stream: true")
+        return options
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk of the stream carries the usage so far (vLLM's)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -211,23 +234,35 @@ class _Common(BaseModel):
         return None
 
     @property
-    def requested_tokens(self) -> int:
-        """The completion's budget: ``max_completion_tokens``, else ``max_tokens``, else 16
-        (OpenAI's completions default; 0: echo's prompt alone)."""
+    def asked_tokens(self) -> int | None:
+        """The budget the request names: ``max_completion_tokens``, else ``max_tokens`` (0:
+        echo's prompt alone); None: neither."""
         asked = (self.max_completion_tokens, self.max_tokens)
-        return next((m for m in asked if m is not None), 16)
+        return next((m for m in asked if m is not None), None)
 
-    def options(self, defaults: SpecConfig, **replica: Any) -> RequestOptions:
+    def requested_tokens(self, limit: int) -> int:
+        """The completion's budget: the one it names, else OpenAI's default: 16 for a
+        completion, for a chat what the context leaves after the prompt, up to ``limit``."""
+        asked = self.asked_tokens
+        if asked is not None:
+            return asked
+        return limit if isinstance(self, ChatRequest) else 16
+
+    def options(self, defaults: SpecConfig, limit: int, **replica: Any) -> RequestOptions:
         """The request's options (:mod:`osd.decode.options`), built here once: fields that
-        mean the same in both are taken by name; the rest are spelled out below. ``replica``:
-        what only the replica knows (the compiled grammar, whether it logs, the tokens that end
+        mean the same in both are taken by name; the rest are spelled out below. ``limit``:
+        the replica's most tokens a request (a chat's default budget). ``replica``: what only
+        the replica knows (the compiled grammar, whether it logs, the tokens that end
         generation); the router picks the adapter later."""
         spec = self.spec or SpecOptions()
         same = {name: getattr(self, name) for name in _SAME_AS_OPTIONS}
         return RequestOptions.of(
             **same,
             **replica,
-            max_tokens=self.requested_tokens,
+            max_tokens=self.requested_tokens(limit),
+            # A budget the client named is refused where it does not fit (OpenAI's, vLLM's);
+            # a default one is what fits.
+            fit_context=self.asked_tokens is None,
             logit_bias=self.token_bias,
             stop=self.stop_list,
             method=spec.method or defaults.method,

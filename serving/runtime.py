@@ -192,7 +192,7 @@ class ReplicaRuntime:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
         self.check_model(request)
-        max_tokens = request.requested_tokens
+        max_tokens = request.requested_tokens(serve.max_tokens_limit)
         if max_tokens > serve.max_tokens_limit:
             raise APIError(
                 400,
@@ -225,7 +225,10 @@ class ReplicaRuntime:
                 raise
         except ValueError as exc:
             self._admission.release()
-            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
+            param = getattr(exc, "param", None)
+            if param == "prompt" and isinstance(request, ChatRequest):
+                param = "messages"  # a chat's prompt is its messages
+            raise APIError(400, str(exc), param=param) from None
         except BaseException:
             self._admission.release()
             raise
@@ -241,6 +244,7 @@ class ReplicaRuntime:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
         options = request.options(
             self.config.spec,
+            self.config.serve.max_tokens_limit,
             stop_token_ids=self._stop_token_ids(request.stop_token_ids, request.ignore_eos),
             log=self.log_writer is not None and request.log,
             grammar=grammar,

@@ -81,3 +81,22 @@ def test_abandoned_requests_give_back_their_slots_and_leases():
             for thread in threads:
                 thread.join(timeout=60)
         assert statuses == [200] * CAPACITY, statuses
+
+
+def test_a_whole_answer_stops_decoding_when_its_client_hangs_up():
+    """A client that times out on a whole (not streamed) answer and closes its connection: its
+    rows stop at their next step, they do not decode the rest of max_tokens for nobody
+    (OpenAI clients retry a timed-out request, so each would otherwise run twice more)."""
+    config = toy_config("serve.max_ongoing_requests=4", "serve.max_tokens_limit=400")
+    with running_replica(config) as replica, http_server(replica.runtime) as base_url:
+        runtime = replica.runtime
+        before = metric(runtime.metrics_text().decode(), "vllm:generation_tokens_total")
+        for _ in range(3):
+            send_and_hang_up(base_url, completion(max_tokens=400, temperature=0))
+        wait_for(
+            lambda: metric(runtime.metrics_text().decode(), "osd_requests_in_flight") == 0,
+            timeout_s=60,
+            interval_s=0.05,
+        )
+        generated = metric(runtime.metrics_text().decode(), "vllm:generation_tokens_total")
+        assert generated - before < 3 * 400 / 2, generated - before

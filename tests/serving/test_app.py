@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -127,7 +129,11 @@ def test_malformed_and_oversized_bodies(ray_serve_app):
 
 def test_models_health_and_metrics(ray_serve_app):
     base_url, _ = ray_serve_app
-    assert httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"] == "osd"
+    listed = httpx.get(f"{base_url}/v1/models").json()["data"][0]
+    assert listed["id"] == "osd" and listed["created"] > 0
+    assert httpx.get(f"{base_url}/v1/models/osd").json() == listed  # models.retrieve
+    missing = httpx.get(f"{base_url}/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     health = httpx.get(f"{base_url}/health").json()
     # No trainer runs beside this app: the loop is degraded, and /health says so and why.
     assert health["status"] == "degraded"
@@ -136,6 +142,9 @@ def test_models_health_and_metrics(ray_serve_app):
     assert ready.status_code == 200 and ready.json()["checks"]["log_buffer"]["status"] == "ok"
     text = httpx.get(f"{base_url}/metrics").text
     assert "osd_generated_tokens_total" in text
+    # Every request by its outcome (earlier tests of this module sent 200s and 400s).
+    for status in ("200", "400"):
+        assert f'osd_requests_total{{endpoint="/v1/completions",status="{status}"}}' in text
     # vLLM's names beside osd's (serving/vllm_metrics.py), labelled with the served model.
     for name in ("vllm:num_requests_running", "vllm:spec_decode_num_drafts_total"):
         assert f'{name}{{engine="0",model_name="osd"}}' in text
@@ -261,3 +270,75 @@ def test_penalties_and_logit_bias_reach_the_engine(ray_serve_app, client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model="osd", prompt="x", logit_bias={str(10**6): 1})
     assert refused.value.body["param"] == "logit_bias"
+
+
+def test_a_chat_without_max_tokens_gets_what_the_context_leaves(client, ray_serve_app):
+    """OpenAI's chat has no default budget of 16 tokens (the completions endpoint's): a chat
+    that names none may fill the context (up to serve.max_tokens_limit)."""
+    _, config = ray_serve_app
+    response = client.chat.completions.create(
+        model="osd",
+        messages=[{"role": "user", "content": "hello"}],
+        temperature=0,
+        extra_body={"ignore_eos": True, "spec": {"method": "none"}},
+    )
+    usage = response.usage
+    context = 512  # the toy models' positions
+    assert usage.completion_tokens == min(
+        context - usage.prompt_tokens, config.serve.max_tokens_limit
+    )
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_a_budget_over_the_context_is_refused_not_cut(ray_serve_app):
+    """A prompt and a named max_tokens beyond the context: 400 naming max_tokens (OpenAI's
+    and vLLM's answer), not a shorter completion that looks like a whole one."""
+    base_url, _ = ray_serve_app
+    body = {"model": "osd", "prompt": "a" * 200, "max_tokens": 400, "temperature": 0}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "context" in error["message"]
+
+
+def test_bodies_nested_too_deep_or_with_unencodable_text_anywhere_are_400(ray_serve_app):
+    base_url, _ = ray_serve_app
+    deep = b'{"model": "osd", "prompt": "a", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "description": "\ud800", "parameters": {"type": "object"}},
+    }
+    chat = {"model": "osd", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    for path, content in (
+        ("/v1/completions", deep),
+        ("/v1/chat/completions", json.dumps(chat).encode()),  # "\ud800" escaped, valid JSON
+    ):
+        response = httpx.post(
+            f"{base_url}{path}",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert response.status_code == 400, response.text
+        assert "error" in response.json()
+    refused = response.json()["error"]
+    assert refused["param"] == "tools[0].function.description"
+
+
+def test_stream_options_continuous_usage_and_without_a_stream(ray_serve_app, client):
+    stream = client.completions.create(
+        model="osd",
+        prompt="the cat",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 12  # the tokens so far, every chunk
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    base_url, _ = ray_serve_app
+    body = {"model": "osd", "prompt": "a", "stream_options": {"include_usage": True}}
+    refused = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"

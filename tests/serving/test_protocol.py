@@ -172,6 +172,11 @@ def test_chat_logprobs(fields, num_logprobs):
     assert chat(**fields).num_logprobs == num_logprobs
 
 
+def test_vllms_top_k_of_minus_one_keeps_every_token():
+    assert completion(top_k=-1).top_k == 0
+    assert refusal("completion", {"model": "osd", "prompt": "a", "top_k": -2}).param == "top_k"
+
+
 def test_openai_nulls_mean_the_defaults():
     request = completion(temperature=None, stop=None, seed=None, max_tokens=None)
     assert request.temperature == 1.0 and request.stop_list == [] and request.seed is None
