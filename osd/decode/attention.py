@@ -104,6 +104,22 @@ def attention_layout(model: Any) -> AttentionLayout:
         raise UnsupportedModel(f"{name} has cross-attention, which osd cannot serve")
     if getattr(config, "cross_attention_layers", None):
         raise UnsupportedModel(f"{name} has cross-attention layers, which osd cannot serve")
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModel(
+            f"{name} has multi-head latent attention (keys and values of different head "
+            "sizes), which osd's KV cache does not hold"
+        )
+    if getattr(config, "alibi", False) or model_type == "bloom":
+        raise UnsupportedModel(
+            f"{name} has ALiBi position biases, which osd's attention masks do not carry"
+        )
+    if "local" in (getattr(config, "attention_layers", None) or ()):
+        # GPT-Neo: its local layers cut their band from the last query positions of the keys,
+        # which a batch's shorter rows are not (their windows shift: not the model's output).
+        raise UnsupportedModel(
+            f"{name} has local attention layers that assume every row ends at the last key, "
+            "which osd's batches of rows of different lengths break"
+        )
     layer_types = getattr(config, "layer_types", None)
     if not layer_types:
         window = getattr(config, "sliding_window", None)
@@ -123,6 +139,42 @@ def attention_layout(model: Any) -> AttentionLayout:
         return AttentionLayout(windows, by_kind=False)
     spans = tuple(windows[kind] for kind in layer_types)
     return AttentionLayout(windows, by_kind=len(kinds) > 1, spans=spans)
+
+
+# Where configs declare their context, in the order they are read.
+_CONTEXT_FIELDS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
+
+
+def context_length(config: Any) -> int | None:
+    """The most positions a sequence may hold: the config's declared maximum (MPT names it
+    ``max_seq_len``), and with LongRoPE at most its ``original_max_position_embeddings``:
+    past that, transformers switches every position of the sequence to the long factors and
+    recomputes its whole cache (Phi-3's ``prepare_inputs_for_generation``), and it picks the
+    factors per forward from the longest row, which a cache kept across steps and rows of
+    different lengths cannot follow exactly. None: the config declares none."""
+    declared = next(
+        (v for v in (getattr(config, n, None) for n in _CONTEXT_FIELDS) if isinstance(v, int)),
+        None,
+    )
+    original = _longrope_original(config)
+    if original is not None:
+        return original if declared is None else min(declared, original)
+    return declared
+
+
+def _longrope_original(config: Any) -> int | None:
+    """``original_max_position_embeddings`` where some layer's RoPE is LongRoPE, else None."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    nested = [v for v in rope.values() if isinstance(v, dict)]  # per layer kind (Gemma 3's)
+    for params in nested or [rope]:
+        if (params.get("rope_type") or params.get("type")) == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            return int(original) if original else None
+    return None
 
 
 def _window(config: Any, kind: str, name: str) -> int | None:

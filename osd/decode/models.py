@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -42,11 +43,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from osd.decode.attention import AttentionLayout, attention_layout
+from osd.decode.attention import AttentionLayout, attention_layout, context_length
 from osd.decode.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
 from osd.decode.lean_forward import LeanForward, lean_forward_for
 from osd.devices import to_device
 from osd.threads import torch_single_threaded
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
 
@@ -207,6 +210,16 @@ class CausalLM:
 
     def __post_init__(self) -> None:
         self.attention = attention_layout(_base_model(self.model))
+        config = _base_model(self.model).config
+        declared = getattr(config, "max_position_embeddings", None)
+        if declared and (self.max_positions or declared) < declared:
+            logger.warning(
+                "%s: LongRoPE, served up to its original %d positions of %d (past them "
+                "transformers recomputes the whole cache with the long factors)",
+                type(_base_model(self.model)).__name__,
+                self.max_positions,
+                declared,
+            )
         params = inspect.signature(_base_model(self.model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._slices_logits = "logits_to_keep" in params
@@ -275,7 +288,7 @@ class CausalLM:
 
     @property
     def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
+        return context_length(self.model.config)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=_base_model(self.model).config)

@@ -72,6 +72,73 @@ def test_cross_attention_is_refused():
 
 
 @pytest.mark.parametrize(
+    ("build", "feature"),
+    [
+        (
+            lambda: tiny(
+                "GPTNeoConfig", vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
+                attention_types=[[["global", "local"], 1]], window_size=40,
+            ),  # fmt: skip
+            "local attention",
+        ),
+        (
+            lambda: tiny(
+                "DeepseekV3Config", vocab_size=64, hidden_size=32, intermediate_size=32,
+                moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=2, num_experts_per_tok=1,
+                first_k_dense_replace=1,
+            ),  # fmt: skip
+            "multi-head latent attention",
+        ),
+        (
+            lambda: tiny(
+                "FalconConfig", vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                num_attention_heads=2, alibi=True,
+            ),  # fmt: skip
+            "ALiBi",
+        ),
+    ],
+    ids=["gpt-neo-local", "deepseek-mla", "falcon-alibi"],
+)
+def test_attention_osd_cannot_hold_is_refused_naming_it(build, feature):
+    """Found by a sweep of transformers' families: GPT-Neo's local layers decoded other tokens
+    in batches of rows of different lengths (its load check passed: the probe is shorter
+    than the window); MLA and ALiBi failed inside the load check with an unrelated error."""
+    model = build()
+    with pytest.raises(UnsupportedModel, match=f"{type(model).__name__} has .*{feature}"):
+        attention_layout(model)
+
+
+def test_longrope_is_served_up_to_its_original_context_and_exactly():
+    """Past original_max_position_embeddings transformers recomputes a LongRoPE model's cache
+    with the long factors (and picks them per forward by the longest row): osd serves such a
+    model up to that length, where every token is the model's own."""
+    rope = {
+        "rope_theta": 10000.0, "rope_type": "longrope", "factor": 512 / 40,
+        "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [20.0, 30.0, 50.0, 90.0],
+        "original_max_position_embeddings": 40,
+    }  # fmt: skip
+    model = tiny(
+        "Phi3Config", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_parameters=rope, original_max_position_embeddings=40, pad_token_id=None,
+        bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    decoder = SpeculativeDecoder(model, model)
+    assert decoder.max_context == 40
+    prompt = list(range(20, 40))
+    out = decoder.generate(prompt, max_tokens=24, temperature=0, method="none")
+    assert len(out.token_ids) == 20  # what the original context leaves
+    want = model.generate(
+        torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False
+    )
+    assert out.token_ids == want[0, len(prompt) :].tolist()
+    with pytest.raises(ValueError, match="context"):
+        decoder.prepare(prompt, max_tokens=24, fit_context=False)
+
+
+@pytest.mark.parametrize(
     ("family", "windows"),
     [
         ("llama3", {"full_attention": None}),
@@ -197,3 +264,11 @@ def test_heads_of_different_sizes_need_a_tokenizer_both_cover(padded_pair):
     target, draft, _ = padded_pair
     with pytest.raises(ValueError, match="different vocabularies"):
         SpeculativeDecoder(target, draft)
+
+
+def test_the_context_is_read_where_each_family_declares_it():
+    from osd.decode.attention import context_length
+
+    assert context_length(transformers.MptConfig(max_seq_len=96)) == 96  # MPT's own name
+    assert context_length(transformers.GPT2Config(n_positions=80)) == 80
+    assert context_length(transformers.LlamaConfig(max_position_embeddings=64)) == 64
