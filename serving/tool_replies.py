@@ -6,7 +6,8 @@ Whole: ``message: {"role": "assistant", "content": <text outside the calls, or n
 content as ``delta.content`` and each call, once its JSON is complete, as one ``delta.tool_calls``
 entry with its ``index`` among the choice's calls, its id, name and whole arguments (OpenAI's
 clients accumulate either form). A reply that called a tool and stopped by itself ends with
-``finish_reason: "tool_calls"``; one cut by ``max_tokens`` keeps ``length``, its unfinished call
+``finish_reason: "tool_calls"`` (``stop`` where ``tool_choice`` named the function, as OpenAI's
+and vLLM's); one cut by ``max_tokens`` keeps ``length``, its unfinished call
 as content.
 """
 
@@ -32,6 +33,7 @@ class ToolReply:
     def __init__(self, parser: str, plan: ToolPlan) -> None:
         self._scanner = ToolCallScanner(parser, plan.names, plan.parallel)
         self._count = 0
+        self._named = plan.named
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
         """The next text: (content to send, ``delta.tool_calls`` entries)."""
@@ -44,8 +46,10 @@ class ToolReply:
         return content, self._deltas(calls)
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """``tool_calls`` for a reply that called and stopped by itself."""
-        return "tool_calls" if reason == "stop" and self._scanner.called else reason
+        """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
+        request named the function, as OpenAI answers)."""
+        called = reason == "stop" and self._scanner.called and not self._named
+        return "tool_calls" if called else reason
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole reply: (OpenAI's message, finish reason)."""

@@ -115,11 +115,14 @@ class ToolPlan:
         forced: the functions a grammar makes the reply call (``required``: all offered;
             a named choice: that one); empty: no grammar.
         parallel: more than one call allowed.
+        named: ``tool_choice`` named the function (its reply then ends with ``stop``, as
+            OpenAI's and vLLM's do, not ``tool_calls``).
     """
 
     tools: list[dict[str, Any]]
     forced: tuple[dict[str, Any], ...]
     parallel: bool
+    named: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -155,7 +158,7 @@ def plan_tools(
             raise ParamError(
                 "tool_choice", f"tool_choice names {wanted!r}, which is not among the tools"
             )
-        return dataclasses.replace(plan, forced=(functions[names.index(wanted)],))
+        return dataclasses.replace(plan, forced=(functions[names.index(wanted)],), named=True)
     return plan
 
 
