@@ -74,7 +74,7 @@ def test_an_http_request_builds_the_value_once_with_fields_taken_by_name():
         domain="sql",
         spec={"method": "spectr", "k": 3, "K": 2, "proposer": "draft"},
     )
-    options = request.options(SpecConfig())
+    options = request.options(SpecConfig(), 1024)
     for name in _SAME_AS_OPTIONS:
         held = options.sampling if name in SAMPLING_NAMES else options
         assert getattr(held, name) == getattr(request, name), name
@@ -96,11 +96,12 @@ def test_an_http_request_builds_the_value_once_with_fields_taken_by_name():
         route="sql",
         logprobs=2,
         proposer="draft",
+        fit_context=False,  # the client named its budget: refused where it does not fit
     )
     defaults = SpecConfig(method="token", num_spec_tokens=5, proposer="suffix")
     plain = CompletionRequest(model="osd", prompt="hi", echo=True, logprobs=1)
-    assert plain.options(defaults) == RequestOptions.of(
-        max_tokens=16,
+    assert plain.options(defaults, 1024) == RequestOptions.of(
+        max_tokens=16,  # OpenAI's completions default, cut to what fits
         method="token",
         num_spec_tokens=5,
         proposer="suffix",

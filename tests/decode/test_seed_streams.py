@@ -56,3 +56,22 @@ def test_generations_of_seeds_differing_in_high_bits_differ(target_model, lora_d
     first = engine.generate([3, 5, 7], seed=seed, **options).token_ids
     assert engine.generate([3, 5, 7], seed=seed, **options).token_ids == first  # control
     assert engine.generate([3, 5, 7], seed=other, **options).token_ids != first
+
+
+def test_the_hosts_draws_are_the_devices_bit_for_bit():
+    """The engine draws on the host (numpy's uint64 splitmix); the device's int64 version is
+    the reference: the same numbers, negative keys and high steps included."""
+    import random
+
+    import numpy as np
+
+    draw = random.Random(7)
+    keys = [
+        rng.stream_key(draw.getrandbits(128) - (1 << 127), s) for s in (1, 2) for _ in range(64)
+    ]
+    steps = [draw.randrange(1 << 40) for _ in keys]
+    device = rng.step_uniforms(torch.tensor(keys), torch.tensor(steps), 3, 9).numpy()
+    assert np.array_equal(rng.step_draws(keys, steps, 3, 9), device)
+    counters = rng.counter(np.asarray(steps), 0, 5)
+    on_device = rng.uniforms(torch.tensor(keys), torch.tensor(counters)).numpy()
+    assert np.array_equal(rng.host_uniforms(np.asarray(keys), counters), on_device)
