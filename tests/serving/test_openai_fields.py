@@ -92,7 +92,11 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
 }
 CHAT_VALUES = {"logprobs": True}
 # fields a non-default value needs beside it
-WITH = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": NON_DEFAULT["tools"][0]}}
+WITH = {
+    "top_logprobs": {"logprobs": True},
+    "tool_choice": {"tools": NON_DEFAULT["tools"][0]},
+    "stream_options": {"stream": True},  # alone it is a 400, as vLLM answers
+}
 
 # field -> its no-op values, which clients (LangChain and others) send on every request
 DEFAULTS: dict[str, list[Any]] = {
