@@ -193,11 +193,13 @@ class ReplicaRuntime:
         serve = self.config.serve
         self.check_model(request)
         max_tokens = request.requested_tokens(serve.max_tokens_limit)
+        # The budget's field as the request spells it.
+        budget = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
         if max_tokens > serve.max_tokens_limit:
             raise APIError(
                 400,
-                f"max_tokens is {max_tokens}; this server allows at most {serve.max_tokens_limit}",
-                param="max_tokens",
+                f"{budget} is {max_tokens}; this server allows at most {serve.max_tokens_limit}",
+                param=budget,
             )
         if not self._admission.acquire(blocking=False):
             raise APIError(
@@ -228,6 +230,8 @@ class ReplicaRuntime:
             param = getattr(exc, "param", None)
             if param == "prompt" and isinstance(request, ChatRequest):
                 param = "messages"  # a chat's prompt is its messages
+            elif param == "max_tokens":
+                param = budget
             raise APIError(400, str(exc), param=param) from None
         except BaseException:
             self._admission.release()

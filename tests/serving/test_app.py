@@ -342,3 +342,16 @@ def test_stream_options_continuous_usage_and_without_a_stream(ray_serve_app, cli
     body = {"model": "osd", "prompt": "a", "stream_options": {"include_usage": True}}
     refused = httpx.post(f"{base_url}/v1/completions", json=body, timeout=30)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+
+
+def test_refusals_name_the_field_as_the_request_spells_it(ray_serve_app):
+    base_url, _ = ray_serve_app
+    hi = [{"role": "user", "content": "hi"}]
+    for body, param in (
+        ({"messages": hi, "max_completion_tokens": 100000}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "a " * 600}]}, "messages"),
+    ):
+        response = httpx.post(
+            f"{base_url}/v1/chat/completions", json={"model": "osd", **body}, timeout=30
+        )
+        assert response.status_code == 400 and response.json()["error"]["param"] == param
