@@ -76,26 +76,46 @@ def test_cross_attention_is_refused():
     [
         (
             lambda: tiny(
-                "GPTNeoConfig", vocab_size=64, hidden_size=32, num_layers=2, num_heads=2,
-                attention_types=[[["global", "local"], 1]], window_size=40,
-            ),  # fmt: skip
+                "GPTNeoConfig",
+                vocab_size=64,
+                hidden_size=32,
+                num_layers=2,
+                num_heads=2,
+                attention_types=[[["global", "local"], 1]],
+                window_size=40,
+            ),
             "local attention",
         ),
         (
             lambda: tiny(
-                "DeepseekV3Config", vocab_size=64, hidden_size=32, intermediate_size=32,
-                moe_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-                qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=2, num_experts_per_tok=1,
+                "DeepseekV3Config",
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=32,
+                moe_intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                kv_lora_rank=16,
+                q_lora_rank=None,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+                n_routed_experts=2,
+                num_experts_per_tok=1,
                 first_k_dense_replace=1,
-            ),  # fmt: skip
+            ),
             "multi-head latent attention",
         ),
         (
             lambda: tiny(
-                "FalconConfig", vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                num_attention_heads=2, alibi=True,
-            ),  # fmt: skip
+                "FalconConfig",
+                vocab_size=64,
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                alibi=True,
+            ),
             "ALiBi",
         ),
     ],
