@@ -25,7 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd.decode.generation import GenerationResult, TokenLogprob
 from serving.logprobs import LogprobFormatter, echo_prefix
-from serving.protocol import APIError, ChatRequest, error_body, new_id, now, parse_request
+from serving.protocol import (
+    MAX_JSON_DEPTH,
+    APIError,
+    ChatRequest,
+    error_body,
+    new_id,
+    now,
+    parse_request,
+)
 from serving.runtime import Job, ReplicaRuntime
 from serving.tool_replies import ToolReply
 
@@ -159,11 +167,6 @@ async def _counted(
         runtime.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-# The deepest a request's JSON may nest (a JSON schema of response_format or a tool's
-# parameters nests a level per object; Python's parser itself gives up near a thousand).
-MAX_JSON_DEPTH = 64
-
-
 async def _read_json(request: Request, max_bytes: int) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -174,44 +177,11 @@ async def _read_json(request: Request, max_bytes: int) -> Any:
         if len(body) > max_bytes:
             raise APIError(413, f"request body over {max_bytes} bytes", code="body_too_large")
     try:
-        data = json.loads(body)
+        return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels") from None
-    _check_body(data)
-    return data
-
-
-def _check_body(data: Any) -> None:
-    """Refuses (400) a body nested deeper than :data:`MAX_JSON_DEPTH` or with a string no
-    tokenizer can encode (JSON may escape lone surrogates, ``"\\ud800"``), wherever it is: a
-    tool's description reached the tokenizer unchecked and failed there (500)."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
-    while stack:
-        value, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels")
-        if isinstance(value, dict):
-            items: Any = value.items()
-        elif isinstance(value, list):
-            items = enumerate(value)
-        else:
-            items = ()
-        for key, item in items:
-            name = key if isinstance(key, str) and _encodable(key) else f"[{key!a}]"
-            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{name}".lstrip(".")
-            if not _encodable(key) or (isinstance(item, str) and not _encodable(item)):
-                raise APIError(400, f"{where}: text is not valid unicode", param=where)
-            stack.append((item, where, depth + 1))
-
-
-def _encodable(text: str | int) -> bool:
-    try:
-        str(text).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 async def _handle(

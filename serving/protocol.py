@@ -86,12 +86,41 @@ MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias
 MAX_CHOICES = 16  # n: choices of one request, each a row of the batch
 
 
-def _check_unicode(text: str) -> None:
-    # JSON may escape lone surrogates ("\ud800"), which no tokenizer can encode.
+# The deepest a request's JSON may nest (a JSON schema of response_format or a tool's
+# parameters nests a level per object; Python's parser itself gives up near a thousand).
+MAX_JSON_DEPTH = 64
+
+
+def _check_text(data: Any) -> None:
+    """Refuses (400, naming the path) a body nested deeper than :data:`MAX_JSON_DEPTH` or with
+    a string no tokenizer can encode (JSON may escape lone surrogates, ``"\\ud800"``),
+    wherever it is: checks of the prompt and message fields alone let a tool's description
+    reach the tokenizer and fail there (500)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(400, f"JSON body nested deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            items = ()
+        for key, item in items:
+            name = key if isinstance(key, str) and _encodable(key) else f"[{key!a}]"
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{name}".lstrip(".")
+            if not _encodable(key) or (isinstance(item, str) and not _encodable(item)):
+                raise APIError(400, f"{where}: text is not valid unicode", param=where)
+            stack.append((item, where, depth + 1))
+
+
+def _encodable(text: str | int) -> bool:
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"text is not valid unicode: {exc.reason} at {exc.start}") from None
+        str(text).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class SpecOptions(BaseModel):
@@ -355,8 +384,6 @@ class CompletionRequest(_Common):
             prompt = prompt[0]
         if not prompt:
             raise ValueError("prompt must not be empty")
-        if isinstance(prompt, str):
-            _check_unicode(prompt)
         return prompt  # type: ignore[return-value]
 
 
@@ -389,12 +416,6 @@ class ChatMessage(BaseModel):
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
         return self
-
-    @field_validator("content")
-    @classmethod
-    def _unicode_content(cls, content: str) -> str:
-        _check_unicode(content)
-        return content
 
 
 class ChatRequest(_Common):
@@ -434,6 +455,7 @@ def parse_request(
     """Validates a decoded JSON body; raises :class:`APIError` (400) naming the bad field."""
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    _check_text(data)
     model = CompletionRequest if kind == "completion" else ChatRequest
     try:  # what osd does not implement is refused by name, never silently ignored
         data = check_fields(data, model.model_fields)
