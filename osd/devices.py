@@ -15,10 +15,10 @@ __all__ = ["on_host", "to_device"]
 
 
 def on_host(*tensors: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """The tensors as host arrays: views on the CPU; elsewhere copies into pinned memory that
-    do not wait, so call this before the step's host sync and read the arrays after it (the
-    sync waits for the copies, queued before it). A row's share of a batch tensor is then a
-    slice that dispatches nothing."""
+    """The tensors as host arrays: views on the CPU; elsewhere ``non_blocking`` copies, which
+    need not have landed when this returns, so call it before the step's host sync and read
+    the arrays after it (the sync waits for the copies, queued before it on the same stream).
+    A row's share of a batch tensor is then a slice that dispatches nothing."""
     return tuple(
         (t if t.device.type == "cpu" else t.to("cpu", non_blocking=True)).numpy() for t in tensors
     )

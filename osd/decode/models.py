@@ -210,9 +210,8 @@ class CausalLM:
 
     def __post_init__(self) -> None:
         self.attention = attention_layout(_base_model(self.model))
-        config = _base_model(self.model).config
-        declared = getattr(config, "max_position_embeddings", None)
-        if declared and (self.max_positions or declared) < declared:
+        declared = getattr(_base_model(self.model).config, "max_position_embeddings", None)
+        if declared and self.max_positions and self.max_positions < declared:
             logger.warning(
                 "%s: LongRoPE, served up to its original %d positions of %d (past them "
                 "transformers recomputes the whole cache with the long factors)",

@@ -2,14 +2,16 @@
 
 Each request has two keys (drafting and verification) derived from its seed; the draws of a
 step are addressed by (step, branch, position), so a row gets the same numbers whatever else
-shares its batch, and a whole batch's draws are one vectorised call on the device (no
-per-row ``torch.Generator``). The mixer is splitmix64's finaliser (Steele et al. 2014), which
-passes BigCrush on sequential counters; int64 arithmetic wraps around in torch on CPU and GPU.
+shares its batch, and a whole batch's draws are one vectorised call (no per-row
+``torch.Generator``). The mixer is splitmix64's finaliser (Steele et al. 2014), which passes
+BigCrush on sequential counters.
 
-The engine draws a step's numbers on the host (:func:`step_draws`, numpy's uint64 arithmetic,
-bit for bit :func:`uniforms`'s) and sends them with one copy: the keys and steps are host
-values, and on the device the mixer was about twenty tensor operations (twenty kernel launches
-on a GPU) a stream a step.
+The engine draws a step's numbers on the host (:func:`step_draws`, :func:`host_uniforms`:
+numpy's uint64 arithmetic wraps and shifts logically) and sends them with one copy: the keys
+and steps are host values, and on the device the mixer was about twenty tensor operations
+(twenty kernel launches on a GPU) a stream a step. :func:`uniforms` and :func:`step_uniforms`
+are the same mixer over device tensors (int64 arithmetic wraps in torch on CPU and GPU): the
+reference the host's draws are tested against bit for bit.
 """
 
 from __future__ import annotations
