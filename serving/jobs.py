@@ -55,6 +55,8 @@ class Job:
     _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
     _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
     _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
+    _waker: asyncio.Future[None] | None = field(default=None, repr=False)  # ends a gathering
+    _ending_queued: bool = field(default=False, repr=False)  # an ending waits in the queue
 
     @property
     def stream(self) -> RequestHandle:
@@ -131,8 +133,27 @@ class Job:
             self._end(None, item)
         if self._queue is not None:
             self._queue.put_nowait((index, item))
+            if not isinstance(item, StreamChunk) or item.finish_reason is not None:
+                self._ending_queued = True
+                if self._waker is not None:
+                    _wake(self._waker)
         if len(self._results) == len(self.streams):
             self._end([self._results[i] for i in range(len(self.streams))], None)
+
+    async def _gather_until(self, deadline: float) -> None:
+        """Lets steps queue up until ``deadline`` (``time.perf_counter``), or until a choice's
+        last chunk, its result or an error arrives: an ending goes out at once."""
+        wait = deadline - time.perf_counter()
+        if wait <= 0 or self._ending_queued:
+            return
+        loop = asyncio.get_running_loop()
+        self._waker = waker = loop.create_future()
+        timer = loop.call_later(wait, _wake, waker)
+        try:
+            await waker
+        finally:
+            timer.cancel()
+            self._waker = None
 
     def _end(self, results: list[GenerationResult] | None, error: BaseException | None) -> None:
         assert self._done is not None
@@ -144,14 +165,19 @@ class Job:
                 self._done.set_result(results or [])
         self.finish(results)
 
-    async def chunks(self) -> AsyncGenerator[tuple[int, StreamChunk]]:
+    async def chunks(self, interval: float = 0.0) -> AsyncGenerator[tuple[int, StreamChunk]]:
         """Yields (choice index, chunk) as the choices deliver them, until every choice ended;
-        raises what failed one. Leaving early cancels the job (its rows go at the next step)."""
+        raises what failed one. Leaving early cancels the job (its rows go at the next step).
+        ``interval`` (seconds): after an event, wait that long from its start before the next,
+        so the steps that come meanwhile go out as one event (the first event goes at once)."""
         assert self._queue is not None, "deliver(stream=True) first"
         ended = 0
         held: _Event | None = None
+        sent = -interval
         try:
             while ended < len(self.streams):
+                if interval > 0 and held is None:
+                    await self._gather_until(sent + interval)
                 index, item = held or await self._queue.get()
                 held = None
                 if isinstance(item, BaseException):
@@ -168,6 +194,12 @@ class Job:
                         steps.append(following[1])
                     else:
                         held = following
+                sent = time.perf_counter()
                 yield index, merge_chunks(steps)
         finally:
             self.cancel()  # frees its rows at the next step (a no-op once they ended)
+
+
+def _wake(waker: asyncio.Future[None]) -> None:
+    if not waker.done():
+        waker.set_result(None)

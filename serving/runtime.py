@@ -279,7 +279,7 @@ class ReplicaRuntime:
         """Yields (choice index, chunk) as the rows verify them; cancels the job if the
         consumer stops (:meth:`serving.jobs.Job.chunks`)."""
         job.deliver(stream=True)
-        return job.chunks()
+        return job.chunks(self.config.serve.stream_interval_ms / 1000)
 
     def abandon(self, job: Job) -> None:
         """Gives back a job whose response ended before its rows delivered (the client went
