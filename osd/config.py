@@ -227,9 +227,10 @@ class ServeConfig:
     # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
     # (Ray Serve's Python proxy actor, every token through it). Set when osd starts Ray.
     ingress: str = "haproxy"
-    # Streamed responses: at least this many milliseconds between a request's events; the
-    # steps decoded meanwhile go out as one event (vLLM's and SGLang's --stream-interval, in
-    # time rather than tokens). The first event and a choice's last go at once. Every event
+    # Streamed responses: a step that comes less than this many milliseconds after a request's
+    # last event waits for the next step and goes out with it (vLLM's and SGLang's
+    # --stream-interval, in time rather than tokens). The first event and a choice's last go
+    # at once. Every event
     # costs the replica's event loop (beside the decode thread), the network and the client:
     # at one client on the demo target, 64 events a request took 223-229 ms, 10 took 189.
     # 0: an event a step, whenever the client keeps up.

@@ -55,8 +55,6 @@ class Job:
     _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
     _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
     _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
-    _waker: asyncio.Future[None] | None = field(default=None, repr=False)  # ends a gathering
-    _ending_queued: bool = field(default=False, repr=False)  # an ending waits in the queue
 
     @property
     def stream(self) -> RequestHandle:
@@ -133,27 +131,8 @@ class Job:
             self._end(None, item)
         if self._queue is not None:
             self._queue.put_nowait((index, item))
-            if not isinstance(item, StreamChunk) or item.finish_reason is not None:
-                self._ending_queued = True
-                if self._waker is not None:
-                    _wake(self._waker)
         if len(self._results) == len(self.streams):
             self._end([self._results[i] for i in range(len(self.streams))], None)
-
-    async def _gather_until(self, deadline: float) -> None:
-        """Lets steps queue up until ``deadline`` (``time.perf_counter``), or until a choice's
-        last chunk, its result or an error arrives: an ending goes out at once."""
-        wait = deadline - time.perf_counter()
-        if wait <= 0 or self._ending_queued:
-            return
-        loop = asyncio.get_running_loop()
-        self._waker = waker = loop.create_future()
-        timer = loop.call_later(wait, _wake, waker)
-        try:
-            await waker
-        finally:
-            timer.cancel()
-            self._waker = None
 
     def _end(self, results: list[GenerationResult] | None, error: BaseException | None) -> None:
         assert self._done is not None
@@ -168,38 +147,47 @@ class Job:
     async def chunks(self, interval: float = 0.0) -> AsyncGenerator[tuple[int, StreamChunk]]:
         """Yields (choice index, chunk) as the choices deliver them, until every choice ended;
         raises what failed one. Leaving early cancels the job (its rows go at the next step).
-        ``interval`` (seconds): after an event, wait that long from its start before the next,
-        so the steps that come meanwhile go out as one event (the first event goes at once)."""
+
+        Steps that queued up while the consumer was busy go out as one chunk (under load every
+        event costs the replica, the proxy and the client). ``interval`` (seconds) gathers on
+        purpose: a step that comes less than that after the last event waits for the next
+        step (a choice's last chunk, its result and an error go at once). Deciding as steps
+        arrive, not on a timer, adds no wake-ups of the event loop beside the decode thread;
+        a gathered step waits at most the interval and one step more."""
         assert self._queue is not None, "deliver(stream=True) first"
         ended = 0
         held: _Event | None = None
-        sent = -interval
+        pending: list[StreamChunk] = []  # steps of choice `pending_index` not sent yet
+        pending_index = 0
+        sent = float("-inf")
         try:
             while ended < len(self.streams):
-                if interval > 0 and held is None:
-                    await self._gather_until(sent + interval)
                 index, item = held or await self._queue.get()
                 held = None
                 if isinstance(item, BaseException):
                     raise item
+                if pending and (index != pending_index or not isinstance(item, StreamChunk)):
+                    held = index, item  # another choice's, or this one's end: what waits first
+                    sent = time.perf_counter()
+                    yield pending_index, merge_chunks(pending)
+                    pending = []
+                    continue
                 if isinstance(item, GenerationResult):
                     ended += 1
                     continue
-                # Steps that queued up while the consumer was busy go out as one chunk:
-                # under load every event costs the proxy, the replica and the client.
-                steps = [item]
+                steps = [*pending, item]
+                pending = []
                 while held is None and not self._queue.empty():
                     following = self._queue.get_nowait()
                     if following[0] == index and isinstance(following[1], StreamChunk):
                         steps.append(following[1])
                     else:
                         held = following
-                sent = time.perf_counter()
+                now = time.perf_counter()
+                if held is None and steps[-1].finish_reason is None and now - sent < interval:
+                    pending, pending_index = steps, index
+                    continue
+                sent = now
                 yield index, merge_chunks(steps)
         finally:
             self.cancel()  # frees its rows at the next step (a no-op once they ended)
-
-
-def _wake(waker: asyncio.Future[None]) -> None:
-    if not waker.done():
-        waker.set_result(None)

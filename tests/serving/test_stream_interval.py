@@ -116,3 +116,29 @@ def test_a_slow_decoder_is_not_held_back() -> None:
     # Steps slower than the interval: each goes out as it comes.
     events = _run(interval=0.01, steps=4, step_s=0.05)
     assert [ids for _, ids, _ in events] == [[0], [1], [2], [3]]
+
+
+def test_several_choices_lose_nothing_and_keep_their_order() -> None:
+    handles = [_Handle(), _Handle()]
+    job = Job(request=None, streams=handles, route=None, lease=None)  # type: ignore[arg-type]
+
+    def decode() -> None:
+        for token in range(12):
+            time.sleep(0.005)
+            for handle in handles:
+                handle.step(token, "length" if token == 11 else None)
+        for handle in handles:
+            handle.end()
+
+    async def main() -> list[tuple[int, list[int]]]:
+        job.deliver(stream=True)
+        thread = threading.Thread(target=decode)
+        thread.start()
+        try:
+            return [(index, chunk.token_ids) async for index, chunk in job.chunks(0.02)]
+        finally:
+            thread.join()
+
+    events = asyncio.run(main())
+    for index in (0, 1):
+        assert [t for i, ids in events if i == index for t in ids] == list(range(12))
