@@ -150,33 +150,30 @@ class Job:
 
         Steps that queued up while the consumer was busy go out as one chunk (under load every
         event costs the replica, the proxy and the client). ``interval`` (seconds) gathers on
-        purpose: a step that comes less than that after the last event waits for the next
-        step (a choice's last chunk, its result and an error go at once). Deciding as steps
-        arrive, not on a timer, adds no wake-ups of the event loop beside the decode thread;
-        a gathered step waits at most the interval and one step more."""
+        purpose: a step that comes less than that after its choice's last event waits for the
+        choice's next step (a choice's last chunk, its result and an error go at once).
+        Deciding as steps arrive, not on a timer, adds no wake-ups of the event loop beside the
+        decode thread; a gathered step waits at most the interval and one step more."""
         assert self._queue is not None, "deliver(stream=True) first"
         ended = 0
         held: _Event | None = None
-        pending: list[StreamChunk] = []  # steps of choice `pending_index` not sent yet
-        pending_index = 0
-        sent = float("-inf")
+        pending: dict[int, list[StreamChunk]] = {}  # each choice's steps not sent yet
+        sent: dict[int, float] = {}  # each choice's last event
         try:
             while ended < len(self.streams):
                 index, item = held or await self._queue.get()
                 held = None
                 if isinstance(item, BaseException):
                     raise item
-                if pending and (index != pending_index or not isinstance(item, StreamChunk)):
-                    held = index, item  # another choice's, or this one's end: what waits first
-                    sent = time.perf_counter()
-                    yield pending_index, merge_chunks(pending)
-                    pending = []
-                    continue
                 if isinstance(item, GenerationResult):
+                    waiting = pending.pop(index, None)
+                    if waiting:  # what waits goes out before the choice ends
+                        held = index, item
+                        yield index, merge_chunks(waiting)
+                        continue
                     ended += 1
                     continue
-                steps = [*pending, item]
-                pending = []
+                steps = [*pending.pop(index, []), item]
                 while held is None and not self._queue.empty():
                     following = self._queue.get_nowait()
                     if following[0] == index and isinstance(following[1], StreamChunk):
@@ -184,10 +181,11 @@ class Job:
                     else:
                         held = following
                 now = time.perf_counter()
-                if held is None and steps[-1].finish_reason is None and now - sent < interval:
-                    pending, pending_index = steps, index
+                since = now - sent.get(index, float("-inf"))
+                if steps[-1].finish_reason is None and since < interval:
+                    pending[index] = steps
                     continue
-                sent = now
+                sent[index] = now
                 yield index, merge_chunks(steps)
         finally:
             self.cancel()  # frees its rows at the next step (a no-op once they ended)

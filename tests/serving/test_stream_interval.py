@@ -142,3 +142,5 @@ def test_several_choices_lose_nothing_and_keep_their_order() -> None:
     events = asyncio.run(main())
     for index in (0, 1):
         assert [t for i, ids in events if i == index for t in ids] == list(range(12))
+    # Each choice gathers its own steps: interleaved, they do not flush each other.
+    assert len(events) < 2 * 12 // 2
