@@ -230,9 +230,9 @@ class ServeConfig:
     # Streamed responses: a step that comes less than this many milliseconds after a request's
     # last event waits for the next step and goes out with it (vLLM's and SGLang's
     # --stream-interval, in time rather than tokens). The first event and a choice's last go
-    # at once. Every event
-    # costs the replica's event loop (beside the decode thread), the network and the client:
-    # at one client on the demo target, 64 events a request took 223-229 ms, 10 took 189.
+    # at once. Every event costs the replica's event loop (beside the decode thread), the
+    # network and the client: at one client on the demo target, 64 events a request took
+    # 223-229 ms, 10 took 189.
     # 0: an event a step, whenever the client keeps up.
     stream_interval_ms: float = 20.0
 

@@ -34,10 +34,9 @@ from osd.decode.models import CausalLM, load_causal_lm, load_tokenizer
 from osd.decode.options import RequestOptions
 from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.request import DecodeRequest
-from osd.decode.request_checks import check_bias, check_context, prompt_ids
+from osd.decode.request_checks import check_bias, fitted_budget, prompt_ids
 from osd.decode.rows import Row
 from osd.decode.step import VERIFIERS, prefill, run_step
-from osd.errors import ParamError
 
 __all__ = ["VERIFIERS", "GenerationStream", "Method", "RequestOptions", "SpeculativeDecoder"]
 
@@ -268,12 +267,7 @@ class SpeculativeDecoder:
         self.draft.check_adapter(options.adapter)
         max_new = options.max_tokens
         if self.max_context is not None:
-            if len(ids) >= self.max_context:
-                message = f"prompt has {len(ids)} tokens; the context holds {self.max_context}"
-                raise ParamError("prompt", message)
-            if not options.fit_context:
-                check_context(len(ids), max_new, self.max_context)
-            max_new = min(max_new, self.max_context - len(ids))
+            max_new = fitted_budget(len(ids), max_new, self.max_context, options.fit_context)
         stop_token_ids = options.stop_token_ids
         if stop_token_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None)

@@ -37,7 +37,7 @@ from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.goodput import GoodputController
 from osd.decode.limits import HTTP_MAX_DRAFTS, MAX_SPEC_TOKENS
 from osd.decode.request import DecodeRequest
-from osd.decode.request_checks import check_context
+from osd.decode.request_checks import fitted_budget
 from osd.decode.rows import Row
 from osd.decode.scheduler import BatchLimits, kv_slots_for_memory, num_to_admit
 from osd.decode.step import prefill, run_step
@@ -264,16 +264,11 @@ class BatchedEngine:
                 f"n = {num_rows} choices need {num_rows} rows; this engine decodes "
                 f"{self.limits.max_num_seqs} at once",
             )
-        prompt_len = len(request.prompt_ids)
-        if prompt_len >= self.max_len:
-            raise ParamError(
-                "prompt", f"prompt has {prompt_len} tokens; the context holds {self.max_len}"
-            )
-        if prompt_len + request.max_new_tokens > self.max_len:
-            if not request.fit_context:
-                check_context(prompt_len, request.max_new_tokens, self.max_len)
-            room = self.max_len - prompt_len
-            requests = [dataclasses.replace(r, max_new_tokens=room) for r in requests]
+        budget = fitted_budget(
+            len(request.prompt_ids), request.max_new_tokens, self.max_len, request.fit_context
+        )
+        if budget < request.max_new_tokens:
+            requests = [dataclasses.replace(r, max_new_tokens=budget) for r in requests]
         handles = [RequestHandle(Row(r, self.decoder.tokenizer), self._wake) for r in requests]
         handle = handles[0]
         handle._followers = handles[1:]

@@ -89,13 +89,18 @@ def prompt_ids(prompt: str | Sequence[int], tokenizer: Any, vocab_size: int) -> 
     return ids
 
 
-def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
-    """Raises :class:`ParamError` when a prompt and its budget do not fit ``context``
-    positions (OpenAI's and vLLM's refusal, not a silently shorter answer)."""
-    if prompt_len + max_tokens > context:
+def fitted_budget(prompt_len: int, max_tokens: int, context: int, fit: bool) -> int:
+    """The tokens a request may generate beside its prompt in ``context`` positions:
+    ``max_tokens``, cut to the room left where ``fit``; raises :class:`ParamError` when the
+    prompt leaves no room, or (not ``fit``) when the budget does not fit: OpenAI's and vLLM's
+    refusal, not a silently shorter answer."""
+    if prompt_len >= context:
+        raise ParamError("prompt", f"prompt has {prompt_len} tokens; the context holds {context}")
+    if prompt_len + max_tokens > context and not fit:
         raise ParamError(
             "max_tokens",
             f"this model's context holds {context} tokens; the request needs "
             f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} in the "
             "completion): lower max_tokens or shorten the prompt",
         )
+    return min(max_tokens, context - prompt_len)
