@@ -8,8 +8,8 @@ the tokens per row, the context and the cache's slots and capacity are dynamic f
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
 row or several, times one token a row or several (torch specializes sizes of 1), four in
 all. Other forwards (packed, gathered, rings, LoRA layers, and the first forward of a
-one-token prompt, whose context of 1 would be a graph of its own) run the same Python
-eagerly.
+one-token prompt, whose context of 1 would be a graph of its own, and a step whose longest
+row fills the cache's storage exactly) run the same Python eagerly.
 
 Inductor fuses the elementwise work between the matmuls (norms, rotary, SiLU gate,
 residuals) and the KV writes; outputs differ from the eager ones in the last bits (sums in
@@ -112,8 +112,13 @@ def persistent_inductor_cache() -> Path:
     """Inductor's on-disk cache: ``TORCHINDUCTOR_CACHE_DIR`` where set, else set to
     ``$OSD_CACHE_DIR/inductor`` (``~/.cache/osd/inductor`` without it). torch's own default is
     under ``/tmp``, which a reboot empties: a replica restarted after one compiled everything
-    again (51 s of inductor on a 2-core machine for the demo target, 2 s from the cache)."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    again (148 s of inductor on a 2-core machine for the demo pair, 41 s from the cache).
+    torch writes its default into the variable itself the first time it looks (importing osd
+    does, through transformers), so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(osd_cache_dir() / "inductor")
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
@@ -132,7 +137,10 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
         """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index and
         slots (None: the rows' slots are the storage's first)."""
         hidden, cos, sin, mask, keys, values, write_index, slots = inputs
-        if mask.shape[-1] < 2:  # a one-token prompt's forward: eager, not a graph of its own
+        if mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
+            # A one-token prompt's forward, and a step whose longest row fills the storage
+            # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
+            # not graphs of their own.
             return layers(*inputs)
         for tensor, dims in (
             (hidden, (0, 1)),  # rows, tokens a row

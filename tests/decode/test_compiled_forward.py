@@ -107,6 +107,17 @@ def test_a_changing_batch_mix_does_not_recompile(models):
             _plan(eager, [1] * 5, [0] * 5, 13),
         ],
     )
+    # The longest row reaching the storage's capacity (64) exactly, then passing it: torch
+    # guards on keys read as the whole storage, so that step must not be a graph of its own.
+    outs += _run(
+        models,
+        [
+            _plan(eager, [60, 20], [0, 0], 14),
+            _plan(eager, [3, 3], [60, 20], 15),
+            _plan(eager, [1, 1], [63, 23], 16),
+            _plan(eager, [1, 1], [64, 24], 17),
+        ],
+    )[0]
     assert compile_stats().compilations == warm
     for want, got in outs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -140,3 +151,9 @@ def test_inductor_caches_under_osds_cache_directory_unless_told_otherwise(monkey
     assert persistent_inductor_cache() == tmp_path / "inductor"  # not torch's /tmp default
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert persistent_inductor_cache() == tmp_path / "mine"
+    # torch fills the variable with its own default the first time it reads it (importing
+    # transformers does): that is not a choice of the user's.
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert persistent_inductor_cache() == tmp_path / "inductor"
