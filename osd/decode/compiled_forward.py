@@ -92,6 +92,16 @@ def _counting_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -
 LayersFunction = Callable[..., torch.Tensor]
 
 
+def _inputs_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo's guards to keep: all but those on the model's own layers (their weights,
+    callables and sizes: ``fn``, the partial's bound first argument of
+    ``_in_place_layers``). Each model's graphs are its own (``isolate_recompiles``) and its
+    layers never change, so those guards can only pass; with them dynamo's cache lookup took
+    0.36 ms a step on the demo target, 0.11 ms without (a fifth of a 2 ms step at one row).
+    The inputs' guards, which choose among a model's graphs, all stay."""
+    return [not (entry.name == "fn" or entry.name.startswith("fn.")) for entry in entries]
+
+
 def _compile(layers: LayersFunction) -> Any:
     """``torch.compile`` of ``layers`` through the counting inductor, each model's recompiles
     counted alone where this torch takes that (2.13 does, 2.11 does not); elsewhere dynamo's
@@ -100,7 +110,11 @@ def _compile(layers: LayersFunction) -> Any:
 
     options: dict[str, Any] = {"backend": _counting_inductor, "dynamic": None}
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
-        options |= {"recompile_limit": _RECOMPILE_LIMIT, "isolate_recompiles": True}
+        options |= {
+            "recompile_limit": _RECOMPILE_LIMIT,
+            "isolate_recompiles": True,
+            "options": {"guard_filter_fn": _inputs_guards},
+        }
     else:
         config: Any = dynamo.config
         name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from osd import SpeculativeDecoder
+from osd.decode import compiled_forward
 from osd.decode.compiled_forward import compile_stats, persistent_inductor_cache
 from osd.decode.kv_cache import SlotKVCache, plan_forward
 from osd.decode.models import CausalLM
@@ -26,8 +27,21 @@ def models() -> tuple[CausalLM, CausalLM]:
     """(eager, compiled) lean forwards of one tiny Llama."""
     model = build_family("llama3", 3)
     compiled = CausalLM(model, 64, compile=True)
+    compiled_forward._inputs_guards = _recording(compiled_forward._inputs_guards)
     assert compiled._lean_forward() is not None and compiled._lean_forward().compiled
     return CausalLM(model, 64), compiled
+
+
+_GUARDS: list[tuple[str, bool]] = []  # (guard's source, kept) of every graph compiled
+
+
+def _recording(keep):
+    def record(entries):
+        kept = keep(entries)
+        _GUARDS.extend((entry.name, k) for entry, k in zip(entries, kept, strict=True))
+        return kept
+
+    return record
 
 
 def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int, first: int = 0):
@@ -121,6 +135,16 @@ def test_a_changing_batch_mix_does_not_recompile(models):
     assert compile_stats().compilations == warm
     for want, got in outs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_guards_on_the_models_own_layers_are_dropped_and_the_inputs_kept(models):
+    _run(models, [_plan(models[0], [5], [0], 18), _plan(models[0], [1], [5], 19)])
+    if not _GUARDS:  # a torch without isolate_recompiles keeps every guard
+        pytest.skip("this torch takes no guard filter for a compiled function of its own")
+    dropped = [name for name, kept in _GUARDS if not kept]
+    kept = [name for name, kept in _GUARDS if kept]
+    assert dropped and all(name.startswith("fn") for name in dropped)  # weights, callables
+    assert any(name.startswith("args[0]") for name in kept)  # the hidden states' shapes
 
 
 def test_greedy_speculation_gives_the_target_alones_tokens_when_compiled():
