@@ -148,9 +148,10 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
     function = _compile(layers)
 
     def run(*inputs: Any) -> torch.Tensor:
-        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index and
-        slots (None: the rows' slots are the storage's first)."""
-        hidden, cos, sin, mask, keys, values, write_index, slots = inputs
+        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index,
+        slots (None: the rows' slots are consecutive) and the first slot as a size."""
+        hidden, cos, sin, mask, keys, values, write_index, slots, *rest = inputs
+        first = rest[0] if rest else None
         if mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
             # A one-token prompt's forward, and a step whose longest row fills the storage
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
@@ -163,6 +164,7 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
             (mask, (0, 2, 3)),  # rows, tokens a row, keys
             (write_index, (0,)),
             *(() if slots is None else ((slots, (0,)),)),
+            *(() if first is None else ((first, (0,)),)),
             *((store, (0, 1)) for store in (*keys, *values)),  # slots, capacity
         ):
             for dim in dims:

@@ -239,15 +239,18 @@ def _in_place_layers(
     values: list[torch.Tensor],
     write_index: torch.Tensor,
     slots: torch.Tensor | None = None,
+    first: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decoder layers over (B, T, hidden) when row b reads slot b of ``keys``/``values``
-    (each layer's (slots, capacity, H_kv, D) storage from the first row's slot on) in place and
+    """The decoder layers over (B, T, hidden) when row b reads slot ``first + b`` of
+    ``keys``/``values`` (each layer's whole (slots, capacity, H_kv, D) storage) in place and
     its new keys go to the flat ``write_index`` (:meth:`osd.decode.kv_cache.SlotKVCache.
-    in_place_io`): tensors only, the function ``model.compile`` compiles. With ``slots`` (B,),
-    row b reads slot ``slots[b]`` of the whole storage instead, by an index: the addresses a
-    CUDA graph replays do not depend on the rows' slots (:mod:`osd.decode.cuda_graphs`)."""
+    in_place_io`): tensors only, the function ``model.compile`` compiles. ``first``: the first
+    row's slot as a size, :func:`first_slot_size` (None: slot 0). With ``slots`` (B,), row b
+    reads slot ``slots[b]`` instead, by an index: the addresses a CUDA graph replays do not
+    depend on the rows' slots (:mod:`osd.decode.cuda_graphs`)."""
     batch, width = hidden.shape[:2]
     kv_len = mask.shape[-1]
+    start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
     for index, layer in enumerate(layers):
         q, k, v = _attention_inputs(layer, hidden, cos, sin)
         stores = keys[index], values[index]
@@ -255,7 +258,7 @@ def _in_place_layers(
             store.view(-1, *store.shape[2:]).index_copy_(0, write_index, new.flatten(0, 1))
         rows = [  # views in place, or copies of the indexed rows
             (
-                store[:batch, :kv_len]
+                store[start : start + batch, :kv_len]
                 if slots is None
                 else store[:, :kv_len].index_select(0, slots)
             ).transpose(1, 2)
@@ -264,6 +267,22 @@ def _in_place_layers(
         out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
+
+
+# A first slot s goes to compiled layers as a size of s + 2: never 0 or 1, which torch would
+# compile graphs of their own for.
+_SLOT_SIZE_OFFSET = 2
+
+
+def first_slot_size(first: int, device: torch.device) -> torch.Tensor:
+    """An empty tensor whose first size says the rows' first slot, for compiled layers.
+
+    An int would be a constant of the graph (a graph for each first slot), and a view of the
+    storage from that slot on an input with an offset of its own: graphs compiled for views
+    at offset 0 (the rows from slot 0) and elsewhere differ, and on the demo target the
+    latter's writes into the view cost 3x the whole forward (a step at one row 6.3 against
+    2.2 ms)."""
+    return torch.empty(first + _SLOT_SIZE_OFFSET, 0, device=device)
 
 
 class LeanForward:
@@ -355,10 +374,11 @@ class LeanForward:
                 cos,
                 sin,
                 masks,
-                [k[first:] for k in keys],  # from the first row's slot: no slot offsets inside
-                [v[first:] for v in values],
-                write_index - first * keys[0].shape[1],
+                keys,
+                values,
+                write_index,
                 None,
+                first_slot_size(first, hidden.device),
             )
         else:
             hidden = self._layers_through_cache(

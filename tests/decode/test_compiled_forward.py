@@ -132,6 +132,17 @@ def test_a_changing_batch_mix_does_not_recompile(models):
             _plan(eager, [1, 1], [64, 24], 17),
         ],
     )[0]
+    # Rows from other first slots (the decode loop's rows move as requests come and go): the
+    # same graphs, the same outputs.
+    for first in (1, 3):
+        outs += _run(
+            models,
+            [
+                _plan(eager, [6, 2], [0, 0], 20 + first, first=first),
+                _plan(eager, [1, 1], [6, 2], 21 + first, first=first),
+                _plan(eager, [3, 3], [7, 3], 22 + first, first=first),
+            ],
+        )[0]
     assert compile_stats().compilations == warm
     for want, got in outs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
