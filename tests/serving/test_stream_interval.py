@@ -101,14 +101,20 @@ def _tokens(events: list[Event], index: int = 0) -> list[list[int]]:
     return [ids for i, ids, _ in events if i == index]
 
 
-def test_steps_within_an_interval_go_out_as_one_event(clock: _Clock) -> None:
+def _one_choice(clock: _Clock, interval: float, times: list[float]) -> list[Event]:
+    """The events of one choice streamed with ``interval``, a step at each of ``times``."""
+
     async def main() -> list[Event]:
         handle = _Handle()
-        async with _Stream([handle], interval=0.095) as stream:
-            await _steps(clock, handle, [0.01 * k for k in range(20)])
+        async with _Stream([handle], interval) as stream:
+            await _steps(clock, handle, times)
         return stream.events
 
-    events = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_steps_within_an_interval_go_out_as_one_event(clock: _Clock) -> None:
+    events = _one_choice(clock, 0.095, [0.01 * k for k in range(20)])
     # The first token at once; then the first step 95 ms or more after the last event takes
     # what waited; the ending at once.
     assert _tokens(events) == [[0], list(range(1, 11)), list(range(11, 20))]
@@ -116,13 +122,9 @@ def test_steps_within_an_interval_go_out_as_one_event(clock: _Clock) -> None:
 
 
 def test_without_an_interval_every_step_is_an_event(clock: _Clock) -> None:
-    async def main() -> list[Event]:
-        handle = _Handle()
-        async with _Stream([handle], interval=0.0) as stream:
-            await _steps(clock, handle, [0.001 * k for k in range(10)])
-        return stream.events
-
-    assert _tokens(asyncio.run(main())) == [[t] for t in range(10)]
+    assert _tokens(_one_choice(clock, 0.0, [0.001 * k for k in range(10)])) == [
+        [t] for t in range(10)
+    ]
 
 
 def test_the_last_chunk_goes_out_before_its_result(clock: _Clock) -> None:
@@ -144,13 +146,7 @@ def test_the_last_chunk_goes_out_before_its_result(clock: _Clock) -> None:
 
 
 def test_steps_slower_than_the_interval_go_as_they_come(clock: _Clock) -> None:
-    async def main() -> list[Event]:
-        handle = _Handle()
-        async with _Stream([handle], interval=0.01) as stream:
-            await _steps(clock, handle, [0.05 * k for k in range(4)])
-        return stream.events
-
-    assert _tokens(asyncio.run(main())) == [[0], [1], [2], [3]]
+    assert _tokens(_one_choice(clock, 0.01, [0.05 * k for k in range(4)])) == [[0], [1], [2], [3]]
 
 
 def test_each_choice_gathers_its_own_steps(clock: _Clock) -> None:
