@@ -29,6 +29,7 @@ import inspect
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,12 +80,18 @@ def compile_stats() -> CompileStats:
     return _STATS
 
 
+# Inductor's code checks every input's sizes and strides on every call (``size_asserts``):
+# about 150 checks a step on the demo target, one per weight and store, which dynamo's guards
+# already check for the inputs that vary (the weights never do).
+_INDUCTOR_PATCHES = {"size_asserts": False}
+
+
 def _counting_inductor(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     """Inductor, counted: dynamo calls its backend once for each graph it compiles."""
     from torch._inductor.compile_fx import compile_fx
 
     started = time.perf_counter()
-    compiled_graph = compile_fx(graph, example_inputs)
+    compiled_graph = compile_fx(graph, example_inputs, config_patches=_INDUCTOR_PATCHES)
     _STATS.add(time.perf_counter() - started)
     return compiled_graph
 
@@ -146,6 +153,7 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
 
     persistent_inductor_cache()
     function = _compile(layers)
+    marked: list[weakref.ref[torch.Tensor]] = []  # the stores last marked dynamic
 
     def run(*inputs: Any) -> torch.Tensor:
         """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index,
@@ -157,6 +165,12 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
             # not graphs of their own.
             return layers(*inputs)
+        stores = (*keys, *values)
+        # A mark stays with its tensor, and the stores live as long as the cache's storage:
+        # marked again when the cache grew, not at every step (48 calls on the demo target).
+        fresh = len(stores) != len(marked) or any(
+            ref() is not store for ref, store in zip(marked, stores, strict=True)
+        )
         for tensor, dims in (
             (hidden, (0, 1)),  # rows, tokens a row
             (cos, (0, 1)),
@@ -165,10 +179,12 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
             (write_index, (0,)),
             *(() if slots is None else ((slots, (0,)),)),
             *(() if first is None else ((first, (0,)),)),
-            *((store, (0, 1)) for store in (*keys, *values)),  # slots, capacity
+            *((store, (0, 1)) for store in stores if fresh),  # slots, capacity
         ):
             for dim in dims:
                 dynamo.maybe_mark_dynamic(tensor, dim)
+        if fresh:
+            marked[:] = [weakref.ref(store) for store in stores]
         out: torch.Tensor = function(*inputs)
         return out
 

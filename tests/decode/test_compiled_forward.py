@@ -148,6 +148,23 @@ def test_a_changing_batch_mix_does_not_recompile(models):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_stores_are_marked_dynamic_again_when_the_cache_grows(models):
+    # Marks stay with their tensors, so a step marks the stores only when they are new: the
+    # grown cache's stores must be marked too, or the next compilation would specialize them.
+    compiled, eager = models[1], models[0]
+    cache = SlotKVCache(SLOTS, 160)
+    with torch.inference_mode():
+        compiled.run(_plan(eager, [6, 2], [0, 0], 30), cache, num_logits=1)
+        compiled.run(_plan(eager, [1, 1], [6, 2], 31), cache, num_logits=1)
+        before = [*cache._keys, *cache._values]
+        compiled.run(_plan(eager, [70, 3], [7, 3], 32), cache, num_logits=1)
+        compiled.run(_plan(eager, [1, 1], [77, 6], 33), cache, num_logits=1)
+    stores = (*cache._keys, *cache._values)
+    assert not any(store is old for store in stores for old in before)  # the cache grew
+    for store in stores:  # where torch.compile's maybe_mark_dynamic keeps its marks
+        assert {0, 1} <= set(getattr(store, "_dynamo_weak_dynamic_indices", ()))
+
+
 def test_guards_on_the_models_own_layers_are_dropped_and_the_inputs_kept(models):
     _run(models, [_plan(models[0], [5], [0], 18), _plan(models[0], [1], [5], 19)])
     if not _GUARDS:  # a torch without isolate_recompiles keeps every guard
