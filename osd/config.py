@@ -65,7 +65,7 @@ class ModelConfig:
     # forward (osd.decode.lean_forward); false: transformers' own forward, for debugging.
     lean_forward: bool = True
     # The lean forward's decode layers through torch.compile (osd.decode.compiled_forward):
-    # faster steps (the demo target 1.01-1.25x eager, 2026-12-05), compiled during the
+    # faster steps (the demo target 1.04-1.21x eager, 2026-12-05), compiled during the
     # replica's warm-up (80-150 s on a 2-core CPU the first time, about 40 s from inductor's
     # on-disk cache after). Off: the eager forward.
     compile: bool = False
