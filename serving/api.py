@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncGenerator, Coroutine
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +29,7 @@ from serving.protocol import (
     MAX_JSON_DEPTH,
     APIError,
     ChatRequest,
+    CompletionRequest,
     error_body,
     new_id,
     now,
@@ -40,6 +41,8 @@ from serving.tool_replies import ToolReply
 __all__ = ["create_api"]
 
 logger = logging.getLogger(__name__)
+
+_Results = TypeVar("_Results")
 
 
 def bearer_key_check(keys: tuple[str, ...]) -> Any:
@@ -190,10 +193,12 @@ async def _handle(
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
     runtime.check_model(request)  # before any grammar is compiled for it
+    if isinstance(request, CompletionRequest) and len(request.prompts) > 1:
+        return await _handle_prompts(runtime, http, request)
     tools = runtime.tool_plan(request)
     job = runtime.admit(request, await runtime.grammar_of(request, tools), tools)
     if request.stream:
-        return _JobStream(runtime, job, _sse(runtime, job, kind))
+        return _JobStream(runtime, [job], _sse(runtime, job, kind))
     results = await _unless_client_leaves(http, runtime.complete(job))
     if results is None:  # nobody reads the answer: its rows stopped at their next step
         return Response(status_code=499)
@@ -204,9 +209,68 @@ async def _handle(
     return JSONResponse(body)
 
 
+async def _handle_prompts(
+    runtime: ReplicaRuntime, http: Request, request: CompletionRequest
+) -> Response:
+    """A completion of several prompts (OpenAI's list of prompts): a job for each, admitted
+    all or none (a refusal gives back those admitted before it), each routed and logged on its
+    own; choice i * n + j is prompt i's j-th, as OpenAI and vLLM number them."""
+    jobs: list[Job] = []
+    try:
+        for one in request.each_prompt():
+            jobs.append(runtime.admit(one, await runtime.grammar_of(one, None)))
+    except BaseException:
+        for job in jobs:
+            runtime.abandon(job)
+        raise
+    if request.stream:
+        return _JobStream(runtime, jobs, _sse_prompts(runtime, jobs))
+    every = await _unless_client_leaves(http, _results_of(runtime, jobs))
+    if every is None:
+        return Response(status_code=499)
+    tokenizer = runtime.engine.tokenizer
+    logprobs = LogprobFormatter(tokenizer, False)
+    choices: list[dict[str, Any]] = []
+    for job, results in zip(jobs, every, strict=True):
+        echo = echo_prefix(job.request, job.stream.request.prompt_ids, tokenizer)
+        first = len(choices)
+        choices += [
+            _choice("completion", first + j, result, logprobs, echo)
+            for j, result in enumerate(results)
+        ]
+    return JSONResponse(
+        {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": runtime.config.serve.model_name,
+            "choices": choices,
+            "usage": _summed_usage(jobs, every),
+            "osd": _prompts_stats(jobs, every),
+        }
+    )
+
+
+async def _results_of(runtime: ReplicaRuntime, jobs: list[Job]) -> list[list[GenerationResult]]:
+    """Every job's results, in the jobs' order (cancelled together)."""
+    return list(await asyncio.gather(*(runtime.complete(job) for job in jobs)))
+
+
+def _summed_usage(jobs: list[Job], every: list[list[GenerationResult]]) -> dict[str, Any]:
+    """Every prompt's usage summed (each prompt counted once, every choice's completion)."""
+    usages = [_usage(job, results) for job, results in zip(jobs, every, strict=True)]
+    return {name: sum(usage[name] for usage in usages) for name in usages[0]}
+
+
+def _prompts_stats(jobs: list[Job], every: list[list[GenerationResult]]) -> dict[str, Any]:
+    """The first prompt's decoding statistics, with every prompt's under ``prompts``."""
+    each = [_osd_stats(job, results) for job, results in zip(jobs, every, strict=True)]
+    return {**each[0], "prompts": each}
+
+
 async def _unless_client_leaves(
-    http: Request, work: Coroutine[Any, Any, list[GenerationResult]]
-) -> list[GenerationResult] | None:
+    http: Request, work: Coroutine[Any, Any, _Results]
+) -> _Results | None:
     """``work``'s results, or None once the client closed its connection first: then the work
     is cancelled (:meth:`ReplicaRuntime.complete` cancels its job). Without this a whole
     answer went on decoding for a client that had timed out (and whose library retried),
@@ -251,9 +315,11 @@ class _JobStream(StreamingResponse):
     everything with 429.
     """
 
-    def __init__(self, runtime: ReplicaRuntime, job: Job, body: AsyncGenerator[bytes]) -> None:
+    def __init__(
+        self, runtime: ReplicaRuntime, jobs: list[Job], body: AsyncGenerator[bytes]
+    ) -> None:
         super().__init__(body, media_type="text/event-stream")
-        self._runtime, self._job, self._body = runtime, job, body
+        self._runtime, self._jobs, self._body = runtime, jobs, body
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -261,7 +327,8 @@ class _JobStream(StreamingResponse):
         finally:
             with contextlib.suppress(RuntimeError):  # "already running": it ends by itself
                 await self._body.aclose()  # never suspends: runs the stream's own clean-up
-            self._runtime.abandon(self._job)
+            for job in self._jobs:
+                self._runtime.abandon(job)
 
 
 def _usage(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
@@ -348,18 +415,77 @@ def _choice(
 
 
 async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[bytes]:
-    chat = isinstance(job.request, ChatRequest)
-    ident = new_id("chatcmpl" if chat else "cmpl")
-    head = {
-        "id": ident,
+    head = _stream_head(runtime, kind == "chat")
+    failed: list[str] = []
+    async for event in _job_events(runtime, job, head, 0, failed):
+        yield event
+    if failed:  # reported in-band: no usage, no [DONE]
+        return
+    results = job.results()  # every choice has ended: this does not block
+    if job.request.include_usage:
+        yield _event(head, [], usage=_usage(job, results), osd=_osd_stats(job, results))
+    yield b"data: [DONE]\n\n"
+
+
+async def _sse_prompts(runtime: ReplicaRuntime, jobs: list[Job]) -> AsyncGenerator[bytes]:
+    """The events of several prompts' jobs (:func:`_handle_prompts`) as they come, in one
+    stream: prompt i's choices numbered from i * n, the usage summed at the end."""
+    head = _stream_head(runtime, False)
+    failed: list[str] = []
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump(job: Job, offset: int) -> None:
+        try:
+            async for event in _job_events(runtime, job, head, offset, failed):
+                queue.put_nowait(event)
+        finally:
+            queue.put_nowait(None)
+
+    offsets = [sum(len(job.streams) for job in jobs[:i]) for i in range(len(jobs))]
+    pumps = [
+        asyncio.ensure_future(pump(job, first)) for job, first in zip(jobs, offsets, strict=True)
+    ]
+    try:
+        running = len(pumps)
+        while running:
+            event = await queue.get()
+            if event is None:
+                running -= 1
+            else:
+                yield event
+    finally:
+        for task in pumps:  # the client left: each job's stream cancels its job
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    if failed:
+        return
+    every = [job.results() for job in jobs]
+    if jobs[0].request.include_usage:
+        stats = _prompts_stats(jobs, every)
+        yield _event(head, [], usage=_summed_usage(jobs, every), osd=stats)
+    yield b"data: [DONE]\n\n"
+
+
+def _stream_head(runtime: ReplicaRuntime, chat: bool) -> dict[str, Any]:
+    """The fields every event of one stream repeats."""
+    return {
+        "id": new_id("chatcmpl" if chat else "cmpl"),
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": now(),
         "model": runtime.config.serve.model_name,
     }
 
-    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n".encode()
 
+def _event(head: dict[str, Any], choices: list[dict[str, Any]], **extra: Any) -> bytes:
+    return f"data: {json.dumps({**head, 'choices': choices, **extra})}\n\n".encode()
+
+
+async def _job_events(
+    runtime: ReplicaRuntime, job: Job, head: dict[str, Any], offset: int, failed: list[str]
+) -> AsyncGenerator[bytes]:
+    """One job's events, its choices numbered from ``offset``; a failure after the first
+    byte is reported in-band and noted in ``failed``."""
+    chat = isinstance(job.request, ChatRequest)
     formatter = LogprobFormatter(runtime.engine.tokenizer, chat)
     # Tokens whose text is held back (a possible stop string) send their logprobs with the
     # next event that has text, so every token's logprobs arrive, in order. With echo, the
@@ -379,14 +505,15 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
         index: int, text: str, finish: str | None, calls: list[dict[str, Any]]
     ) -> dict[str, Any]:
         logprobs = formatter.format(held_ids[index], held[index])
+        number = offset + index
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first[index] else {}
             if text or not calls:
                 delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
-            return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            return {"index": number, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return {"index": number, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
     # vLLM's continuous_usage_stats: each event says the tokens so far (all choices').
     generated, continuous = 0, job.request.continuous_usage
@@ -416,14 +543,10 @@ async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[b
                         tail, last = reply.finish()
                         text, calls, finish = text + tail, calls + last, reply.finish_reason(finish)
                 if text or calls or finish or first[i]:
-                    yield event([choice(i, echo[i] + text, finish, calls)], **usage())
+                    yield _event(head, [choice(i, echo[i] + text, finish, calls)], **usage())
                     echo[i], first[i] = "", False
                     held_ids[i], held[i] = [], None if held[i] is None else []
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         logger.exception("stream failed after its first byte: %s", exc)
+        failed.append(str(exc))
         yield f"data: {json.dumps(error_body(str(exc), kind='server_error'))}\n\n".encode()
-        return
-    results = job.results()  # every choice has ended: this does not block
-    if job.request.include_usage:
-        yield event([], usage=_usage(job, results), osd=_osd_stats(job, results))
-    yield b"data: [DONE]\n\n"

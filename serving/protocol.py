@@ -324,7 +324,9 @@ _SAME_AS_OPTIONS = tuple(sorted((OPTION_NAMES & set(_Common.model_fields)) - _DI
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    # One prompt (text or token ids), or several (OpenAI's batch: texts or lists of ids), each
+    # completed on its own: choice i * n + j is prompt i's j-th (:attr:`prompts`).
+    prompt: str | list[int] | list[str] | list[list[int]]
     # Chat's tool fields: refused here by name rather than ignored.
     tools: None = None
     tool_choice: None = None
@@ -375,16 +377,41 @@ class CompletionRequest(_Common):
             )
         return self
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_kind_of_prompt(cls, prompt: Any) -> Any:
+        """A list is of token ids, of texts or of token-id lists, not a mix (named as one
+        error rather than one per arm of the union)."""
+        if isinstance(prompt, list) and prompt:
+            kinds = {type(item) for item in prompt}
+            if len(kinds) > 1:
+                raise ValueError("a prompt list holds one kind: token ids, texts or id lists")
+        return prompt
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
-            prompt = prompt[0]
+    def _prompts(cls, prompt: Any) -> Any:
+        """A list of one prompt is that prompt; every prompt must hold something."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if not all(prompt):
+                raise ValueError("every prompt of the list must not be empty")
+            if len(prompt) == 1:
+                prompt = prompt[0]
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return prompt  # type: ignore[return-value]
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (one, or the list's)."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            return list(prompt)
+        return [prompt]
+
+    def each_prompt(self) -> list[CompletionRequest]:
+        """The request once for each of its prompts."""
+        return [self.model_copy(update={"prompt": prompt}) for prompt in self.prompts]
 
 
 class ChatMessage(BaseModel):

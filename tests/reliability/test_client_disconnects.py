@@ -100,3 +100,20 @@ def test_a_whole_answer_stops_decoding_when_its_client_hangs_up():
         )
         generated = metric(runtime.metrics_text().decode(), "vllm:generation_tokens_total")
         assert generated - before < 3 * 400 / 2, generated - before
+
+
+def test_a_list_of_prompts_gives_back_every_prompts_slot_however_it_is_abandoned():
+    config = toy_config(f"serve.max_ongoing_requests={CAPACITY}", "serve.max_tokens_limit=200")
+    with running_replica(config) as replica, http_server(replica.runtime) as base_url:
+        runtime = replica.runtime
+        several = completion(max_tokens=200, temperature=0, prompt=["the cat", "a dog", "hi"])
+
+        def in_flight() -> float:
+            return metric(runtime.metrics_text().decode(), "osd_requests_in_flight")
+
+        for stream, read_bytes in ((True, 0), (True, 64), (False, 0)):
+            served = metric(runtime.metrics_text().decode(), "osd_requests_in_flight")
+            assert served == 0
+            send_and_hang_up(base_url, {**several, "stream": stream}, read_bytes)
+            wait_for(lambda: in_flight() == 0, timeout_s=60, interval_s=0.1)
+            assert runtime.slots.leased() == {}

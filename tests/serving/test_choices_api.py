@@ -4,6 +4,7 @@ own record (issue 14, item 4)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import openai
@@ -144,3 +145,63 @@ def test_n_choices_count_their_prompt_once_under_vllm_names(replica, client):
     prompt_after, done_after = counts()
     assert prompt_after - prompt_before == result.usage.prompt_tokens
     assert done_after - done_before == N  # each choice finishes as a request of its own
+
+
+PROMPTS = ["the cat sat", "a dog ran far"]
+
+
+def test_several_prompts_are_each_completed_and_numbered_prompt_by_prompt(client):
+    """OpenAI's list of prompts: prompt i's choice j is choice i * n + j, each the request of
+    that prompt alone; usage sums them; streamed equals whole."""
+    fields = dict(model="osd", max_tokens=8, temperature=1.0, seed=SEED, n=2)
+    whole = client.completions.create(prompt=PROMPTS, **fields)
+    alone = [client.completions.create(prompt=prompt, **fields) for prompt in PROMPTS]
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    assert [c.text for c in whole.choices] == [c.text for a in alone for c in a.choices]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+    texts: dict[int, str] = {}
+    usage = None
+    options = {"include_usage": True}
+    for chunk in client.completions.create(
+        prompt=PROMPTS, stream=True, stream_options=options, **fields
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(4)] == [c.text for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_prompts_of_token_ids_are_each_echoed_and_scored(client):
+    ids = [[5, 6, 7], [8, 9]]
+    fields = dict(model="osd", max_tokens=4, temperature=0.0, echo=True, logprobs=1)
+    whole = client.completions.create(prompt=ids, **fields)
+    alone = [client.completions.create(prompt=prompt, **fields).choices[0] for prompt in ids]
+    assert [c.text for c in whole.choices] == [a.text for a in alone]
+    assert [c.logprobs.tokens for c in whole.choices] == [a.logprobs.tokens for a in alone]
+
+
+@pytest.mark.parametrize("prompt", [["a", ""], [[1, 2], []], ["a", [1, 2]], []])
+def test_a_list_of_prompts_with_an_empty_or_mixed_one_is_refused(replica, prompt):
+    response = replica.client.post("/v1/completions", json={"model": "osd", "prompt": prompt})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"].startswith("prompt")
+
+
+def test_a_refused_prompt_gives_back_the_ones_admitted_before_it(replica):
+    admission = replica.runtime._admission
+    free = admission._value
+    too_long = "the cat sat " * 4000
+    body = {"model": "osd", "prompt": ["the cat sat", too_long], "max_tokens": 4}
+    response = replica.client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    for _ in range(100):  # the first prompt's job ends on the event loop
+        if admission._value == free:
+            break
+        time.sleep(0.05)
+    assert admission._value == free
+    ok = replica.client.post("/v1/completions", json={**body, "prompt": PROMPTS})
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2

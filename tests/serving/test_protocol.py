@@ -80,7 +80,8 @@ def test_a_minimal_request_gets_the_documented_defaults():
         ({"domain": "é" * 65}, "domain"),  # and at most 128 bytes
         ({"draft": "d" * 129}, "draft"),
         ({"prompt": ""}, "prompt"),
-        ({"prompt": ["one", "two"]}, "prompt"),
+        ({"prompt": ["one", ""]}, "prompt"),  # a list of prompts, one of them empty
+        ({"prompt": ["one", [1, 2]]}, "prompt"),  # texts and ids mixed
         ({"prompt": "\ud800"}, "prompt"),  # a lone surrogate no tokenizer can encode
         ({"spec": {"method": "beam"}}, "spec.method"),
         ({"spec": {"k": 17}}, "spec.k"),  # the union's arm is not part of the name
@@ -210,3 +211,11 @@ def test_errors_serialise_to_openais_envelope():
         "error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}
     }
     assert str(error) == "busy"
+
+
+def test_a_completion_lists_its_prompts_one_or_several():
+    assert completion(prompt="the cat").prompts == ["the cat"]  # a text is one prompt
+    assert completion(prompt=[3, 5, 7]).prompts == [[3, 5, 7]]  # so is a list of ids
+    assert completion(prompt=["a", "b"]).prompts == ["a", "b"]
+    assert completion(prompt=[[1, 2], [3]]).prompts == [[1, 2], [3]]
+    assert [r.prompt for r in completion(prompt=["a", "b"]).each_prompt()] == ["a", "b"]
