@@ -202,10 +202,10 @@ async def _handle(
     results = await _unless_client_leaves(http, runtime.complete(job))
     if results is None:  # nobody reads the answer: its rows stopped at their next step
         return Response(status_code=499)
-    logprobs = LogprobFormatter(runtime.engine.tokenizer, kind == "chat")
-    echo = echo_prefix(request, job.stream.request.prompt_ids, runtime.engine.tokenizer)
+    tokenizer = runtime.engine.tokenizer
+    echo = echo_prefix(request, job.stream.request.prompt_ids, tokenizer)
     replies = _tool_replies(runtime, job)
-    body = _response(job, kind, results, runtime.config.serve.model_name, logprobs, echo, replies)
+    body = _response(job, kind, results, runtime.config.serve.model_name, tokenizer, echo, replies)
     return JSONResponse(body)
 
 
@@ -229,13 +229,12 @@ async def _handle_prompts(
     if every is None:
         return Response(status_code=499)
     tokenizer = runtime.engine.tokenizer
-    logprobs = LogprobFormatter(tokenizer, False)
     choices: list[dict[str, Any]] = []
     for job, results in zip(jobs, every, strict=True):
         echo = echo_prefix(job.request, job.stream.request.prompt_ids, tokenizer)
         first = len(choices)
         choices += [
-            _choice("completion", first + j, result, logprobs, echo)
+            _choice("completion", first + j, result, tokenizer, echo)
             for j, result in enumerate(results)
         ]
     return JSONResponse(
@@ -363,7 +362,7 @@ def _response(
     kind: str,
     results: list[GenerationResult],
     model: str,
-    logprobs: LogprobFormatter,
+    tokenizer: Any,
     echo: tuple[str, list[int]] = ("", []),
     replies: list[ToolReply | None] | None = None,
 ) -> dict[str, Any]:
@@ -374,7 +373,8 @@ def _response(
         "created": now(),
         "model": model,
         "choices": [
-            _choice(kind, i, result, logprobs, echo, replies[i]) for i, result in enumerate(results)
+            _choice(kind, i, result, tokenizer, echo, reply)
+            for i, (result, reply) in enumerate(zip(results, replies, strict=True))
         ],
         "usage": _usage(job, results),
         "osd": _osd_stats(job, results),
@@ -385,10 +385,12 @@ def _choice(
     kind: str,
     index: int,
     result: GenerationResult,
-    logprobs: LogprobFormatter,
+    tokenizer: Any,
     echo: tuple[str, list[int]],
     reply: ToolReply | None = None,
 ) -> dict[str, Any]:
+    """One choice of a whole response; its logprobs' text offsets count from its own text."""
+    logprobs = LogprobFormatter(tokenizer, kind == "chat")
     if kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
         finish: str | None = result.finish_reason
@@ -486,12 +488,13 @@ async def _job_events(
     """One job's events, its choices numbered from ``offset``; a failure after the first
     byte is reported in-band and noted in ``failed``."""
     chat = isinstance(job.request, ChatRequest)
-    formatter = LogprobFormatter(runtime.engine.tokenizer, chat)
     # Tokens whose text is held back (a possible stop string) send their logprobs with the
     # next event that has text, so every token's logprobs arrive, in order. With echo, the
     # prompt comes first, in the first event (as vLLM sends it). All of it per choice: events
     # carry their choice's index (OpenAI's n).
     num_choices = len(job.streams)
+    # Each choice's text offsets count from its own text.
+    formatters = [LogprobFormatter(runtime.engine.tokenizer, chat) for _ in range(num_choices)]
     prompt_ids = job.stream.request.prompt_ids
     echo_text, echo_ids = echo_prefix(job.request, prompt_ids, runtime.tokenizer)
     echo = [echo_text] * num_choices
@@ -504,7 +507,7 @@ async def _job_events(
     def choice(
         index: int, text: str, finish: str | None, calls: list[dict[str, Any]]
     ) -> dict[str, Any]:
-        logprobs = formatter.format(held_ids[index], held[index])
+        logprobs = formatters[index].format(held_ids[index], held[index])
         number = offset + index
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first[index] else {}

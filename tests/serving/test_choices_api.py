@@ -205,3 +205,19 @@ def test_a_refused_prompt_gives_back_the_ones_admitted_before_it(replica):
     assert admission._value == free
     ok = replica.client.post("/v1/completions", json={**body, "prompt": PROMPTS})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_each_choices_text_offsets_count_from_its_own_text(client):
+    fields = dict(model="osd", prompt=PROMPT, n=2, max_tokens=6, seed=SEED, logprobs=1)
+    whole = client.completions.create(**fields)
+    for choice in whole.choices:  # as the choice's request alone has them
+        alone = client.completions.create(
+            **{**fields, "n": 1, "seed": choice_seed(SEED, choice.index)}
+        )
+        assert choice.logprobs.text_offset == alone.choices[0].logprobs.text_offset
+    streamed_offsets: dict[int, list[int]] = {}
+    for chunk in client.completions.create(stream=True, **fields):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                streamed_offsets.setdefault(choice.index, []).extend(choice.logprobs.text_offset)
+    assert streamed_offsets == {c.index: c.logprobs.text_offset for c in whole.choices}
