@@ -324,10 +324,12 @@ class _JobStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            with contextlib.suppress(RuntimeError):  # "already running": it ends by itself
-                await self._body.aclose()  # never suspends: runs the stream's own clean-up
-            for job in self._jobs:
-                self._runtime.abandon(job)
+            try:
+                with contextlib.suppress(RuntimeError):  # "already running": it ends by itself
+                    await self._body.aclose()  # never suspends: runs the stream's own clean-up
+            finally:
+                for job in self._jobs:
+                    self._runtime.abandon(job)
 
 
 def _usage(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
@@ -456,9 +458,10 @@ async def _sse_prompts(runtime: ReplicaRuntime, jobs: list[Job]) -> AsyncGenerat
             else:
                 yield event
     finally:
-        for task in pumps:  # the client left: each job's stream cancels its job
+        # The client left: a running pump's stream cancels its job; one that never ran left
+        # its job undelivered, for _JobStream to give back. Nothing here waits.
+        for task in pumps:
             task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
     if failed:
         return
     every = [job.results() for job in jobs]
