@@ -16,7 +16,7 @@ import json
 import logging
 import os
 from collections.abc import AsyncGenerator, Coroutine
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,8 +41,6 @@ from serving.tool_replies import ToolReply
 __all__ = ["create_api"]
 
 logger = logging.getLogger(__name__)
-
-_Results = TypeVar("_Results")
 
 
 def bearer_key_check(keys: tuple[str, ...]) -> Any:
@@ -193,61 +191,31 @@ async def _handle(
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
     runtime.check_model(request)  # before any grammar is compiled for it
-    if isinstance(request, CompletionRequest) and len(request.prompts) > 1:
-        return await _handle_prompts(runtime, http, request)
-    tools = runtime.tool_plan(request)
-    job = runtime.admit(request, await runtime.grammar_of(request, tools), tools)
+    jobs = await _admit_each_prompt(runtime, request)
     if request.stream:
-        return _JobStream(runtime, [job], _sse(runtime, job, kind))
-    results = await _unless_client_leaves(http, runtime.complete(job))
-    if results is None:  # nobody reads the answer: its rows stopped at their next step
+        return _JobStream(runtime, jobs, _sse(runtime, jobs, kind))
+    every = await _unless_client_leaves(http, _results_of(runtime, jobs))
+    if every is None:  # nobody reads the answer: its rows stopped at their next step
         return Response(status_code=499)
-    tokenizer = runtime.engine.tokenizer
-    echo = echo_prefix(request, job.stream.request.prompt_ids, tokenizer)
-    replies = _tool_replies(runtime, job)
-    body = _response(job, kind, results, runtime.config.serve.model_name, tokenizer, echo, replies)
-    return JSONResponse(body)
+    return JSONResponse(_response(runtime, jobs, kind, every))
 
 
-async def _handle_prompts(
-    runtime: ReplicaRuntime, http: Request, request: CompletionRequest
-) -> Response:
-    """A completion of several prompts (OpenAI's list of prompts): a job for each, admitted
-    all or none (a refusal gives back those admitted before it), each routed and logged on its
-    own; choice i * n + j is prompt i's j-th, as OpenAI and vLLM number them."""
+async def _admit_each_prompt(
+    runtime: ReplicaRuntime, request: CompletionRequest | ChatRequest
+) -> list[Job]:
+    """A job for each prompt of the request (a completion may list several, as OpenAI's and
+    vLLM's do; a chat is one), each routed and logged on its own, admitted all or none: a
+    refusal gives back those admitted before it. Choice i * n + j is prompt i's j-th."""
     jobs: list[Job] = []
     try:
-        for one in request.each_prompt():
-            jobs.append(runtime.admit(one, await runtime.grammar_of(one, None)))
+        for one in request.each_prompt() if isinstance(request, CompletionRequest) else [request]:
+            tools = runtime.tool_plan(one)
+            jobs.append(runtime.admit(one, await runtime.grammar_of(one, tools), tools))
     except BaseException:
         for job in jobs:
             runtime.abandon(job)
         raise
-    if request.stream:
-        return _JobStream(runtime, jobs, _sse_prompts(runtime, jobs))
-    every = await _unless_client_leaves(http, _results_of(runtime, jobs))
-    if every is None:
-        return Response(status_code=499)
-    tokenizer = runtime.engine.tokenizer
-    choices: list[dict[str, Any]] = []
-    for job, results in zip(jobs, every, strict=True):
-        echo = echo_prefix(job.request, job.stream.request.prompt_ids, tokenizer)
-        first = len(choices)
-        choices += [
-            _choice("completion", first + j, result, tokenizer, echo)
-            for j, result in enumerate(results)
-        ]
-    return JSONResponse(
-        {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": runtime.config.serve.model_name,
-            "choices": choices,
-            "usage": _summed_usage(jobs, every),
-            "osd": _prompts_stats(jobs, every),
-        }
-    )
+    return jobs
 
 
 async def _results_of(runtime: ReplicaRuntime, jobs: list[Job]) -> list[list[GenerationResult]]:
@@ -262,14 +230,15 @@ def _summed_usage(jobs: list[Job], every: list[list[GenerationResult]]) -> dict[
 
 
 def _prompts_stats(jobs: list[Job], every: list[list[GenerationResult]]) -> dict[str, Any]:
-    """The first prompt's decoding statistics, with every prompt's under ``prompts``."""
+    """The first prompt's decoding statistics; with several prompts, every prompt's under
+    ``prompts``."""
     each = [_osd_stats(job, results) for job, results in zip(jobs, every, strict=True)]
-    return {**each[0], "prompts": each}
+    return each[0] if len(each) == 1 else {**each[0], "prompts": each}
 
 
 async def _unless_client_leaves(
-    http: Request, work: Coroutine[Any, Any, _Results]
-) -> _Results | None:
+    http: Request, work: Coroutine[Any, Any, list[list[GenerationResult]]]
+) -> list[list[GenerationResult]] | None:
     """``work``'s results, or None once the client closed its connection first: then the work
     is cancelled (:meth:`ReplicaRuntime.complete` cancels its job). Without this a whole
     answer went on decoding for a client that had timed out (and whose library retried),
@@ -360,26 +329,30 @@ def _osd_stats(job: Job, results: list[GenerationResult]) -> dict[str, Any]:
 
 
 def _response(
-    job: Job,
+    runtime: ReplicaRuntime,
+    jobs: list[Job],
     kind: str,
-    results: list[GenerationResult],
-    model: str,
-    tokenizer: Any,
-    echo: tuple[str, list[int]] = ("", []),
-    replies: list[ToolReply | None] | None = None,
+    every: list[list[GenerationResult]],
 ) -> dict[str, Any]:
-    replies = replies or [None] * len(results)
+    """A whole response: every job's choices, numbered on across the jobs."""
+    tokenizer = runtime.engine.tokenizer
+    choices: list[dict[str, Any]] = []
+    for job, results in zip(jobs, every, strict=True):
+        echo = echo_prefix(job.request, job.stream.request.prompt_ids, tokenizer)
+        replies = _tool_replies(runtime, job)
+        first = len(choices)
+        choices += [
+            _choice(kind, first + j, result, tokenizer, echo, reply)
+            for j, (result, reply) in enumerate(zip(results, replies, strict=True))
+        ]
     return {
         "id": new_id("chatcmpl" if kind == "chat" else "cmpl"),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": now(),
-        "model": model,
-        "choices": [
-            _choice(kind, i, result, tokenizer, echo, reply)
-            for i, (result, reply) in enumerate(zip(results, replies, strict=True))
-        ],
-        "usage": _usage(job, results),
-        "osd": _osd_stats(job, results),
+        "model": runtime.config.serve.model_name,
+        "choices": choices,
+        "usage": _summed_usage(jobs, every),
+        "osd": _prompts_stats(jobs, every),
     }
 
 
@@ -418,24 +391,30 @@ def _choice(
     }
 
 
-async def _sse(runtime: ReplicaRuntime, job: Job, kind: str) -> AsyncGenerator[bytes]:
+async def _sse(runtime: ReplicaRuntime, jobs: list[Job], kind: str) -> AsyncGenerator[bytes]:
+    """The jobs' events as they come, in one stream (a second job's choices numbered on from
+    the first's), then the usage summed and ``[DONE]``."""
     head = _stream_head(runtime, kind == "chat")
     failed: list[str] = []
-    async for event in _job_events(runtime, job, head, 0, failed):
-        yield event
+    if len(jobs) == 1:  # no hand-off through a queue
+        async for event in _job_events(runtime, jobs[0], head, 0, failed):
+            yield event
+    else:
+        async for event in _merged_events(runtime, jobs, head, failed):
+            yield event
     if failed:  # reported in-band: no usage, no [DONE]
         return
-    results = job.results()  # every choice has ended: this does not block
-    if job.request.include_usage:
-        yield _event(head, [], usage=_usage(job, results), osd=_osd_stats(job, results))
+    every = [job.results() for job in jobs]  # every choice has ended: this does not block
+    if jobs[0].request.include_usage:
+        stats = _prompts_stats(jobs, every)
+        yield _event(head, [], usage=_summed_usage(jobs, every), osd=stats)
     yield b"data: [DONE]\n\n"
 
 
-async def _sse_prompts(runtime: ReplicaRuntime, jobs: list[Job]) -> AsyncGenerator[bytes]:
-    """The events of several prompts' jobs (:func:`_handle_prompts`) as they come, in one
-    stream: prompt i's choices numbered from i * n, the usage summed at the end."""
-    head = _stream_head(runtime, False)
-    failed: list[str] = []
+async def _merged_events(
+    runtime: ReplicaRuntime, jobs: list[Job], head: dict[str, Any], failed: list[str]
+) -> AsyncGenerator[bytes]:
+    """Several jobs' events (:func:`_job_events`) as each comes."""
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
     async def pump(job: Job, offset: int) -> None:
@@ -462,13 +441,6 @@ async def _sse_prompts(runtime: ReplicaRuntime, jobs: list[Job]) -> AsyncGenerat
         # its job undelivered, for _JobStream to give back. Nothing here waits.
         for task in pumps:
             task.cancel()
-    if failed:
-        return
-    every = [job.results() for job in jobs]
-    if jobs[0].request.include_usage:
-        stats = _prompts_stats(jobs, every)
-        yield _event(head, [], usage=_summed_usage(jobs, every), osd=stats)
-    yield b"data: [DONE]\n\n"
 
 
 def _stream_head(runtime: ReplicaRuntime, chat: bool) -> dict[str, Any]:

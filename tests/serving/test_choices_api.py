@@ -4,7 +4,6 @@ own record (issue 14, item 4)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import openai
@@ -12,7 +11,7 @@ import pytest
 
 from osd.buffer.reader import LogReader
 from osd.decode.choices import choice_seed
-from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.reliability.conftest import Replica, running_replica, toy_config, wait_for
 
 PROMPT = "the cat sat"
 MESSAGES = [{"role": "user", "content": "hi there"}]
@@ -198,11 +197,8 @@ def test_a_refused_prompt_gives_back_the_ones_admitted_before_it(replica):
     body = {"model": "osd", "prompt": ["the cat sat", too_long], "max_tokens": 4}
     response = replica.client.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
-    for _ in range(100):  # the first prompt's job ends on the event loop
-        if admission._value == free:
-            break
-        time.sleep(0.05)
-    assert admission._value == free
+    # the first prompt's job ends on the event loop
+    wait_for(lambda: admission._value == free, timeout_s=5, interval_s=0.05)
     ok = replica.client.post("/v1/completions", json={**body, "prompt": PROMPTS})
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
