@@ -277,3 +277,31 @@ def test_a_merged_forward_keeps_no_autograd_graph_of_a_trainable_adapter():
     plan = _plan(lm, [[3, 4, 5]], [0], [0], [3], [0], [0], [0], 0)
     logits = lm.run(plan, SlotKVCache(4, 64), num_logits=3, adapters=["sql"])  # no no_grad
     assert lm._merged["sql"] is not None and not logits.requires_grad
+
+
+@pytest.mark.parametrize(("heads", "heads_kv"), [(2, 2), (8, 2), (4, 1)])
+def test_one_token_attention_by_products_computes_what_sdpa_does(heads, heads_kv):
+    # The compiled CPU forward's attention at one token a row: keys read token-major where the
+    # slot cache keeps them (a view with the capacity's strides), rows of several lengths
+    # masked as the plans mask them (the dtype's minimum, not -inf), grouped-query heads.
+    from osd.decode.lean_forward import _attend, _attend_one_token
+
+    gen = torch.Generator().manual_seed(0)
+    rows, capacity, span, dim = 3, 40, 29, 16
+    stores = [torch.randn(rows, capacity, heads_kv, dim, generator=gen) for _ in range(2)]
+    keys, values = (store[:, :span] for store in stores)
+    q = torch.randn(rows, 1, heads, dim, generator=gen)
+    lengths = torch.tensor([29, 7, 1])
+    hidden = torch.arange(span) >= lengths[:, None]
+    mask = torch.zeros(rows, 1, 1, span).masked_fill_(
+        hidden.view(rows, 1, 1, span), torch.finfo(torch.float32).min
+    )
+    layer = type("Layer", (), {"scaling": dim**-0.5, "gqa": heads != heads_kv})()
+    want = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
+    got = _attend_one_token(layer, q, keys, values, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Row 2 sees its one key alone: its output is that key's value, head by head.
+    group = heads // heads_kv
+    torch.testing.assert_close(
+        got[2, 0], values[2, 0].repeat_interleave(group, dim=0), rtol=1e-6, atol=1e-6
+    )
