@@ -6,10 +6,12 @@ computed), which is every decode step of rows in step, the target alone's and mo
 steps. It takes plain tensors, so its graph depends on no host state of the engine. The batch,
 the tokens per row, the context and the cache's slots and capacity are dynamic from the first
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
-row or several, times one token a row or several (torch specializes sizes of 1), four in
-all. Other forwards (packed, gathered, rings, LoRA layers, and the first forward of a
-one-token prompt, whose context of 1 would be a graph of its own, and a step whose longest
-row fills the cache's storage exactly) run the same Python eagerly.
+row or several, times one token a row, a few (up to 16: decode and verify steps attend by
+products and sums on the CPU, ``lean_forward._attend_by_products``) or more (prefills: SDPA),
+six in all (torch specializes sizes of 1). Other forwards (packed, gathered, rings, LoRA
+layers, and the first forward of a one-token prompt, whose context of 1 would be a graph of
+its own, and a step whose longest row fills the cache's storage exactly) run the same Python
+eagerly.
 
 Inductor fuses the elementwise work between the matmuls (norms, rotary, SiLU gate,
 residuals) and the KV writes; outputs differ from the eager ones in the last bits (sums in
@@ -41,7 +43,7 @@ from osd.cache_dir import osd_cache_dir
 
 __all__ = ["CompileStats", "compile_stats", "compiled_layers", "persistent_inductor_cache"]
 
-# Graphs one model's compiled layers may hold before torch runs them eagerly: the four shapes
+# Graphs one model's compiled layers may hold before torch runs them eagerly: the six shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
 # compiled call of one function shares the limit (the target's and a plain draft's, or every
 # engine a process builds).

@@ -158,7 +158,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     negation and a concatenation (one operation against four). Compiled, the halves swapped by
     a concatenation instead, the same values: inductor reads a roll's wrapped index one
     element at a time, and where it fuses the queries' rotation into the attention scores
-    (:func:`_attend_one_token`) that gather ran once per key: the scores cost 1.4x."""
+    (:func:`_attend_by_products`) that gather ran once per key: the scores cost 1.4x."""
     half = x.shape[-1] // 2
     if torch.compiler.is_compiling():
         return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
@@ -228,16 +228,16 @@ def _attend(
     ).transpose(1, 2)
 
 
-def _attend_one_token(
+def _attend_by_products(
     layer: _Layer,
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """(B, 1, H, D) queries over (B, S, H_kv, D) keys and values read where the slot cache
-    keeps them (token-major) -> (B, 1, H, D): SDPA's arithmetic as products and sums, for the
-    compiled forward on the CPU at one token a row (every decode step of the target alone).
+    """(B, T, H, D) queries over (B, S, H_kv, D) keys and values read where the slot cache
+    keeps them (token-major) -> (B, T, H, D): SDPA's arithmetic as products and sums, for the
+    compiled forward on the CPU at a few tokens a row (decode and verify steps).
 
     Inductor fuses each of the two sums with its products into one pass over a row's keys,
     then one over its values, reading them in the order they are stored. PyTorch's CPU flash
@@ -245,17 +245,18 @@ def _attend_one_token(
     a pair on the demo target at 100 keys, most of it waiting on memory: 16 rows' attention
     over 12 layers' caches (20 MB) ran at 5 GB/s where one pass streams at 21. Measured on the
     demo target's shapes, compiled, per layer with the query projection: 2.2x SDPA at 16 rows
-    and 100 keys, 2.0x at 200, 1.7x at one row (``docs/batched_engine.md``). Grouped-query
-    heads share their key head's pass. Sums come in another order than SDPA's, so results
-    differ in the last bits (as every compiled output does)."""
-    batch, _, heads, dim = q.shape
+    and 100 keys, 2.0x at 200, 1.7x at one row; 1.16x at 16 rows of 5 tokens
+    (``docs/batched_engine.md``). Grouped-query heads share their key head's pass. Sums come
+    in another order than SDPA's, so results differ in the last bits (as every compiled
+    output does)."""
+    batch, width, heads, dim = q.shape
     span, heads_kv = keys.shape[1], keys.shape[2]
-    grouped = q.view(batch, 1, heads_kv, heads // heads_kv, dim)  # (B, 1, H_kv, G, D)
-    scores = (grouped * keys.unsqueeze(3)).sum(-1) * layer.scaling  # (B, S, H_kv, G)
-    scores = scores + mask.view(batch, span, 1, 1)
-    probs = torch.softmax(scores, dim=1)
-    out = (probs.unsqueeze(-1) * values.unsqueeze(3)).sum(1)  # (B, H_kv, G, D)
-    return out.view(batch, 1, heads, dim)
+    grouped = q.view(batch, width, 1, heads_kv, heads // heads_kv, dim)  # (B, T, 1, H_kv, G, D)
+    scores = (grouped * keys.view(batch, 1, span, heads_kv, 1, dim)).sum(-1) * layer.scaling
+    scores = scores + mask.view(batch, width, span, 1, 1)  # (B, T, S, H_kv, G)
+    probs = torch.softmax(scores, dim=2)
+    out = (probs.unsqueeze(-1) * values.view(batch, 1, span, heads_kv, 1, dim)).sum(2)
+    return out.view(batch, width, heads, dim)
 
 
 def _after_attention(layer: _Layer, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -287,9 +288,14 @@ def _in_place_layers(
     batch, width = hidden.shape[:2]
     kv_len = mask.shape[-1]
     start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
-    # Compiled on the CPU, one token a row attends by products and sums (a static choice: a
-    # size of 1 is its own graph, and so is the device).
-    by_products = torch.compiler.is_compiling() and hidden.device.type == "cpu"
+    # Compiled on the CPU, a few tokens a row attend by products and sums, more (prefills)
+    # through SDPA, whose blocked matmuls a long prompt needs: a graph for each (a size of 1 is
+    # its own graph; the bound on wider rows adds one guard).
+    by_products = (
+        torch.compiler.is_compiling()
+        and hidden.device.type == "cpu"
+        and width <= _PRODUCT_ATTENTION_WIDTH
+    )
     for index, layer in enumerate(layers):
         q, k, v = _attention_inputs(layer, hidden, cos, sin)
         stores = keys[index], values[index]
@@ -301,14 +307,18 @@ def _in_place_layers(
             else store[:, :kv_len].index_select(0, slots)
             for store in stores
         ]
-        if width == 1 and by_products:
-            out = _attend_one_token(layer, q, rows[0], rows[1], mask)
+        if by_products:
+            out = _attend_by_products(layer, q, rows[0], rows[1], mask)
         else:
             out = _attend(layer, q, rows[0].transpose(1, 2), rows[1].transpose(1, 2), mask)
         out = out.reshape(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
 
+
+# The most tokens a row attends by products and sums (compiled, CPU): a verify step's k + 1 (9
+# at the default spec.max_spec_tokens), not a prefill's.
+_PRODUCT_ATTENTION_WIDTH = 16
 
 # A first slot s goes to compiled layers as a size of s + 2: never 0 or 1, which torch would
 # compile graphs of their own for.

@@ -11,7 +11,8 @@ one of them), then one with the target alone. Its steps go to a throwaway contro
 proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
 requests are never logged (no record is written outside the replica's runtime). With
 ``model.compile`` the warm-up is also when every graph is compiled
-(:mod:`osd.decode.compiled_forward`): one and several rows, one and several tokens a row.
+(:mod:`osd.decode.compiled_forward`): one and several rows, one token a row, a verify
+step's few and a prompt's many.
 """
 
 from __future__ import annotations

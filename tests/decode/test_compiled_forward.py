@@ -108,6 +108,10 @@ def test_a_changing_batch_mix_does_not_recompile(models):
     _run(models, [_plan(eager, [7, 3], [0, 0], 5), _plan(eager, [1, 1], [7, 3], 6)])
     _run(models, [_plan(eager, [3, 3], [0, 0], 7), _plan(eager, [1], [0], 7)])
     _run(models, [_plan(eager, [2], [0], 7), _plan(eager, [3, 3], [2, 0], 7)])
+    # Rows wider than attention by products takes (prefills): SDPA's graphs, one row and
+    # several (after a first forward: a row filling the new storage exactly runs eagerly).
+    _run(models, [_plan(eager, [4, 4], [0, 0], 7), _plan(eager, [20, 5], [4, 4], 7)])
+    _run(models, [_plan(eager, [2], [0], 7), _plan(eager, [18], [2], 7)])
     warm = compile_stats().compilations
     # Other batch sizes, contexts, tokens a row, and a cache that grows past its capacity.
     outs, _ = _run(

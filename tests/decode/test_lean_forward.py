@@ -279,28 +279,31 @@ def test_a_merged_forward_keeps_no_autograd_graph_of_a_trainable_adapter():
     assert lm._merged["sql"] is not None and not logits.requires_grad
 
 
+@pytest.mark.parametrize("width", [1, 3])
 @pytest.mark.parametrize(("heads", "heads_kv"), [(2, 2), (8, 2), (4, 1)])
-def test_one_token_attention_by_products_computes_what_sdpa_does(heads, heads_kv):
-    # The compiled CPU forward's attention at one token a row: keys read token-major where the
-    # slot cache keeps them (a view with the capacity's strides), rows of several lengths
-    # masked as the plans mask them (the dtype's minimum, not -inf), grouped-query heads.
-    from osd.decode.lean_forward import _attend, _attend_one_token
+def test_attention_by_products_computes_what_sdpa_does(heads, heads_kv, width):
+    # The compiled CPU forward's attention at a few tokens a row: keys read token-major where
+    # the slot cache keeps them (a view with the capacity's strides), rows of several lengths
+    # masked causally as the plans mask them (the dtype's minimum, not -inf), grouped-query
+    # heads.
+    from osd.decode.lean_forward import _attend, _attend_by_products
 
     gen = torch.Generator().manual_seed(0)
     rows, capacity, span, dim = 3, 40, 29, 16
     stores = [torch.randn(rows, capacity, heads_kv, dim, generator=gen) for _ in range(2)]
     keys, values = (store[:, :span] for store in stores)
-    q = torch.randn(rows, 1, heads, dim, generator=gen)
-    lengths = torch.tensor([29, 7, 1])
-    hidden = torch.arange(span) >= lengths[:, None]
-    mask = torch.zeros(rows, 1, 1, span).masked_fill_(
-        hidden.view(rows, 1, 1, span), torch.finfo(torch.float32).min
+    q = torch.randn(rows, width, heads, dim, generator=gen)
+    lengths = torch.tensor([29, 7, width])  # keys of each row; its queries are the last ones
+    query_pos = lengths[:, None] - width + torch.arange(width)  # (B, T)
+    hidden = torch.arange(span).view(1, 1, span) > query_pos[..., None]  # (B, T, S)
+    mask = torch.zeros(rows, 1, width, span).masked_fill_(
+        hidden.unsqueeze(1), torch.finfo(torch.float32).min
     )
     layer = type("Layer", (), {"scaling": dim**-0.5, "gqa": heads != heads_kv})()
     want = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
-    got = _attend_one_token(layer, q, keys, values, mask)
+    got = _attend_by_products(layer, q, keys, values, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    # Row 2 sees its one key alone: its output is that key's value, head by head.
+    # Row 2's first query sees the row's first key alone: its output is that key's value.
     group = heads // heads_kv
     torch.testing.assert_close(
         got[2, 0], values[2, 0].repeat_interleave(group, dim=0), rtol=1e-6, atol=1e-6
