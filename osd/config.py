@@ -65,9 +65,10 @@ class ModelConfig:
     # forward (osd.decode.lean_forward); false: transformers' own forward, for debugging.
     lean_forward: bool = True
     # The lean forward's decode layers through torch.compile (osd.decode.compiled_forward):
-    # faster steps (the demo target 1.04-1.21x eager, 2026-12-05), compiled during the
-    # replica's warm-up (80-150 s on a 2-core CPU the first time, about 40 s from inductor's
-    # on-disk cache after). Off: the eager forward.
+    # faster steps (the demo target alone 1.30-1.67x eager at batch 1, 1.35-1.38x at 16,
+    # 2026-12-05), compiled during the replica's warm-up (about 100 s on a 2-core CPU the
+    # first time, 45-50 s to ready from inductor's on-disk cache after). Off: the eager
+    # forward.
     compile: bool = False
     # On CUDA, those decode layers (compiled or not) replay CUDA graphs captured per batch
     # bucket (osd.decode.cuda_graphs), merged draft forwards' too; no effect on the CPU. Off by

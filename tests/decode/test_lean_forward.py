@@ -131,7 +131,10 @@ def test_in_place_reads_equal_gathered_reads():
             )
             for first, cache in zip((1, None), caches, strict=True)
         ]
-    assert torch.equal(outs[0], outs[1])
+    if lm._lean_forward().compiled:  # OSD_TEST_COMPILE: in place is compiled, gathered eager
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(outs[0], outs[1])
 
 
 def test_per_row_lora_adapters_and_an_adapter_added_while_serving_take_effect():
