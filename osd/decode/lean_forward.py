@@ -253,7 +253,7 @@ def _attend_by_products(
     span, heads_kv = keys.shape[1], keys.shape[2]
     grouped = q.view(batch, width, 1, heads_kv, heads // heads_kv, dim)  # (B, T, 1, H_kv, G, D)
     scores = (grouped * keys.view(batch, 1, span, heads_kv, 1, dim)).sum(-1) * layer.scaling
-    scores = scores + mask.view(batch, width, span, 1, 1)  # (B, T, S, H_kv, G)
+    scores = scores + mask.reshape(batch, width, span, 1, 1)  # (B, T, S, H_kv, G)
     probs = torch.softmax(scores, dim=2)
     out = (probs.unsqueeze(-1) * values.view(batch, 1, span, heads_kv, 1, dim)).sum(2)
     return out.view(batch, width, heads, dim)
