@@ -311,3 +311,49 @@ def test_attention_by_products_computes_what_sdpa_does(heads, heads_kv, width):
     torch.testing.assert_close(
         got[2, 0], values[2, 0].repeat_interleave(group, dim=0), rtol=1e-6, atol=1e-6
     )
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_many_rows_of_one_token_attend_by_products_as_transformers_would(name, monkeypatch):
+    # From 8 rows of one token a row the eager CPU forward attends by products and sums:
+    # ragged rows past the windows (8), read in place, against transformers' own forward.
+    from osd.decode import lean_forward
+
+    calls = []
+    products = lean_forward._attend_by_products
+    monkeypatch.setattr(
+        lean_forward,
+        "_attend_by_products",
+        lambda *args: calls.append(args[1].shape) or products(*args),
+    )
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    rows = 9
+    caches = [SlotKVCache(rows, 64, lean.attention.spans, 32) for _ in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    lengths = [3 + 2 * row for row in range(rows)]  # 3..19 tokens
+    column = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+
+    def plan(width, start, real):
+        return plan_forward(
+            input_ids=torch.randint(1, 60, (rows, width), generator=gen),
+            start=column(start),
+            left=column([width - n for n in real]),
+            real=column(real),
+            own_slot=column(range(rows)),
+            base_slot=column(range(rows)),
+            prefix_len=column([0] * rows),
+            trash_slot=rows,
+            dtype=torch.float32,
+            layout=lean.attention,
+            first_slot=0,
+        )
+
+    plans = [plan(max(lengths), [0] * rows, lengths)]
+    plans += [plan(1, [n + step for n in lengths], [1] * rows) for step in range(3)]
+    with torch.inference_mode():
+        for each in plans:
+            got = lean.run(each, caches[0], num_logits=1)
+            want = plain.run(each, caches[1], num_logits=1)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls and all(shape[:2] == (rows, 1) for shape in calls)
