@@ -217,11 +217,15 @@ def _attend(
     values: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """(B, T, H, D) queries over (B, H_kv, S, D) keys and values -> (B, T, H, D)."""
+    """(B, T, H, D) queries over (B, S, H_kv, D) keys and values, token-major as the slot cache
+    keeps them -> (B, T, H, D): by products and sums where they pay
+    (:func:`_products_pay`), else SDPA."""
+    if _products_pay(q, keys.shape[1]):
+        return _attend_by_products(layer, q, keys, values, mask)
     return F.scaled_dot_product_attention(
         q.transpose(1, 2),
-        keys,
-        values,
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
         attn_mask=mask,
         scale=layer.scaling,
         enable_gqa=layer.gqa,
@@ -238,7 +242,7 @@ def _attend_by_products(
     """(B, T, H, D) queries over (B, S, H_kv, D) keys and values read where the slot cache
     keeps them (token-major) -> (B, T, H, D): SDPA's arithmetic as products and sums, for the
     compiled forward on the CPU at a few tokens a row (decode and verify steps), and the eager
-    one at one token a row where the products are small (:func:`_products_pay_eagerly`).
+    one at one token a row where the products are small (:func:`_products_pay`).
 
     Inductor fuses each of the two sums with its products into one pass over a row's keys,
     then one over its values, reading them in the order they are stored. PyTorch's CPU flash
@@ -260,24 +264,33 @@ def _attend_by_products(
     return out.view(batch, width, heads, dim)
 
 
+# The most tokens a row attends by products and sums when compiled: a verify step's k + 1 (9
+# at the default spec.max_spec_tokens), not a prefill's, whose long rows SDPA's blocked
+# matmuls take better.
+_PRODUCT_ATTENTION_WIDTH = 16
 # Eagerly, products and sums are tensors of their own (B x S x H x D elements each): they pay
 # at one token a row from this many rows, up to this many elements (the demo target, one
-# thread: 16 rows, 100-250 keys, the forward 10.4-10.9 -> 7.8-8.6 ms; 8 rows 6.9 -> 5.3-5.7;
+# thread: 16 rows, 100-250 keys, the forward 10.4-10.9 -> 7.4-8.6 ms; 8 rows 6.9 -> 5.3-5.7;
 # 4 rows and one row as SDPA, within noise).
 _EAGER_PRODUCT_ROWS = 8
 _EAGER_PRODUCT_ELEMENTS = 1 << 21
 
 
-def _products_pay_eagerly(q: torch.Tensor, span: int) -> bool:
-    """Whether the eager forward's (B, 1, H, D) queries over ``span`` keys attend by products
-    and sums (:func:`_attend_by_products`) rather than SDPA: on the CPU, one token a row, at
-    least ``_EAGER_PRODUCT_ROWS`` rows, and products of at most ``_EAGER_PRODUCT_ELEMENTS``
-    elements (a large model's, or a long context's, stay with SDPA, whose per-pair cost they
+def _products_pay(q: torch.Tensor, span: int) -> bool:
+    """Whether (B, T, H, D) queries over ``span`` keys attend by products and sums
+    (:func:`_attend_by_products`) rather than SDPA; only on the CPU. Compiled: up to
+    ``_PRODUCT_ATTENTION_WIDTH`` tokens a row (a static choice for a size of 1; for wider
+    rows the bound is one guard, so a graph of its own). Eagerly: one token a row, at least
+    ``_EAGER_PRODUCT_ROWS`` rows, and products of at most ``_EAGER_PRODUCT_ELEMENTS`` elements
+    (a large model's, or a long context's, stay with SDPA, whose per-pair cost they
     amortize)."""
     batch, width, heads, dim = q.shape
+    if q.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():
+        return width <= _PRODUCT_ATTENTION_WIDTH
     return (
-        q.device.type == "cpu"
-        and width == 1
+        width == 1
         and batch >= _EAGER_PRODUCT_ROWS
         and batch * span * heads * dim <= _EAGER_PRODUCT_ELEMENTS
     )
@@ -312,14 +325,6 @@ def _in_place_layers(
     batch, width = hidden.shape[:2]
     kv_len = mask.shape[-1]
     start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
-    # Compiled on the CPU, a few tokens a row attend by products and sums, more (prefills)
-    # through SDPA, whose blocked matmuls a long prompt needs: a graph for each (a size of 1 is
-    # its own graph; the bound on wider rows adds one guard).
-    by_products = (
-        torch.compiler.is_compiling()
-        and hidden.device.type == "cpu"
-        and width <= _PRODUCT_ATTENTION_WIDTH
-    )
     for index, layer in enumerate(layers):
         q, k, v = _attention_inputs(layer, hidden, cos, sin)
         stores = keys[index], values[index]
@@ -331,18 +336,10 @@ def _in_place_layers(
             else store[:, :kv_len].index_select(0, slots)
             for store in stores
         ]
-        if by_products:
-            out = _attend_by_products(layer, q, rows[0], rows[1], mask)
-        else:
-            out = _attend(layer, q, rows[0].transpose(1, 2), rows[1].transpose(1, 2), mask)
-        out = out.reshape(batch, width, -1)
+        out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
 
-
-# The most tokens a row attends by products and sums (compiled, CPU): a verify step's k + 1 (9
-# at the default spec.max_spec_tokens), not a prefill's.
-_PRODUCT_ATTENTION_WIDTH = 16
 
 # A first slot s goes to compiled layers as a size of s + 2: never 0 or 1, which torch would
 # compile graphs of their own for.
@@ -502,12 +499,7 @@ class LeanForward:
             if packed is not None:
                 q = q.new_zeros(batch * width, *q.shape[1:]).index_copy_(0, packed.index, q)
             q = q.view(batch, width, -1, layer.head_dim)
-            if _products_pay_eagerly(q, keys.shape[2]) and packed is None:
-                out = _attend_by_products(
-                    layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask
-                )
-            else:
-                out = _attend(layer, q, keys, values, mask)
+            out = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
             if packed is None:
                 out = out.reshape(batch, width, -1)
             else:

@@ -289,7 +289,7 @@ def test_attention_by_products_computes_what_sdpa_does(heads, heads_kv, width):
     # the slot cache keeps them (a view with the capacity's strides), rows of several lengths
     # masked causally as the plans mask them (the dtype's minimum, not -inf), grouped-query
     # heads.
-    from osd.decode.lean_forward import _attend, _attend_by_products
+    from osd.decode.lean_forward import _attend_by_products
 
     gen = torch.Generator().manual_seed(0)
     rows, capacity, span, dim = 3, 40, 29, 16
@@ -302,8 +302,15 @@ def test_attention_by_products_computes_what_sdpa_does(heads, heads_kv, width):
     mask = torch.zeros(rows, 1, width, span).masked_fill_(
         hidden.unsqueeze(1), torch.finfo(torch.float32).min
     )
-    layer = type("Layer", (), {"scaling": dim**-0.5, "gqa": heads != heads_kv})()
-    want = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
+    layer = type("Layer", (), {"scaling": dim**-0.5})()
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask,
+        scale=layer.scaling,
+        enable_gqa=heads != heads_kv,
+    ).transpose(1, 2)
     got = _attend_by_products(layer, q, keys, values, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # Row 2's first query sees the row's first key alone: its output is that key's value.
