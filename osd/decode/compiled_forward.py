@@ -21,13 +21,16 @@ keeps what it compiled in its on-disk cache (``TORCHINDUCTOR_CACHE_DIR``, by def
 under osd's cache directory rather than torch's ``/tmp``), so a restart takes seconds. The
 replica's warm-up (:mod:`osd.decode.warmup`) runs every batch size before the replica
 reports ready, so no request pays for a compilation, and :func:`compile_stats` counts every
-one (``osd_engine_compilations_total``: it should not move once a replica serves). Measured
-in ``docs/batched_engine.md``.
+one (``osd_engine_compilations_total``: it should not move once a replica serves). On by
+default (``model.compile``); a compilation that fails (no C++ compiler, a backend that cannot
+build the graph) fails before its graph runs, and that model's layers then run eagerly, with
+one warning. Measured in ``docs/batched_engine.md``.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import threading
 import time
@@ -40,6 +43,8 @@ from typing import Any
 import torch
 
 from osd.cache_dir import osd_cache_dir
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompileStats", "compile_stats", "compiled_layers", "persistent_inductor_cache"]
 
@@ -61,7 +66,12 @@ class CompileStats:
     seconds: float = 0.0
     captures: int = 0  # CUDA graphs captured (osd.decode.cuda_graphs)
     capture_seconds: float = 0.0
+    failures: int = 0  # models whose compilation failed: they run eagerly
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_failure(self) -> None:
+        with self._lock:
+            self.failures += 1
 
     def add(self, seconds: float) -> None:
         with self._lock:
@@ -152,17 +162,19 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
     head dimension) static, so the kernels are specialized to them; compiled into
     :func:`persistent_inductor_cache`."""
     import torch._dynamo as dynamo
+    import torch._dynamo.exc as dynamo_exc
 
     persistent_inductor_cache()
     function = _compile(layers)
     marked: list[weakref.ref[torch.Tensor]] = []  # the stores last marked dynamic
+    failed: list[str] = []  # why compiling failed: from then on this model runs eagerly
 
     def run(*inputs: Any) -> torch.Tensor:
         """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index,
         slots (None: the rows' slots are consecutive) and the first slot as a size."""
         hidden, cos, sin, mask, keys, values, write_index, slots, *rest = inputs
         first = rest[0] if rest else None
-        if mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
+        if failed or mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
             # A one-token prompt's forward, and a step whose longest row fills the storage
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
             # not graphs of their own.
@@ -187,7 +199,21 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
                 dynamo.maybe_mark_dynamic(tensor, dim)
         if fresh:
             marked[:] = [weakref.ref(store) for store in stores]
-        out: torch.Tensor = function(*inputs)
+        try:
+            out: torch.Tensor = function(*inputs)
+        except dynamo_exc.TorchDynamoException as e:
+            # Raised while tracing or compiling, before the graph ran (nothing was written):
+            # a missing C++ compiler, a backend that cannot build the graph. Serving goes on
+            # eagerly, with the same outputs as model.compile off.
+            failed.append(" ".join(str(e).split())[:300])
+            _STATS.add_failure()
+            log.warning(
+                "torch.compile failed (%s: %s); this model's layers run eagerly from now on "
+                "(model.compile=false does so from the start)",
+                type(e).__name__,
+                failed[0],
+            )
+            return layers(*inputs)
         return out
 
     return run

@@ -213,3 +213,28 @@ def test_inductor_caches_under_osds_cache_directory_unless_told_otherwise(monkey
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     assert persistent_inductor_cache() == tmp_path / "inductor"
+
+
+def test_a_failed_compilation_leaves_the_model_eager_with_a_warning(monkeypatch, caplog):
+    # model.compile is on by default, so a machine where inductor cannot build (no C++
+    # compiler, a backend that refuses the graph) must still serve, eagerly.
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled_forward, "_counting_inductor", failing_backend)
+    model = build_family("llama3", 5)
+    broken = CausalLM(model, 64, compile=True)
+    assert broken._lean_forward().compiled
+    failures = compile_stats().failures
+    with caplog.at_level("WARNING", logger=compiled_forward.__name__):
+        outs, caches = _run(
+            (CausalLM(model, 64), broken),
+            [_plan(broken, [5, 3], [0, 0], 8), _plan(broken, [1, 1], [5, 3], 9)],
+        )
+    for want, got in outs:
+        torch.testing.assert_close(got, want)  # the eager forward's outputs
+    for mine, theirs in zip(caches[1]._keys, caches[0]._keys, strict=True):
+        torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS])  # written once, not twice
+    assert compile_stats().failures == failures + 1  # one warning for the model, not a step
+    warned = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert len(warned) == 1 and "no C++ compiler found" in warned[0].getMessage()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from osd.config import BUILTIN_CONFIGS, OSDConfig, load_config, resolve_dtype
+from osd.config import BUILTIN_CONFIGS, ConfigError, OSDConfig, load_config, resolve_dtype
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -71,6 +71,24 @@ def test_environment_variables_expand_in_files(tmp_path, monkeypatch):
     path = tmp_path / "c.yaml"
     path.write_text("log:\n  redis_url: redis://:${OSD_TEST_PASSWORD}@host:6379/0\n")
     assert load_config(path).log.redis_url == "redis://:s3cret@host:6379/0"
+
+
+def test_compiling_is_on_by_default_unless_the_environment_or_the_config_says_off(
+    monkeypatch, tmp_path
+):
+    monkeypatch.delenv("OSD_MODEL_COMPILE", raising=False)  # the suite sets it off
+    assert load_config().model.compile is True
+    monkeypatch.setenv("OSD_MODEL_COMPILE", "0")
+    assert load_config().model.compile is False
+    assert load_config(overrides=["model.compile=true"]).model.compile is True
+    monkeypatch.setenv("OSD_MODEL_COMPILE", "Off")
+    assert OSDConfig().model.compile is False
+    file = tmp_path / "c.yaml"
+    file.write_text("model:\n  compile: true\n")
+    assert load_config(file).model.compile is True  # a config's own value wins
+    monkeypatch.setenv("OSD_MODEL_COMPILE", "maybe")
+    with pytest.raises(ConfigError, match="OSD_MODEL_COMPILE='maybe'"):
+        load_config()
 
 
 def test_auto_dtype_follows_the_device():
