@@ -221,7 +221,7 @@ class LocalStack(Closeable):
         if s.warmup and self.config.model.compile:
             print(
                 "[osd] the replica compiles its model forwards in its warm-up before it serves "
-                "(about 100 s on a 2-core CPU the first time, under a minute from inductor's "
+                "(2-6 minutes on a 2-core CPU the first time, about a minute from inductor's "
                 "on-disk cache after; model.compile=false skips it)",
                 flush=True,
             )

@@ -66,9 +66,12 @@ class ModelConfig:
     lean_forward: bool = True
     # The lean forward's decode layers through torch.compile (osd.decode.compiled_forward):
     # faster steps (the demo target alone 1.30-1.67x eager at batch 1, 1.35-1.38x at 16,
-    # 2026-12-05), compiled during the replica's warm-up, before it reports ready (about
-    # 100 s on a 2-core CPU the first time, 45-50 s to ready from inductor's on-disk cache
-    # after; vLLM's CPU server was ready in 43-81 s on that machine). A compilation that fails
+    # 2026-12-05), compiled during the replica's warm-up, before it reports ready (100-180 s
+    # on a 2-core AMD EPYC the first time, 227-333 s on a 2-core Intel Xeon, 45-60 s to ready
+    # from inductor's on-disk cache after; vLLM's CPU server was ready in 43-81 s on those
+    # machines). A LoRA draft's adapters run the graphs its plain weights compiled; on the CPU
+    # each shape class keeps whichever of compiled and eager timed faster in its first calls
+    # (osd.decode.compiled_forward). A compilation that fails
     # (no C++ compiler, say) leaves that model eager, with a warning. False: the eager forward,
     # the debugging switch. The default is true unless OSD_MODEL_COMPILE=0 is set (the test
     # suite sets it; a config's own value wins over both).

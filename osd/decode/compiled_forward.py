@@ -8,10 +8,17 @@ the tokens per row, the context and the cache's slots and capacity are dynamic f
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
 row or several, times one token a row, a few (up to 16: decode and verify steps attend by
 products and sums on the CPU, ``lean_forward._attend_by_products``) or more (prefills: SDPA),
-six in all (torch specializes sizes of 1). Other forwards (packed, gathered, rings, LoRA
-layers, and the first forward of a one-token prompt, whose context of 1 would be a graph of
-its own, and a step whose longest row fills the cache's storage exactly) run the same Python
-eagerly.
+six in all (torch specializes sizes of 1). A LoRA draft's forwards whose rows all run one
+adapter (its merged forwards, most draft forwards) run the same graphs with their own
+weights (:class:`CompiledModel`): an adapter swapped in compiles nothing. Other forwards
+(packed, gathered, rings, rows of mixed adapters, the first forward of a one-token prompt,
+whose context of 1 would be a graph of its own, and a step whose longest row fills the
+cache's storage exactly) run the same Python eagerly.
+
+On the CPU each shape class (rows up to a power of two, one token a row, a few or many) times
+its first calls compiled and eager, alternately, and runs the faster from then on: a tiny
+draft's one-row graph loses to its eager layers (the graph's fixed cost per call), its 16-row
+one wins (:meth:`_CompiledLayers._trial`); the warm-up is where they settle.
 
 Inductor fuses the elementwise work between the matmuls (norms, rotary, SiLU gate,
 residuals) and the KV writes; outputs differ from the eager ones in the last bits (sums in
@@ -29,13 +36,15 @@ one warning. Measured in ``docs/batched_engine.md``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
+import statistics
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +55,7 @@ from osd.cache_dir import osd_cache_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileStats", "compile_stats", "compiled_layers", "persistent_inductor_cache"]
+__all__ = ["CompileStats", "CompiledModel", "compile_stats", "persistent_inductor_cache"]
 
 # Graphs one model's compiled layers may hold before torch runs them eagerly: the six shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
@@ -67,7 +76,12 @@ class CompileStats:
     captures: int = 0  # CUDA graphs captured (osd.decode.cuda_graphs)
     capture_seconds: float = 0.0
     failures: int = 0  # models whose compilation failed: they run eagerly
+    eager_choices: int = 0  # shape classes whose eager layers beat their graph (trials)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_eager_choice(self) -> None:
+        with self._lock:
+            self.eager_choices += 1
 
     def add_failure(self) -> None:
         with self._lock:
@@ -113,12 +127,17 @@ LayersFunction = Callable[..., torch.Tensor]
 
 def _inputs_guards(entries: list[Any]) -> list[bool]:
     """Dynamo's guards to keep: all but those on the model's own layers (their weights,
-    callables and sizes: ``fn``, the partial's bound first argument of
-    ``_in_place_layers``). Each model's graphs are its own (``isolate_recompiles``) and its
-    layers never change, so those guards can only pass; with them dynamo's cache lookup took
-    0.36 ms a step on the demo target at batch 16, 0.11 ms without (in the profiler). The
-    inputs' guards, which choose among a model's graphs, all stay."""
-    return [not (entry.name == "fn" or entry.name.startswith("fn.")) for entry in entries]
+    callables and sizes: ``_in_place_layers``' first argument, ``layers``). Each signature's
+    graphs are its own (``isolate_recompiles``) and every forward that calls them has layers
+    of that signature (:class:`CompiledModel`), so those guards can only pass; with them
+    dynamo's cache lookup took 0.36 ms a step on the demo target at batch 16, 0.11 ms without
+    (in the profiler). The inputs' guards, which choose among a model's graphs, all stay."""
+    return [not _on_layers(entry.name) for entry in entries]
+
+
+def _on_layers(source: str) -> bool:
+    """Whether a guard's source is the ``layers`` argument or something reached from it."""
+    return source == "layers" or source.startswith(("layers[", "layers.", "type(layers["))
 
 
 def _compile(layers: LayersFunction) -> Any:
@@ -156,32 +175,89 @@ def persistent_inductor_cache() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def compiled_layers(layers: LayersFunction) -> LayersFunction:
-    """``layers`` (called as ``_in_place_layers`` without its first argument) compiled, with
-    the sizes that change from step to step dynamic and the model's own sizes (hidden, heads,
-    head dimension) static, so the kernels are specialized to them; compiled into
-    :func:`persistent_inductor_cache`."""
-    import torch._dynamo as dynamo
-    import torch._dynamo.exc as dynamo_exc
+# Calls of a shape class timed each way (eager, compiled) before it settles on the faster.
+_TRIALS = 4
+# The most tokens a row of a verify-shaped forward: lean_forward._PRODUCT_ATTENTION_WIDTH, where
+# the graphs change from attention by products to SDPA.
+_FEW_TOKENS = 16
 
-    persistent_inductor_cache()
-    function = _compile(layers)
-    marked: list[weakref.ref[torch.Tensor]] = []  # the stores last marked dynamic
-    failed: list[str] = []  # why compiling failed: from then on this model runs eagerly
 
-    def run(*inputs: Any) -> torch.Tensor:
-        """``_in_place_layers``' inputs: hidden, cos, sin, mask, keys, values, write index,
-        slots (None: the rows' slots are consecutive) and the first slot as a size."""
+def _shape_class(hidden: torch.Tensor) -> tuple[int, int]:
+    """What a forward's speed depends on most: (rows up to a power of two, tokens a row as
+    one, a few or many). The graphs are the same for every class of rows; which of compiled
+    and eager is faster is not: on the demo draft compiled was 0.82x eager at one row and
+    1.66x at 16 (one token a row, Intel Xeon, one thread)."""
+    rows, width = hidden.shape[:2]
+    return 1 << (rows - 1).bit_length(), 1 if width == 1 else 2 if width <= _FEW_TOKENS else 3
+
+
+def _describe(shape: tuple[int, int]) -> str:
+    rows, tokens = shape
+    return f"up to {rows} row(s), {('one token', 'a few tokens', 'many tokens')[tokens - 1]} a row"
+
+
+class CompiledModel:
+    """One model's compiled layers, shared by every lean forward of the model whose layers
+    have the same signature (:func:`osd.decode.lean_forward.layers_signature`: the weights'
+    sizes, strides, dtypes and devices, and the constants the graph bakes in): the plain
+    forward and each LoRA adapter's merged one. Their weights are inputs of the graphs, read
+    at every call, and dynamo's guards on them are dropped (:func:`_inputs_guards`), so a
+    merged forward made when an adapter is swapped in runs the graphs its model compiled in
+    the warm-up, with its own weights, and compiles nothing (a compilation per adapter would
+    stall the decode loop for minutes)."""
+
+    def __init__(self) -> None:
+        self._by_signature: dict[Hashable, _CompiledLayers] = {}
+        self._lock = threading.Lock()
+
+    def layers(self, signature: Hashable, function: LayersFunction, layers: Any) -> LayersFunction:
+        """``function`` (``_in_place_layers``) compiled once for ``signature``, bound to
+        ``layers``: called with the rest of ``_in_place_layers``' inputs."""
+        with self._lock:
+            compiled = self._by_signature.get(signature)
+            if compiled is None:
+                compiled = self._by_signature[signature] = _CompiledLayers(function)
+        return functools.partial(compiled, layers)
+
+    @property
+    def functions(self) -> int:
+        """Compiled functions held: one for each signature seen (one for a model's forwards)."""
+        return len(self._by_signature)
+
+
+class _CompiledLayers:
+    """``_in_place_layers`` compiled, with the sizes that change from step to step dynamic and
+    the model's own sizes (hidden, heads, head dimension) static, so the kernels are
+    specialized to them; compiled into :func:`persistent_inductor_cache`."""
+
+    def __init__(self, function: LayersFunction) -> None:
+        persistent_inductor_cache()
+        self._eager = function
+        self._function = _compile(function)
+        self._marked: list[weakref.ref[torch.Tensor]] = []  # the stores last marked dynamic
+        self._failed: list[str] = []  # why compiling failed: from then on it runs eagerly
+        # Shape class (_shape_class) -> whether the compiled graph beat the eager layers in its
+        # trial (absent: not settled yet); on the CPU only, where a call's time is its own.
+        self._compiled_pays: dict[tuple[int, int], bool] = {}
+        self._times: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+
+    def __call__(self, layers: Any, *inputs: Any) -> torch.Tensor:
+        """``_in_place_layers``' inputs: the layers, hidden, cos, sin, mask, keys, values,
+        write index, slots (None: the rows' slots are consecutive) and the first slot as a
+        size."""
+        import torch._dynamo as dynamo
+
         hidden, cos, sin, mask, keys, values, write_index, slots, *rest = inputs
         first = rest[0] if rest else None
-        if failed or mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
+        if self._failed or mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
             # A one-token prompt's forward, and a step whose longest row fills the storage
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
             # not graphs of their own.
-            return layers(*inputs)
+            return self._eager(layers, *inputs)
         stores = (*keys, *values)
         # A mark stays with its tensor, and the stores live as long as the cache's storage:
         # marked again when the cache grew, not at every step (48 calls on the demo target).
+        marked = self._marked
         fresh = len(stores) != len(marked) or any(
             ref() is not store for ref, store in zip(marked, stores, strict=True)
         )
@@ -199,21 +275,58 @@ def compiled_layers(layers: LayersFunction) -> LayersFunction:
                 dynamo.maybe_mark_dynamic(tensor, dim)
         if fresh:
             marked[:] = [weakref.ref(store) for store in stores]
+        shape = _shape_class(hidden)
+        compiled = self._compiled_pays.get(shape)
+        if compiled is False:
+            return self._eager(layers, *inputs)
+        if compiled is None and hidden.device.type == "cpu":
+            return self._trial(shape, layers, inputs)
+        return self._compiled(layers, inputs)
+
+    def _trial(self, shape: tuple[int, int], layers: Any, inputs: tuple[Any, ...]) -> Any:
+        """One call of a shape class not settled yet, eager or compiled (alternately), timed;
+        after ``_TRIALS`` of each, the class runs the faster one from then on."""
+        eager_times, compiled_times = self._times.setdefault(shape, ([], []))
+        eager = len(eager_times) < len(compiled_times)
+        compilations = _STATS.compilations
+        started = time.perf_counter()
+        out = self._eager(layers, *inputs) if eager else self._compiled(layers, inputs)
+        seconds = time.perf_counter() - started
+        if self._failed or _STATS.compilations != compilations:
+            return out  # a compilation's call (or a failed one): not a sample
+        (eager_times if eager else compiled_times).append(seconds)
+        if len(eager_times) >= _TRIALS and len(compiled_times) >= _TRIALS:
+            eager_ms = statistics.median(eager_times) * 1e3
+            compiled_ms = statistics.median(compiled_times) * 1e3
+            pays = compiled_ms <= eager_ms
+            self._compiled_pays[shape] = pays
+            if not pays:
+                _STATS.add_eager_choice()
+            log.info(
+                "compiled layers, %s: %.2f ms compiled, %.2f ms eager: %s from now on",
+                _describe(shape),
+                compiled_ms,
+                eager_ms,
+                "compiled" if pays else "eager",
+            )
+        return out
+
+    def _compiled(self, layers: Any, inputs: tuple[Any, ...]) -> torch.Tensor:
+        import torch._dynamo.exc as dynamo_exc
+
         try:
-            out: torch.Tensor = function(*inputs)
+            out: torch.Tensor = self._function(layers, *inputs)
         except dynamo_exc.TorchDynamoException as e:
             # Raised while tracing or compiling, before the graph ran (nothing was written):
             # a missing C++ compiler, a backend that cannot build the graph. Serving goes on
             # eagerly, with the same outputs as model.compile off.
-            failed.append(" ".join(str(e).split())[:300])
+            self._failed.append(" ".join(str(e).split())[:300])
             _STATS.add_failure()
             log.warning(
                 "torch.compile failed (%s: %s); this model's layers run eagerly from now on "
                 "(model.compile=false does so from the start)",
                 type(e).__name__,
-                failed[0],
+                self._failed[0],
             )
-            return layers(*inputs)
+            return self._eager(layers, *inputs)
         return out
-
-    return run

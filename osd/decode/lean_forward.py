@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from osd.decode.attention import FULL
-from osd.decode.compiled_forward import compiled_layers
+from osd.decode.compiled_forward import CompiledModel
 from osd.decode.cuda_graphs import GraphedLayers
 from osd.decode.kv_cache import Packing
 
@@ -94,7 +94,17 @@ def _linear(module: Any, relayout: bool = True, merge: _Merge | None = None) -> 
         _column_major_on_cpu(weight)
     elif relayout:  # a merged weight: this forward's own tensor
         weight = _column_major(weight)
-    return lambda x: F.linear(x, weight, bias)
+    return _Dense(weight, bias)
+
+
+class _Dense:
+    """``F.linear`` on one weight (and bias): a plain layer's, or a merged LoRA layer's."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def _embedding(module: Any, merge: _Merge | None = None) -> _Linear:
@@ -196,6 +206,28 @@ class _Layer:
         self.head_dim = int(attn.head_dim)
         self.gqa = int(attn.num_key_value_groups) > 1  # a bool: static when compiled
         self.scaling = float(attn.scaling)
+
+    def signature(self) -> tuple[Any, ...]:
+        """What a graph compiled over this layer depends on (:func:`layers_signature`)."""
+        dense = [self.q, self.k, self.v, self.o, self.gate, self.up, self.down]
+        tensors = [t for d in dense for t in (d.weight, d.bias)]  # type: ignore[attr-defined]
+        norms = [n for n in (self.norm1, self.norm2, self.q_norm, self.k_norm)]
+        tensors += [None if n is None else n[0] for n in norms]
+        described = tuple(
+            None if t is None else (tuple(t.shape), t.stride(), t.dtype, str(t.device))
+            for t in tensors
+        )
+        epsilons = tuple(None if n is None else float(n[1]) for n in norms)
+        return (self.kind, self.head_dim, self.gqa, self.scaling, epsilons, described)
+
+
+def layers_signature(layers: list[_Layer]) -> tuple[Any, ...]:
+    """Everything a graph compiled over ``layers`` takes as given: each weight's sizes,
+    strides, dtype and device, and the constants (layer kinds, head size, grouped heads,
+    scaling, norm epsilons). Forwards of one model with equal signatures share its compiled
+    graphs (:class:`osd.decode.compiled_forward.CompiledModel`): the plain forward and every
+    merged adapter's, whose merged weights are laid out as the base ones."""
+    return tuple(layer.signature() for layer in layers)
 
 
 def _attention_inputs(
@@ -364,12 +396,13 @@ class LeanForward:
         self,
         model: Any,
         layer_kinds: list[str],
-        compile_layers: bool = False,
+        compiled: CompiledModel | None = None,
         merge: _Merge | None = None,
         cuda_graphs: bool = False,
     ) -> None:
-        """``compile_layers``: the in-place layers through ``torch.compile``
-        (:mod:`osd.decode.compiled_forward`) where every layer is plain (no LoRA). ``merge``:
+        """``compiled``: the in-place layers through ``torch.compile``, as the model's other
+        forwards of the same :func:`layers_signature` run them (:mod:`osd.decode.
+        compiled_forward`), where every layer is plain (no LoRA, or merged). ``merge``:
         every LoRA layer merged for one adapter (:func:`lean_forward_for`). ``cuda_graphs``:
         the in-place layers (compiled or not) replayed from CUDA graphs
         (:mod:`osd.decode.cuda_graphs`) where every layer is plain and the model is on CUDA."""
@@ -390,7 +423,11 @@ class LeanForward:
         )
         plain_layers = all(layer.plain for layer in self.layers)
         layers: Callable[..., torch.Tensor] = functools.partial(_in_place_layers, self.layers)
-        self.in_place_layers = compiled_layers(layers) if compile_layers and plain_layers else None
+        self.in_place_layers = (
+            compiled.layers(layers_signature(self.layers), _in_place_layers, self.layers)
+            if compiled is not None and plain_layers
+            else None
+        )
         on_cuda = inner.norm.weight.device.type == "cuda"
         self.graphed_layers = (
             GraphedLayers(self.in_place_layers or layers)
@@ -465,7 +502,7 @@ class LeanForward:
 
     @property
     def compiled(self) -> bool:
-        """Whether the in-place layers run compiled (``compile_layers`` and no LoRA layer)."""
+        """Whether the in-place layers run compiled (``compiled`` and no LoRA layer)."""
         return self.in_place_layers is not None
 
     @property
@@ -510,7 +547,7 @@ class LeanForward:
 
 def lean_forward_for(
     model: Any,
-    compile_layers: bool = False,
+    compiled: CompiledModel | None = None,
     *,
     merged: bool = False,
     adapter: str | None = None,
@@ -518,7 +555,7 @@ def lean_forward_for(
 ) -> LeanForward | None:
     """The lean forward of a loaded (unwrapped) Hugging Face causal LM, or None when its
     architecture is not one this module runs exactly like transformers does;
-    ``compile_layers`` and ``cuda_graphs`` as :class:`LeanForward` takes them. ``merged``: a
+    ``compiled`` and ``cuda_graphs`` as :class:`LeanForward` takes them. ``merged``: a
     forward for rows that all run ``adapter`` (None: the base weights), every LoRA layer one
     plain weight; None also where some LoRA layer cannot be merged (:attr:`LeanForward.plain`
     is then True)."""
@@ -555,6 +592,6 @@ def lean_forward_for(
             return None
     kinds = list(getattr(config, "layer_types", None) or [FULL] * len(inner.layers))
     if not merged:
-        return LeanForward(model, kinds, compile_layers, cuda_graphs=cuda_graphs)
-    forward = LeanForward(model, kinds, compile_layers, _Merge(adapter), cuda_graphs)
+        return LeanForward(model, kinds, compiled, cuda_graphs=cuda_graphs)
+    forward = LeanForward(model, kinds, compiled, _Merge(adapter), cuda_graphs)
     return forward if forward.plain else None

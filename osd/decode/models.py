@@ -44,6 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from osd.decode.attention import AttentionLayout, attention_layout, context_length
+from osd.decode.compiled_forward import CompiledModel
 from osd.decode.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
 from osd.decode.lean_forward import LeanForward, lean_forward_for
 from osd.devices import to_device
@@ -189,7 +190,8 @@ class CausalLM:
         lean: run slot-cache forwards through :mod:`osd.decode.lean_forward` where the model's
             family has one (False: transformers' own forward, for debugging).
         compile: the lean forward's in-place layers through ``torch.compile``
-            (:mod:`osd.decode.compiled_forward`).
+            (:mod:`osd.decode.compiled_forward`), the merged forwards' too (one compiled
+            function for them all).
         cuda_graphs: on CUDA, the lean forward's in-place layers (compiled or not) replayed
             from CUDA graphs (:mod:`osd.decode.cuda_graphs`), merged draft forwards' too.
         merged_limit: merged lean forwards a LoRA model keeps (module docstring); 0: none,
@@ -231,6 +233,9 @@ class CausalLM:
         # adapter (None: the base) -> its merged lean forward (None: it cannot be merged),
         # least recently used first; emptied with ``_lean`` when the adapters change.
         self._merged: dict[str | None, LeanForward | None] = {}
+        # The compiled layers every lean forward of this model shares (its merged ones too),
+        # kept across adapter changes: a swapped-in adapter compiles nothing.
+        self._compiled = CompiledModel() if self.compile else None
 
     @property
     def uses_lean_forward(self) -> bool:
@@ -250,7 +255,7 @@ class CausalLM:
         names = self.adapter_names
         if self._lean is None or self._lean[0] != names:
             forward = lean_forward_for(
-                _base_model(self.model), self.compile, cuda_graphs=self.cuda_graphs
+                _base_model(self.model), self._compiled, cuda_graphs=self.cuda_graphs
             )
             self._lean = (names, forward)
             self._merged.clear()
@@ -272,7 +277,11 @@ class CausalLM:
             if len(self._merged) >= self.merged_limit:
                 del self._merged[next(iter(self._merged))]
             self._merged[adapter] = lean_forward_for(
-                _base_model(self.model), merged=True, adapter=adapter, cuda_graphs=self.cuda_graphs
+                _base_model(self.model),
+                self._compiled,
+                merged=True,
+                adapter=adapter,
+                cuda_graphs=self.cuda_graphs,
             )
         return self._merged[adapter]
 

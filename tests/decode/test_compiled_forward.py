@@ -17,6 +17,7 @@ from osd.decode import compiled_forward
 from osd.decode.compiled_forward import compile_stats, persistent_inductor_cache
 from osd.decode.kv_cache import SlotKVCache, plan_forward
 from osd.decode.models import CausalLM
+from osd.toy_models import with_lora_adapters
 from tests.families import build_family, family_pair
 
 SLOTS = 6
@@ -175,8 +176,49 @@ def test_guards_on_the_models_own_layers_are_dropped_and_the_inputs_kept(models)
         pytest.skip("this torch takes no guard filter for a compiled function of its own")
     dropped = [name for name, kept in _GUARDS if not kept]
     kept = [name for name, kept in _GUARDS if kept]
-    assert dropped and all(name.startswith("fn") for name in dropped)  # weights, callables
-    assert any(name.startswith("args[0]") for name in kept)  # the hidden states' shapes
+    assert dropped and all("layers" in name for name in dropped)  # weights, callables
+    assert not any(name.startswith(("layers", "type(layers")) for name in kept)
+    assert any(name.startswith("hidden") for name in kept)  # the hidden states' shapes
+
+
+def test_merged_adapters_run_the_graphs_their_model_compiled():
+    # Each adapter's merged forward (rows all of one adapter: most draft forwards) takes the
+    # graphs the base forward compiled, with its own weights: an adapter swapped in while
+    # serving compiles nothing, and each computes what its eager merged forward computes.
+    model = build_family("llama3", 6)
+    draft = with_lora_adapters(model, ["code", "sql"], seed=7)
+    with torch.no_grad():  # merged weights that differ from the base's visibly
+        for name, param in draft.named_parameters():
+            if "lora_B" in name:
+                param.mul_(3.0)
+    eager, compiled = CausalLM(draft, 64), CausalLM(draft, 64, compile=True)
+
+    def steps(adapter: str | None) -> list[torch.Tensor]:
+        plans = [_plan(eager, [6, 3], [0, 0], 40), _plan(eager, [1, 1], [6, 3], 41)]
+        plans += [_plan(eager, [3, 3], [7, 4], 42)]
+        outs = []
+        for lm in (eager, compiled):
+            cache = SlotKVCache(SLOTS, 160)
+            with torch.inference_mode():
+                for plan in plans:
+                    width = plan.input_ids.shape[1]
+                    rows = [adapter] * plan.input_ids.shape[0]
+                    outs.append(lm.run(plan, cache, num_logits=width, adapters=rows))
+        return outs
+
+    base = steps(None)  # compiles the model's graphs
+    warm = compile_stats().compilations
+    assert compiled._merged_forward([None]).compiled
+    by_adapter = {adapter: steps(adapter) for adapter in ("sql", "code")}
+    assert compile_stats().compilations == warm  # the adapters' forwards compiled nothing
+    assert compiled._compiled.functions == 1
+    for outs in (base, *by_adapter.values()):
+        half = len(outs) // 2
+        for want, got in zip(outs[:half], outs[half:], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The adapters' outputs are their own, not the base weights' run again.
+    assert not torch.allclose(by_adapter["sql"][1], base[1], atol=1e-3)
+    assert not torch.allclose(by_adapter["sql"][1], by_adapter["code"][1], atol=1e-3)
 
 
 def test_greedy_speculation_gives_the_target_alones_tokens_when_compiled():
@@ -238,3 +280,51 @@ def test_a_failed_compilation_leaves_the_model_eager_with_a_warning(monkeypatch,
     assert compile_stats().failures == failures + 1  # one warning for the model, not a step
     warned = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
     assert len(warned) == 1 and "no C++ compiler found" in warned[0].getMessage()
+
+
+def test_each_shape_class_settles_on_the_faster_of_compiled_and_eager(monkeypatch):
+    # On the CPU a shape class times both ways for its first calls and keeps the faster: a
+    # tiny draft's one-row forwards ran 0.82x eager compiled (the graph's fixed cost), its
+    # 16-row ones 1.66x. Here a clock makes the compiled graph slow at one row only.
+    model = build_family("llama3", 8)
+    lm = CausalLM(model, 64, compile=True)
+    layers_called: list[str] = []
+    compiled_layers = lm._lean_forward().in_place_layers.func
+    eager, function = compiled_layers._eager, compiled_layers._function
+
+    def timed(kind, call, cost):
+        def run(layers, *inputs):
+            layers_called.append(kind)
+            clock[0] += cost(inputs[0].shape[0])
+            return call(layers, *inputs)
+
+        return run
+
+    clock = [0.0]
+    monkeypatch.setattr(compiled_forward.time, "perf_counter", lambda: clock[0])
+    compiled_layers._eager = timed("eager", eager, lambda rows: 1.0)
+    compiled_layers._function = timed("compiled", function, lambda rows: 2.0 if rows == 1 else 0.5)
+    choices = compile_stats().eager_choices
+    rounds = 2 * compiled_forward._TRIALS + 3  # a compilation, the trials, two steps after
+    plans = [_plan(lm, [6], [0], 50), _plan(lm, [5, 3], [0, 0], 51)]
+    plans += [_plan(lm, [1], [6 + i], 52 + i) for i in range(rounds)]
+    plans += [_plan(lm, [1, 1], [5 + i, 3 + i], 70 + i) for i in range(rounds)]
+    with torch.inference_mode():
+        cache = SlotKVCache(SLOTS, 160)
+        lm.run(plans[0], cache, num_logits=1)
+        layers_called.clear()
+        for plan in plans[2 : 2 + rounds]:  # one row, one token a row
+            lm.run(plan, cache, num_logits=1)
+        one_row = list(layers_called)
+        cache = SlotKVCache(SLOTS, 160)
+        lm.run(plans[1], cache, num_logits=1)
+        layers_called.clear()
+        for plan in plans[2 + rounds :]:  # two rows
+            lm.run(plan, cache, num_logits=1)
+        two_rows = list(layers_called)
+    assert compiled_layers._compiled_pays[(1, 1)] is False
+    assert compiled_layers._compiled_pays[(2, 1)] is True
+    assert one_row[-2:] == ["eager", "eager"]
+    assert two_rows[-2:] == ["compiled", "compiled"]
+    assert one_row.count("compiled") >= compiled_forward._TRIALS  # both were tried
+    assert compile_stats().eager_choices == choices + 1
