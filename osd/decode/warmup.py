@@ -7,7 +7,9 @@ clients paid for them. :func:`warm_up` sends synthetic requests (token ids, no t
 the loop at every power-of-two batch size up to ``max_num_seqs`` (and that size itself): one
 round drafted as served requests are (``"auto"``: the controller's choice, the model-free
 proposers included; greedy and sampled rows; the bare draft and, where the draft has adapters,
-one of them), then one with the target alone. Its steps go to a throwaway controller and
+one of them), one where the draft model drafts for rows all on one adapter (its merged
+forwards at that batch size, which a served round may leave to the lookups), then one with
+the target alone. Its steps go to a throwaway controller and
 proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
 requests are never logged (no record is written outside the replica's runtime). With
 ``model.compile`` the warm-up is also when every graph is compiled
@@ -40,7 +42,11 @@ log = logging.getLogger(__name__)
 
 _MOTIF = 8  # a prompt repeats a motif of this many tokens: the lookups find continuations
 _PROMPT_TOKENS = 32
-_METHODS: tuple[Method, ...] = ("block", "none")  # served speculation, then the target alone
+# Rounds at each batch size: speculation as served (the controller's k, lookups included,
+# adapters mixed per row), the draft model drafting for rows all on one adapter (its merged
+# forwards at that batch size: with model.compile, their graphs; a served round may never run
+# the draft model over several rows, its lookups drafting instead), then the target alone.
+_ROUNDS: tuple[tuple[Method, bool], ...] = (("block", False), ("block", True), ("none", False))
 
 
 @dataclass(frozen=True)
@@ -101,9 +107,9 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     compiled_before, captured_before = compile_stats().compilations, compile_stats().captures
     try:
         for size in sizes:
-            for method in _METHODS:
+            for method, by_draft in _ROUNDS:
                 requests = [
-                    _request(decoder, row, method, adapter, prompt_tokens, max_tokens)
+                    _request(decoder, row, method, adapter, prompt_tokens, max_tokens, by_draft)
                     for row in range(size)
                 ]
                 handles = [engine.submit(request) for request in requests]
@@ -136,8 +142,10 @@ def _request(
     adapter: str | None,
     prompt_tokens: int,
     max_tokens: int,
+    by_draft: bool = False,
 ) -> DecodeRequest:
-    """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth."""
+    """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth;
+    ``by_draft``: the draft model drafts (k at most), every row on ``adapter``."""
     quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
     motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]
     prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
@@ -147,7 +155,8 @@ def _request(
         stop_token_ids=(),
         seed=row,
         method=method,
-        adapter=adapter if row % 4 == 3 else None,
+        adapter=adapter if by_draft or row % 4 == 3 else None,
+        **({"proposer": "draft", "num_spec_tokens": decoder.max_spec_tokens} if by_draft else {}),
         log=True,  # the target's top-m of the log runs on served steps: warmed too
         route="warm-up",
     )

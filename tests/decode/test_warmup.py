@@ -40,13 +40,27 @@ def test_warm_up_runs_each_batch_size_drafted_and_not_and_keeps_nothing(engine, 
         return chunks
 
     monkeypatch.setattr(loop, "run_step", counting_step)
+    draft_forwards: list[tuple[int, frozenset]] = []  # (rows, their adapters)
+    draft = engine.decoder.draft
+    real_run = draft.run
+
+    def recording_run(plan, cache, *, num_logits, adapters=None):
+        rows = plan.input_ids.shape[0]
+        draft_forwards.append((rows, frozenset(adapters or [None])))
+        return real_run(plan, cache, num_logits=num_logits, adapters=adapters)
+
+    monkeypatch.setattr(draft, "run", recording_run)
     report = warm_up(engine)
     assert report.batch_sizes == (1, 2, 4, 6)
-    assert report.requests == 2 * (1 + 2 + 4 + 6) and report.failed == 0
+    assert report.requests == 3 * (1 + 2 + 4 + 6) and report.failed == 0
+    # The draft model ran over several rows all on one adapter (its merged forward, whose
+    # graphs model.compile compiles here rather than on served traffic), at 6 rows too.
+    adapter = engine.decoder.adapters[0]
+    assert any(rows == 6 and adapters == {adapter} for rows, adapters in draft_forwards)
     assert report.steps == len(batches) > 0
     assert {rows for rows, _ in batches} >= {1, 2, 4, 6}
     assert any(drafted for _, drafted in batches)  # the drafted round drafted
-    assert "warm-up: 26 requests" in report.describe()
+    assert "warm-up: 39 requests" in report.describe()
     # The replica's own controller, suffix store and counters never saw it.
     assert engine.pair.controller is controller and engine.pair.proposers is proposers
     assert controller.steps == 0 and not controller.curves
