@@ -156,7 +156,8 @@ def _request(
         seed=row,
         method=method,
         adapter=adapter if by_draft or row % 4 == 3 else None,
-        **({"proposer": "draft", "num_spec_tokens": decoder.max_spec_tokens} if by_draft else {}),
+        proposer="draft" if by_draft else "auto",
+        num_spec_tokens=decoder.max_spec_tokens if by_draft else "auto",
         log=True,  # the target's top-m of the log runs on served steps: warmed too
         route="warm-up",
     )
