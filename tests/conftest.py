@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -93,15 +92,31 @@ def unrelated_draft():
     return tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=4, logit_scale=4.0)
 
 
+def _start_serve(serve, free_port, tries: int = 3) -> int:
+    """Serve's HTTP proxy on a free port; another port if that one was taken before the proxy
+    bound it (CI: "Failed to bind to address" for a port ``bind(0)`` had handed out while Ray
+    was opening its own connections from the same range)."""
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="session")
 def serve_port() -> Iterator[int]:
     """A local Ray with Serve's HTTP proxy on a free port (the port); apps come and go on it."""
     import ray
     from ray import serve
 
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    from launcher.stack import free_port
+
     ray.init(
         num_cpus=2,
         include_dashboard=False,
@@ -109,8 +124,7 @@ def serve_port() -> Iterator[int]:
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield port
+        yield _start_serve(serve, free_port)
     finally:
         # Serve's own shutdown sometimes finds its proxy already gone on a loaded machine; that
         # is Ray's business, not a test's: Ray goes down whatever it says.
