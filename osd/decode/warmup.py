@@ -8,7 +8,8 @@ the loop at every power-of-two batch size up to ``max_num_seqs`` (and that size 
 round drafted as served requests are (``"auto"``: the controller's choice, the model-free
 proposers included; greedy and sampled rows; the bare draft and, where the draft has adapters,
 one of them), one where the draft model drafts for rows all on one adapter (its merged
-forwards at that batch size, which a served round may leave to the lookups), then one with
+forwards at that batch size, which a served round may leave to the lookups, over short
+prompts: its first read of them is several rows catching up a few tokens each), then one with
 the target alone. Its steps go to a throwaway controller and
 proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
 requests are never logged (no record is written outside the replica's runtime). With
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 _MOTIF = 8  # a prompt repeats a motif of this many tokens: the lookups find continuations
 _PROMPT_TOKENS = 32
+# The draft-model round's prompts: a few tokens (2-16), so the draft's first read of them, every
+# row at once, is the forward of rows catching up a few tokens each. Served, that is a draft
+# back on rows after a few steps of lookups; with model.compile its graph was compiled on the
+# first concurrent requests instead (osd demo's first prose requests stalled ~18 s).
+_DRAFT_ROUND_PROMPT_TOKENS = 12
 # Rounds at each batch size: speculation as served (the controller's k, lookups included,
 # adapters mixed per row), the draft model drafting for rows all on one adapter (its merged
 # forwards at that batch size: with model.compile, their graphs; a served round may never run
@@ -148,6 +154,8 @@ def _request(
     ``by_draft``: the draft model drafts (k at most), every row on ``adapter``."""
     quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
     motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]
+    if by_draft:
+        prompt_tokens = min(prompt_tokens, _DRAFT_ROUND_PROMPT_TOKENS)
     prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
     options = RequestOptions(
         max_tokens=max_tokens,
