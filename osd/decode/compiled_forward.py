@@ -55,7 +55,13 @@ from osd.cache_dir import osd_cache_dir
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompileStats", "CompiledModel", "compile_stats", "persistent_inductor_cache"]
+__all__ = [
+    "FEW_TOKENS",
+    "CompileStats",
+    "CompiledModel",
+    "compile_stats",
+    "persistent_inductor_cache",
+]
 
 # Graphs one model's compiled layers may hold before torch runs them eagerly: the six shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
@@ -177,9 +183,10 @@ def persistent_inductor_cache() -> Path:
 
 # Calls of a shape class timed each way (eager, compiled) before it settles on the faster.
 _TRIALS = 4
-# The most tokens a row of a verify-shaped forward: lean_forward._PRODUCT_ATTENTION_WIDTH, where
-# the graphs change from attention by products to SDPA.
-_FEW_TOKENS = 16
+# The most tokens a row of a verify-shaped forward (a verify step's k + 1: 9 at the default
+# spec.max_spec_tokens), not a prefill's. The compiled graphs attend by products and sums up to
+# this width and by SDPA beyond (lean_forward._products_pay); the trials class shapes by it.
+FEW_TOKENS = 16
 
 
 def _shape_class(hidden: torch.Tensor) -> tuple[int, int]:
@@ -188,7 +195,7 @@ def _shape_class(hidden: torch.Tensor) -> tuple[int, int]:
     and eager is faster is not: on the demo draft compiled was 0.82x eager at one row and
     1.66x at 16 (one token a row, Intel Xeon, one thread)."""
     rows, width = hidden.shape[:2]
-    return 1 << (rows - 1).bit_length(), 1 if width == 1 else 2 if width <= _FEW_TOKENS else 3
+    return 1 << (rows - 1).bit_length(), 1 if width == 1 else 2 if width <= FEW_TOKENS else 3
 
 
 def _describe(shape: tuple[int, int]) -> str:

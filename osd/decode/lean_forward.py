@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from osd.decode.attention import FULL
-from osd.decode.compiled_forward import CompiledModel
+from osd.decode.compiled_forward import FEW_TOKENS, CompiledModel
 from osd.decode.cuda_graphs import GraphedLayers
 from osd.decode.kv_cache import Packing
 
@@ -296,10 +296,8 @@ def _attend_by_products(
     return out.view(batch, width, heads, dim)
 
 
-# The most tokens a row attends by products and sums when compiled: a verify step's k + 1 (9
-# at the default spec.max_spec_tokens), not a prefill's, whose long rows SDPA's blocked
-# matmuls take better.
-_PRODUCT_ATTENTION_WIDTH = 16
+# The most tokens a row attends by products and sums when compiled: compiled_forward.FEW_TOKENS,
+# a verify step's, not a prefill's, whose long rows SDPA's blocked matmuls take better.
 # Eagerly, products and sums are tensors of their own (B x S x H x D elements each): they pay
 # at one token a row from this many rows, up to this many elements (the demo target, one
 # thread: 16 rows, 100-250 keys, the forward 10.4-10.9 -> 7.4-8.6 ms; 8 rows 6.9 -> 5.3-5.7;
@@ -311,7 +309,7 @@ _EAGER_PRODUCT_ELEMENTS = 1 << 21
 def _products_pay(q: torch.Tensor, span: int) -> bool:
     """Whether (B, T, H, D) queries over ``span`` keys attend by products and sums
     (:func:`_attend_by_products`) rather than SDPA; only on the CPU. Compiled: up to
-    ``_PRODUCT_ATTENTION_WIDTH`` tokens a row (a static choice for a size of 1; for wider
+    ``FEW_TOKENS`` tokens a row (a static choice for a size of 1; for wider
     rows the bound is one guard, so a graph of its own). Eagerly: one token a row, at least
     ``_EAGER_PRODUCT_ROWS`` rows, and products of at most ``_EAGER_PRODUCT_ELEMENTS`` elements
     (a large model's, or a long context's, stay with SDPA, whose per-pair cost they
@@ -320,7 +318,7 @@ def _products_pay(q: torch.Tensor, span: int) -> bool:
     if q.device.type != "cpu":
         return False
     if torch.compiler.is_compiling():
-        return width <= _PRODUCT_ATTENTION_WIDTH
+        return width <= FEW_TOKENS
     return (
         width == 1
         and batch >= _EAGER_PRODUCT_ROWS

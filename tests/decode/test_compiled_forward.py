@@ -267,19 +267,23 @@ def test_a_failed_compilation_leaves_the_model_eager_with_a_warning(monkeypatch,
     model = build_family("llama3", 5)
     broken = CausalLM(model, 64, compile=True)
     assert broken._lean_forward().compiled
+    reference = CausalLM(model, 64)
+    # One warning a compiled model: the reference compiles too under OSD_TEST_COMPILE=1.
+    models = 1 + reference._lean_forward().compiled
     failures = compile_stats().failures
     with caplog.at_level("WARNING", logger=compiled_forward.__name__):
         outs, caches = _run(
-            (CausalLM(model, 64), broken),
+            (reference, broken),
             [_plan(broken, [5, 3], [0, 0], 8), _plan(broken, [1, 1], [5, 3], 9)],
         )
     for want, got in outs:
         torch.testing.assert_close(got, want)  # the eager forward's outputs
     for mine, theirs in zip(caches[1]._keys, caches[0]._keys, strict=True):
         torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS])  # written once, not twice
-    assert compile_stats().failures == failures + 1  # one warning for the model, not a step
+    assert compile_stats().failures == failures + models  # one a model, not one a step
     warned = [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
-    assert len(warned) == 1 and "no C++ compiler found" in warned[0].getMessage()
+    assert len(warned) == models
+    assert all("no C++ compiler found" in r.getMessage() for r in warned)
 
 
 def test_each_shape_class_settles_on_the_faster_of_compiled_and_eager(monkeypatch):
