@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from osd.decode.compiled_forward import compile_stats
+from osd.decode.compiled_forward import FEW_TOKENS, compile_stats
 from osd.decode.goodput import GoodputController
 from osd.decode.loop import BatchedEngine, LoopStats
 from osd.decode.methods import Method
@@ -43,11 +43,12 @@ log = logging.getLogger(__name__)
 
 _MOTIF = 8  # a prompt repeats a motif of this many tokens: the lookups find continuations
 _PROMPT_TOKENS = 32
-# The draft-model round's prompts: a few tokens (2-16), so the draft's first read of them, every
-# row at once, is the forward of rows catching up a few tokens each. Served, that is a draft
-# back on rows after a few steps of lookups; with model.compile its graph was compiled on the
-# first concurrent requests instead (osd demo's first prose requests stalled ~18 s).
-_DRAFT_ROUND_PROMPT_TOKENS = 12
+# The draft-model round's prompts: a few tokens (at most FEW_TOKENS), so the draft's first read
+# of them, every row at once, is the forward of rows catching up a few tokens each. Served, that
+# is a draft back on rows after a few steps of lookups; with model.compile its graph was
+# compiled on the first concurrent requests instead (osd demo's first prose requests stalled
+# ~18 s).
+_DRAFT_ROUND_PROMPT_TOKENS = FEW_TOKENS
 # Rounds at each batch size: speculation as served (the controller's k, lookups included,
 # adapters mixed per row), the draft model drafting for rows all on one adapter (its merged
 # forwards at that batch size: with model.compile, their graphs; a served round may never run
