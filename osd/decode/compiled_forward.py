@@ -8,12 +8,14 @@ the tokens per row, the context and the cache's slots and capacity are dynamic f
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
 row or several, times one token a row, a few (up to 16: decode and verify steps attend by
 products and sums on the CPU, ``lean_forward._attend_by_products``) or more (prefills: SDPA),
-six in all (torch specializes sizes of 1). A LoRA draft's forwards whose rows all run one
+and one more for several rows of a few tokens that compute only their real ones (packed,
+:func:`osd.decode.kv_cache.packing`: a verify step whose rows verify different widths),
+seven in all (torch specializes sizes of 1). A LoRA draft's forwards whose rows all run one
 adapter (its merged forwards, most draft forwards) run the same graphs with their own
 weights (:class:`CompiledModel`): an adapter swapped in compiles nothing. Other forwards
-(packed, gathered, rings, rows of mixed adapters, the first forward of a one-token prompt,
-whose context of 1 would be a graph of its own, and a step whose longest row fills the
-cache's storage exactly) run the same Python eagerly.
+(packed prefills, gathered, rings, rows of mixed adapters, the first forward of a one-token
+prompt, whose context of 1 would be a graph of its own, and a step whose longest row fills
+the cache's storage exactly) run the same Python eagerly.
 
 On the CPU each shape class (rows up to a power of two, one token a row, a few or many) times
 its first calls compiled and eager, alternately, and runs the faster from then on: a tiny
@@ -63,11 +65,11 @@ __all__ = [
     "persistent_inductor_cache",
 ]
 
-# Graphs one model's compiled layers may hold before torch runs them eagerly: the six shapes
+# Graphs one model's compiled layers may hold before torch runs them eagerly: the seven shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
 # compiled call of one function shares the limit (the target's and a plain draft's, or every
 # engine a process builds).
-_RECOMPILE_LIMIT = 8
+_RECOMPILE_LIMIT = 10
 # Where torch cannot count each model alone: the limit all models' compiled layers share.
 _SHARED_RECOMPILE_LIMIT = 64
 
@@ -189,18 +191,21 @@ _TRIALS = 4
 FEW_TOKENS = 16
 
 
-def _shape_class(hidden: torch.Tensor) -> tuple[int, int]:
+def _shape_class(mask: torch.Tensor, packed: bool) -> tuple[int, int, bool]:
     """What a forward's speed depends on most: (rows up to a power of two, tokens a row as
-    one, a few or many). The graphs are the same for every class of rows; which of compiled
-    and eager is faster is not: on the demo draft compiled was 0.82x eager at one row and
-    1.66x at 16 (one token a row, Intel Xeon, one thread)."""
-    rows, width = hidden.shape[:2]
-    return 1 << (rows - 1).bit_length(), 1 if width == 1 else 2 if width <= FEW_TOKENS else 3
+    one, a few or many, only the real tokens computed), read off its (B, 1, T, S) mask. The
+    graphs are the same for every class of rows; which of compiled and eager is faster is
+    not: on the demo draft compiled was 0.82x eager at one row and 1.66x at 16 (one token a
+    row, Intel Xeon, one thread)."""
+    rows, width = mask.shape[0], mask.shape[2]
+    tokens = 1 if width == 1 else 2 if width <= FEW_TOKENS else 3
+    return 1 << (rows - 1).bit_length(), tokens, packed
 
 
-def _describe(shape: tuple[int, int]) -> str:
-    rows, tokens = shape
-    return f"up to {rows} row(s), {('one token', 'a few tokens', 'many tokens')[tokens - 1]} a row"
+def _describe(shape: tuple[int, int, bool]) -> str:
+    rows, tokens, packed = shape
+    kind = ("one token", "a few tokens", "many tokens")[tokens - 1]
+    return f"up to {rows} row(s), {kind} a row{', packed' if packed else ''}"
 
 
 class CompiledModel:
@@ -245,17 +250,18 @@ class _CompiledLayers:
         self._failed: list[str] = []  # why compiling failed: from then on it runs eagerly
         # Shape class (_shape_class) -> whether the compiled graph beat the eager layers in its
         # trial (absent: not settled yet); on the CPU only, where a call's time is its own.
-        self._compiled_pays: dict[tuple[int, int], bool] = {}
-        self._times: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+        self._compiled_pays: dict[tuple[int, int, bool], bool] = {}
+        self._times: dict[tuple[int, int, bool], tuple[list[float], list[float]]] = {}
 
     def __call__(self, layers: Any, *inputs: Any) -> torch.Tensor:
         """``_in_place_layers``' inputs: the layers, hidden, cos, sin, mask, keys, values,
-        write index, slots (None: the rows' slots are consecutive) and the first slot as a
-        size."""
+        write index, slots (None: the rows' slots are consecutive), the first slot as a size
+        and the packed tokens' index (None: every column computed)."""
         import torch._dynamo as dynamo
 
         hidden, cos, sin, mask, keys, values, write_index, slots, *rest = inputs
         first = rest[0] if rest else None
+        packed = rest[1] if len(rest) > 1 else None
         if self._failed or mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
             # A one-token prompt's forward, and a step whose longest row fills the storage
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
@@ -268,21 +274,23 @@ class _CompiledLayers:
         fresh = len(stores) != len(marked) or any(
             ref() is not store for ref, store in zip(marked, stores, strict=True)
         )
+        tokens = (0,) if packed is not None else (0, 1)  # (N, ...) or rows, tokens a row
         for tensor, dims in (
-            (hidden, (0, 1)),  # rows, tokens a row
-            (cos, (0, 1)),
-            (sin, (0, 1)),
+            (hidden, tokens),
+            (cos, tokens),
+            (sin, tokens),
             (mask, (0, 2, 3)),  # rows, tokens a row, keys
             (write_index, (0,)),
             *(() if slots is None else ((slots, (0,)),)),
             *(() if first is None else ((first, (0,)),)),
+            *(() if packed is None else ((packed, (0,)),)),
             *((store, (0, 1)) for store in stores if fresh),  # slots, capacity
         ):
             for dim in dims:
                 dynamo.maybe_mark_dynamic(tensor, dim)
         if fresh:
             marked[:] = [weakref.ref(store) for store in stores]
-        shape = _shape_class(hidden)
+        shape = _shape_class(mask, packed is not None)
         compiled = self._compiled_pays.get(shape)
         if compiled is False:
             return self._eager(layers, *inputs)
@@ -290,7 +298,7 @@ class _CompiledLayers:
             return self._trial(shape, layers, inputs)
         return self._compiled(layers, inputs)
 
-    def _trial(self, shape: tuple[int, int], layers: Any, inputs: tuple[Any, ...]) -> Any:
+    def _trial(self, shape: tuple[int, int, bool], layers: Any, inputs: tuple[Any, ...]) -> Any:
         """One call of a shape class not settled yet, eager or compiled (alternately), timed;
         after ``_TRIALS`` of each, the class runs the faster one from then on."""
         eager_times, compiled_times = self._times.setdefault(shape, ([], []))

@@ -342,15 +342,15 @@ class SlotKVCache:
     def in_place_io(
         self, num_layers: int
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, int] | None:
-        """Every layer's key and value storage, the bound plan's write index and its first
-        slot, when the plan computes every column and each of ``num_layers`` layers reads its
-        rows in place from full-length storage (the decode steady state: a compiled forward
-        takes plain tensors, :mod:`osd.decode.compiled_forward`); None otherwise."""
+        """Every layer's key and value storage, the bound plan's write index (its computed
+        columns': every column's, or the ``packed`` ones') and its first slot, when each of
+        ``num_layers`` layers reads its rows in place from full-length storage (the decode
+        steady state: a compiled forward takes plain tensors, :mod:`osd.decode.
+        compiled_forward`); None otherwise."""
         plan = self._plan
         if (
             plan is None
             or plan.first_slot is None
-            or plan.packed is not None
             or len(self._capacity) != 1
             or len(self._keys) != num_layers
         ):

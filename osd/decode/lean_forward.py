@@ -344,6 +344,7 @@ def _in_place_layers(
     write_index: torch.Tensor,
     slots: torch.Tensor | None = None,
     first: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoder layers over (B, T, hidden) when row b reads slot ``first + b`` of
     ``keys``/``values`` (each layer's whole (slots, capacity, H_kv, D) storage) in place and
@@ -351,24 +352,36 @@ def _in_place_layers(
     in_place_io`): tensors only, the function ``model.compile`` compiles. ``first``: the first
     row's slot as a size, :func:`first_slot_size` (None: slot 0). With ``slots`` (B,), row b
     reads slot ``slots[b]`` instead, by an index: the addresses a CUDA graph replays do not
-    depend on the rows' slots (:mod:`osd.decode.cuda_graphs`)."""
-    batch, width = hidden.shape[:2]
+    depend on the rows' slots (:mod:`osd.decode.cuda_graphs`). With ``packed`` (N,), the
+    real tokens' places in the flattened (B, T) grid (:class:`osd.decode.kv_cache.Packing`),
+    only they are computed: ``hidden`` is (N, hidden), ``cos``/``sin`` (N, 1, D),
+    ``write_index`` theirs, and attention alone sees the grid (B and T read off ``mask``)."""
+    batch, width = (mask.shape[0], mask.shape[2]) if packed is not None else hidden.shape[:2]
     kv_len = mask.shape[-1]
     start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
     for index, layer in enumerate(layers):
         q, k, v = _attention_inputs(layer, hidden, cos, sin)
         stores = keys[index], values[index]
         for store, new in zip(stores, (k, v), strict=True):
-            store.view(-1, *store.shape[2:]).index_copy_(0, write_index, new.flatten(0, 1))
+            store.view(-1, *store.shape[2:]).index_copy_(0, write_index, new.flatten(0, -3))
         rows = [  # (B, S, H_kv, D) views in place, or copies of the indexed rows
             store[start : start + batch, :kv_len]
             if slots is None
             else store[:, :kv_len].index_select(0, slots)
             for store in stores
         ]
-        out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch, width, -1)
+        if packed is not None:
+            q = _scattered(q, packed, batch * width).view(batch, width, *q.shape[1:])
+        out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch * width, -1)
+        out = out[packed] if packed is not None else out.view(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
+
+
+def _scattered(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """(N, ...) ``values`` put at rows ``index`` of ``size`` rows of zeros: packed tokens' queries
+    back on the (B x T) grid attention sees."""
+    return values.new_zeros(size, *values.shape[1:]).index_copy_(0, index, values)
 
 
 # A first slot s goes to compiled layers as a size of s + 2: never 0 or 1, which torch would
@@ -465,18 +478,21 @@ class LeanForward:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
         # Compiled or graphed, every layer reading its rows in place takes plain tensors in and
         # out; the eager forward keeps the cache's own reads and writes (no per-step slicing).
-        layers = self.graphed_layers or self.in_place_layers
+        # Packed, a verify step's few tokens a row run compiled too (a prefill's many stay
+        # eager: a graph of their own, which the warm-up's prompts of one length never reach).
+        graphed = self.graphed_layers if packed is None else None
+        compiled = self.in_place_layers if packed is None or width <= FEW_TOKENS else None
         io = (
             cache.in_place_io(len(self.layers))
-            if layers is not None and packed is None and not isinstance(masks, dict)
+            if (graphed or compiled) is not None and not isinstance(masks, dict)
             else None
         )
-        if io is not None and self.graphed_layers is not None and not isinstance(masks, dict):
+        if io is not None and graphed is not None and not isinstance(masks, dict):
             keys, values, write_index, first = io
-            hidden = self.graphed_layers(hidden, cos, sin, masks, keys, values, write_index, first)
-        elif io is not None and self.in_place_layers is not None:
+            hidden = graphed(hidden, cos, sin, masks, keys, values, write_index, first)
+        elif io is not None and compiled is not None:
             keys, values, write_index, first = io
-            hidden = self.in_place_layers(
+            hidden = compiled(
                 hidden,
                 cos,
                 sin,
@@ -486,6 +502,7 @@ class LeanForward:
                 write_index,
                 None,
                 first_slot_size(first, hidden.device),
+                None if packed is None else packed.index,
             )
         else:
             hidden = self._layers_through_cache(
@@ -532,7 +549,7 @@ class LeanForward:
                 index,
             )
             if packed is not None:
-                q = q.new_zeros(batch * width, *q.shape[1:]).index_copy_(0, packed.index, q)
+                q = _scattered(q, packed.index, batch * width)
             q = q.view(batch, width, -1, layer.head_dim)
             out = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
             if packed is None:

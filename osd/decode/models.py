@@ -44,8 +44,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from osd.decode.attention import AttentionLayout, attention_layout, context_length
-from osd.decode.compiled_forward import CompiledModel
-from osd.decode.kv_cache import ForwardPlan, SlotKVCache, kept_positions, plan_one_row
+from osd.decode.compiled_forward import FEW_TOKENS, CompiledModel
+from osd.decode.kv_cache import (
+    ForwardPlan,
+    SlotKVCache,
+    kept_positions,
+    packing,
+    plan_forward,
+    plan_one_row,
+)
 from osd.decode.lean_forward import LeanForward, lean_forward_for
 from osd.devices import to_device
 from osd.threads import torch_single_threaded
@@ -175,6 +182,42 @@ def load_tokenizer(source: Any) -> Any:
 def _base_model(model: PreTrainedModel) -> PreTrainedModel:
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
+
+
+# Tokens a row of compile_graphs' forwards: one, a few, many (FEW_TOKENS's either side), after
+# this many positions (a context of 1 runs eagerly).
+_GRAPH_TOKENS = (1, 4, FEW_TOKENS + 2)
+_GRAPH_START = 3
+
+
+def _scratch_cache() -> SlotKVCache:
+    """Two slots, storage growing from its least (a forward never fills it exactly: that step
+    runs eagerly)."""
+    return SlotKVCache(num_slots=2, max_len=_GRAPH_START + FEW_TOKENS + 8)
+
+
+def _scratch_plan(
+    lengths: list[int], packed: bool, dtype: torch.dtype, lm: CausalLM, start: int
+) -> ForwardPlan:
+    """Rows in slots 0.. with ``lengths[b]`` tokens after ``start`` positions each (zeros:
+    only the shapes matter); ``packed``: only the real tokens computed."""
+    rows, width = len(lengths), max(lengths)
+    column = lambda values: torch.tensor(values, dtype=torch.int64, device=lm.device)  # noqa: E731
+    left = [width - n for n in lengths]
+    return plan_forward(
+        input_ids=torch.zeros(rows, width, dtype=torch.int64, device=lm.device),
+        start=column([start] * rows),
+        left=column(left),
+        real=column(lengths),
+        own_slot=column(list(range(rows))),
+        base_slot=column(list(range(rows))),
+        prefix_len=column([0] * rows),
+        trash_slot=rows,
+        dtype=dtype,
+        layout=lm.attention,
+        first_slot=0,
+        packed=packing(left, lengths, width, 1, lm.device, share=1.0) if packed else None,
+    )
 
 
 @dataclass
@@ -392,6 +435,29 @@ class CausalLM:
         kept = kept_positions(self.attention.spans, max_len, max_forward or max_len)
         kept += [max_len] * (len(per_layer) - len(kept))
         return sum(b * n for b, n in zip(per_layer, kept, strict=False))
+
+    def compile_graphs(self) -> int:
+        """With ``compile``, one forward of each shape its compiled layers have a graph for
+        (:mod:`osd.decode.compiled_forward`: one row or several, one token a row, a few or
+        many, and where the model packs, several rows of a few computing only their real
+        ones), over a scratch cache: served steps then compile nothing, whatever shapes the
+        warm-up's requests happened to reach (a draft back on 16 rows after steps without it
+        reads a few tokens a row, all rows alike: served, that graph compiled for 4-20 s on
+        the first concurrent requests). Returns the forwards run (0: not compiled)."""
+        if self._compiled is None or not self.lean:
+            return 0
+        dtype = next(self.model.parameters()).dtype
+        shapes = [([tokens] * rows, False) for rows in (1, 2) for tokens in _GRAPH_TOKENS]
+        if self.packs:
+            shapes.append(([_GRAPH_TOKENS[1], 1], True))
+        cache = _scratch_cache()
+        with torch.inference_mode():  # as the decode loop's steps run (dynamo guards on it)
+            # The first forward allocates the cache's storage (eager: nothing to read in place).
+            self.run(_scratch_plan([_GRAPH_START] * 2, False, dtype, self, 0), cache, num_logits=1)
+            for lengths, packed in shapes:
+                plan = _scratch_plan(lengths, packed, dtype, self, _GRAPH_START)
+                self.run(plan, cache, num_logits=1)
+        return len(shapes)
 
     def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The base model's (no adapter) own forward, with transformers' masks and no cache.

@@ -14,8 +14,10 @@ the target alone. Its steps go to a throwaway controller and
 proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
 requests are never logged (no record is written outside the replica's runtime). With
 ``model.compile`` the warm-up is also when every graph is compiled
-(:mod:`osd.decode.compiled_forward`): one and several rows, one token a row, a verify
-step's few and a prompt's many.
+(:mod:`osd.decode.compiled_forward`): each model first runs one forward of every shape its
+graphs take (:meth:`osd.decode.models.CausalLM.compile_graphs`: one and several rows, one
+token a row, a verify step's few, packed too, and a prompt's many), so none depends on which
+shapes the rounds happen to reach.
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     pair.proposers = Proposers(kept[1].settings)
     started, steps, num_requests, failed = time.perf_counter(), engine.stats.steps, 0, 0
     compiled_before, captured_before = compile_stats().compilations, compile_stats().captures
+    for model in (decoder.target, decoder.draft):
+        model.compile_graphs()
     try:
         for size in sizes:
             for method, by_draft in _ROUNDS:

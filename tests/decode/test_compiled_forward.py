@@ -15,7 +15,7 @@ import torch
 from osd import SpeculativeDecoder
 from osd.decode import compiled_forward
 from osd.decode.compiled_forward import compile_stats, persistent_inductor_cache
-from osd.decode.kv_cache import SlotKVCache, plan_forward
+from osd.decode.kv_cache import SlotKVCache, packing, plan_forward
 from osd.decode.models import CausalLM
 from osd.toy_models import with_lora_adapters
 from tests.families import build_family, family_pair
@@ -45,9 +45,16 @@ def _recording(keep):
     return record
 
 
-def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int, first: int = 0):
+def _plan(
+    lm: CausalLM,
+    lengths: list[int],
+    start: list[int],
+    seed: int,
+    first: int = 0,
+    packed: bool = False,
+):
     """Rows in slots ``first``.. reading their own slot in place, ``lengths[b]`` new tokens
-    each."""
+    each; ``packed``: only those computed (kv_cache.packing), logits for every column."""
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.randint(1, 60, (len(lengths), width), generator=gen)
@@ -66,6 +73,7 @@ def _plan(lm: CausalLM, lengths: list[int], start: list[int], seed: int, first: 
         dtype=torch.float32,
         layout=lm.attention,
         first_slot=first,
+        packed=packing(left, lengths, width, width, "cpu", share=1.0) if packed else None,
     )
 
 
@@ -148,6 +156,68 @@ def test_a_changing_batch_mix_does_not_recompile(models):
                 _plan(eager, [3, 3], [7, 3], 22 + first, first=first),
             ],
         )[0]
+    assert compile_stats().compilations == warm
+    for want, got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_verify_steps_run_their_own_graph_for_any_mix_of_rows_and_widths(models):
+    # Rows verifying different numbers of drafted tokens compute only their real tokens
+    # (kv_cache.packing): a graph of its own, compiled once, then any mix runs it, computing
+    # what the eager forward does (which runs the plan through the cache's own reads).
+    eager, compiled = models
+    layers = compiled._lean_forward().in_place_layers.func
+    warm_up = [
+        _plan(eager, [9, 5, 7], [0, 0, 0], 30),
+        _plan(eager, [5, 1, 3], [9, 5, 7], 31, packed=True),
+    ]
+    _run(models, warm_up)
+    assert any(packed for _, _, packed in layers._times)  # the packed graph ran
+    warm = compile_stats().compilations
+    outs, caches = _run(
+        models,
+        [
+            _plan(eager, [12, 3, 8, 5], [0] * 4, 32),
+            _plan(eager, [9, 1, 1, 4], [12, 3, 8, 5], 33, packed=True),
+            _plan(eager, [1, 6, 2, 1], [21, 4, 9, 9], 34, packed=True),
+            _plan(eager, [2, 1, 1, 1], [22, 10, 11, 10], 35, packed=True),
+        ],
+    )
+    outs += _run(
+        models,
+        [
+            _plan(eager, [4, 4], [0, 0], 36, first=2),
+            _plan(eager, [1, 5], [4, 4], 37, first=2, packed=True),
+        ],
+    )[0]
+    assert compile_stats().compilations == warm
+    for want, got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[1]._keys, caches[0]._keys, strict=True):
+        torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS], rtol=1e-5, atol=1e-5)
+
+
+def test_after_compile_graphs_no_served_shape_compiles(models):
+    # The warm-up runs compile_graphs on both models: served, a draft back on 16 rows after
+    # steps without it read a few tokens a row, all rows alike, a graph the warm-up's requests
+    # had not reached, and it compiled on the first concurrent requests (4-20 s).
+    eager, compiled = models
+    assert eager.compile_graphs() == 0
+    assert compiled.compile_graphs() == 7  # one row or several x one, a few, many; packed
+    warm = compile_stats().compilations
+    outs, _ = _run(
+        models,
+        [
+            _plan(eager, [30] * 5, [0] * 5, 40),
+            _plan(eager, [14] * 5, [30] * 5, 41),
+            _plan(eager, [1] * 5, [44] * 5, 42),
+            _plan(eager, [3, 9, 1, 1, 2], [45] * 5, 43, packed=True),
+        ],
+    )
+    outs += _run(
+        models,
+        [_plan(eager, [20], [0], 44), _plan(eager, [1], [20], 45), _plan(eager, [6], [21], 46)],
+    )[0]
     assert compile_stats().compilations == warm
     for want, got in outs:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -326,8 +396,8 @@ def test_each_shape_class_settles_on_the_faster_of_compiled_and_eager(monkeypatc
         for plan in plans[2 + rounds :]:  # two rows
             lm.run(plan, cache, num_logits=1)
         two_rows = list(layers_called)
-    assert compiled_layers._compiled_pays[(1, 1)] is False
-    assert compiled_layers._compiled_pays[(2, 1)] is True
+    assert compiled_layers._compiled_pays[(1, 1, False)] is False
+    assert compiled_layers._compiled_pays[(2, 1, False)] is True
     assert one_row[-2:] == ["eager", "eager"]
     assert two_rows[-2:] == ["compiled", "compiled"]
     assert one_row.count("compiled") >= compiled_forward._TRIALS  # both were tried
