@@ -115,7 +115,10 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
     started, steps, num_requests, failed = time.perf_counter(), engine.stats.steps, 0, 0
     compiled_before, captured_before = compile_stats().compilations, compile_stats().captures
     for model in (decoder.target, decoder.draft):
-        model.compile_graphs()
+        try:
+            model.compile_graphs()
+        except Exception:  # noqa: BLE001 - logged; a graph it missed compiles when first run
+            log.exception("compiling a model's graphs before the warm-up's requests failed")
     try:
         for size in sizes:
             for method, by_draft in _ROUNDS:
