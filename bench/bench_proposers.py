@@ -26,6 +26,8 @@ an empty suffix store (what it learns, it learns from the measured traffic). The
 itself: memory per million tokens, lookup time, and the time to warm a store from logged
 requests.
 
+Greedy unless ``--temperature`` says otherwise; eager forwards unless ``--compile`` (a replica's
+default, ``model.compile``: then a warm-up compiles every graph before the first measurement).
 Run alone on a quiet machine: ``python -m bench.bench_proposers`` (``--help`` for options).
 """
 
@@ -44,8 +46,11 @@ from bench.bench_batched import measure
 from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
+from osd.decode.loop import BatchedEngine
 from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.proposers.token_index import SuffixStore, continuations
+from osd.decode.scheduler import BatchLimits
+from osd.decode.warmup import warm_up
 from osd.demo import build_demo_models, load_corpus_split
 from osd.demo.distill import DistillRecipe, distill_adapter
 from osd.demo.report import load_pair
@@ -199,6 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of the sql adapter's offline distillation (sql workload)",
     )
     add_threads_argument(parser)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="the models' layers through torch.compile, as a replica runs them by default "
+        "(model.compile), every graph compiled in a warm-up before the first measurement; "
+        "without it the forwards run eagerly",
+    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     threads = apply_bench_threads(args.threads)
@@ -209,7 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     if "sql" in names and args.distill_steps > 0:
         draft = distilled_draft(paths, target, draft, tokenizer, "sql", args.distill_steps, threads)
         per_workload["sql"] = {"adapter": "sql", "route": "sql"}
-    decoder = SpeculativeDecoder(target, draft, tokenizer, suffix_budget=args.budget)
+    decoder = SpeculativeDecoder(
+        target, draft, tokenizer, suffix_budget=args.budget, compile_forward=args.compile
+    )
+    if args.compile:  # graphs compiled and trials settled before anything is timed
+        engine = BatchedEngine(
+            decoder, BatchLimits(max_num_seqs=16, max_waiting=1024), num_threads=threads
+        )
+        try:
+            print(warm_up(engine).describe(), flush=True)
+        finally:
+            engine.close()
     workloads: dict[str, Any] = {
         "repetitive": lambda: repetitive_prompts(paths.corpus, args.requests),
         "prose": lambda: [d.text[:200] for d in _split(paths.corpus, "prose", "heldout")],
@@ -262,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             float("nan"),
         )
 
+    sampled = "greedy" if args.temperature == 0 else f"T = {args.temperature:g}"
     table = []
     for row in rows:
         alone, model = rate_of("target alone", row), rate_of("draft model", row)
@@ -280,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print_table(
-        "Proposers on the demo pair (greedy, 64 tokens, closed loop)",
+        f"Proposers on the demo pair ({sampled}, {args.max_tokens} tokens, closed loop, "
+        f"{'compiled' if args.compile else 'eager'})",
         [
             "workload",
             "conc",
