@@ -478,8 +478,8 @@ class LeanForward:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
         # Compiled or graphed, every layer reading its rows in place takes plain tensors in and
         # out; the eager forward keeps the cache's own reads and writes (no per-step slicing).
-        # Packed, a verify step's few tokens a row run compiled too (a prefill's many stay
-        # eager: a graph of their own, which the warm-up's prompts of one length never reach).
+        # Packed, a verify step's few tokens a row run compiled too; a packed prefill's many
+        # stay eager (an eighth graph a model, not measured to pay).
         graphed = self.graphed_layers if packed is None else None
         compiled = self.in_place_layers if packed is None or width <= FEW_TOKENS else None
         io = (

@@ -8,12 +8,11 @@ the loop at every power-of-two batch size up to ``max_num_seqs`` (and that size 
 round drafted as served requests are (``"auto"``: the controller's choice, the model-free
 proposers included; greedy and sampled rows; the bare draft and, where the draft has adapters,
 one of them), one where the draft model drafts for rows all on one adapter (its merged
-forwards at that batch size, which a served round may leave to the lookups, over short
-prompts: its first read of them is several rows catching up a few tokens each), then one with
-the target alone. Its steps go to a throwaway controller and
-proposers: the replica's costs, acceptance and suffix store start from its own traffic. The
-requests are never logged (no record is written outside the replica's runtime). With
-``model.compile`` the warm-up is also when every graph is compiled
+forwards at that batch size, which a served round may leave to the lookups), then one with
+the target alone. Its steps go to a throwaway controller and proposers: the replica's costs,
+acceptance and suffix store start from its own traffic. The requests are never logged (no
+record is written outside the replica's runtime). With ``model.compile`` the warm-up is also
+when every graph is compiled
 (:mod:`osd.decode.compiled_forward`): each model first runs one forward of every shape its
 graphs take (:meth:`osd.decode.models.CausalLM.compile_graphs`: one and several rows, one
 token a row, a verify step's few, packed too, and a prompt's many), so none depends on which
@@ -27,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from osd.decode.compiled_forward import FEW_TOKENS, compile_stats
+from osd.decode.compiled_forward import compile_stats
 from osd.decode.goodput import GoodputController
 from osd.decode.loop import BatchedEngine, LoopStats
 from osd.decode.methods import Method
@@ -45,16 +44,11 @@ log = logging.getLogger(__name__)
 
 _MOTIF = 8  # a prompt repeats a motif of this many tokens: the lookups find continuations
 _PROMPT_TOKENS = 32
-# The draft-model round's prompts: a few tokens (at most FEW_TOKENS), so the draft's first read
-# of them, every row at once, is the forward of rows catching up a few tokens each. Served, that
-# is a draft back on rows after a few steps of lookups; with model.compile its graph was
-# compiled on the first concurrent requests instead (osd demo's first prose requests stalled
-# ~18 s).
-_DRAFT_ROUND_PROMPT_TOKENS = FEW_TOKENS
 # Rounds at each batch size: speculation as served (the controller's k, lookups included,
 # adapters mixed per row), the draft model drafting for rows all on one adapter (its merged
-# forwards at that batch size: with model.compile, their graphs; a served round may never run
-# the draft model over several rows, its lookups drafting instead), then the target alone.
+# forwards at that batch size; a served round may never run the draft model over several rows,
+# its lookups drafting instead), then the target alone. Which graphs compile does not depend
+# on them (CausalLM.compile_graphs runs first).
 _ROUNDS: tuple[tuple[Method, bool], ...] = (("block", False), ("block", True), ("none", False))
 
 
@@ -162,8 +156,6 @@ def _request(
     ``by_draft``: the draft model drafts (k at most), every row on ``adapter``."""
     quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
     motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]
-    if by_draft:
-        prompt_tokens = min(prompt_tokens, _DRAFT_ROUND_PROMPT_TOKENS)
     prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
     options = RequestOptions(
         max_tokens=max_tokens,
