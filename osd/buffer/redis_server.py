@@ -3,7 +3,11 @@
 `LocalRedis` is the embedded default of docs/design.md ("one command on a fresh machine runs the
 whole loop") and the fixture of the buffer's integration tests: it runs `redis-server` on a free
 localhost port in its own data directory with the append-only file on, so that data survives
-`restart()` (also after `kill()`, up to the last fsync, at most a second of writes).
+`restart()`. After `kill()` it keeps what reached the AOF: Redis's default `appendfsync everysec`
+may hold back writes while a slow fsync runs (up to 2 s of them), so a crash can lose acknowledged
+writes on a busy disk. `PROCESS_CRASH_SAFE_ARGS` trades that for the OS's flush: every
+acknowledged write is in the file before the reply, and only a machine crash loses any. Tests that
+kill the server and count every record use it.
 
 `connect` builds the client that `LogWriter` and `LogReader` use: explicit socket timeouts and no
 hidden retries inside redis-py, because both callers do their own backoff.
@@ -28,6 +32,11 @@ from redis.retry import Retry
 
 from osd.closing import Closeable
 from osd.process import die_with_parent_preexec
+
+# `extra_args` for a server whose process may be killed with nothing acknowledged lost: each
+# write goes to the AOF before its reply and is never postponed behind a slow fsync (which
+# `everysec` does, and which once lost a whole pushed batch in CI); the OS flushes the file.
+PROCESS_CRASH_SAFE_ARGS = ("--appendfsync", "no")
 
 __all__ = ["LocalRedis", "RedisServerError", "check_credentials", "connect", "redact_url"]
 

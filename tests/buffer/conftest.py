@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from osd.buffer.redis_server import LocalRedis
+from osd.buffer.redis_server import PROCESS_CRASH_SAFE_ARGS, LocalRedis
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,7 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def private_redis() -> Iterator[LocalRedis]:
     """A redis-server of the test's own, for tests that kill or restart it."""
-    with LocalRedis() as server:
+    with LocalRedis(extra_args=PROCESS_CRASH_SAFE_ARGS) as server:
         yield server
 
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import redis
 
-from osd.buffer.redis_server import LocalRedis, RedisServerError, connect, redact_url
+from osd.buffer.redis_server import (
+    PROCESS_CRASH_SAFE_ARGS,
+    LocalRedis,
+    RedisServerError,
+    connect,
+    redact_url,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +27,7 @@ def test_server_answers_ping_and_stops_cleanly() -> None:
 
 
 def test_restart_after_sigkill_keeps_data_on_the_same_port() -> None:
-    with LocalRedis() as server:
+    with LocalRedis(extra_args=PROCESS_CRASH_SAFE_ARGS) as server:
         port = server.port
         connect(server.url).set("key", "value")
         server.kill()

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from launcher.stack import free_port  # noqa: F401 - the reliability tests take it from here
 from osd.adapters.codec import AdapterStore
 from osd.adapters.lora import adapter_spec, lora_state_dict
-from osd.buffer.redis_server import LocalRedis
+from osd.buffer.redis_server import PROCESS_CRASH_SAFE_ARGS, LocalRedis
 from osd.buffer.writer import LogWriter
 from osd.config import OSDConfig, load_config
 from serving.api import create_api
@@ -180,7 +180,7 @@ def replica_adapter(model: Any, adapter: str = "general") -> tuple[Any, dict[str
 @pytest.fixture
 def redis_server() -> Iterator[LocalRedis]:
     """A redis-server of the test's own (AOF on), for tests that kill or restart it."""
-    with LocalRedis() as server:
+    with LocalRedis(extra_args=PROCESS_CRASH_SAFE_ARGS) as server:
         yield server
 
 
