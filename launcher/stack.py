@@ -34,7 +34,6 @@ from osd.buffer.loop_status import read_beat, trainer_beat_key
 from osd.buffer.redis_server import LocalRedis, connect
 from osd.closing import Closeable
 from osd.config import OSDConfig
-from osd.model_sources import uses_demo_models
 from osd.process import die_with_parent_preexec
 from osd.threads import child_env
 from serving.ingress import Ingress
@@ -182,7 +181,7 @@ class LocalStack(Closeable):
         return self.supervisor.status() if self.supervisor is not None else {}
 
     def _build_models(self) -> None:
-        if uses_demo_models(self.config.model):  # build once here, not in each replica
+        if self.config.model.uses_demo_models:  # build once here, not in each replica
             from osd.demo import build_demo_models
 
             build_demo_models(progress=True)

@@ -92,6 +92,11 @@ class ModelConfig:
         _require(self.lora_rank >= 1, "model.lora_rank", self.lora_rank, ">= 1")
         _require(bool(self.adapters), "model.adapters", self.adapters, "at least one name")
 
+    @property
+    def uses_demo_models(self) -> bool:
+        """Target or draft is one of the demo models (``demo:...``), built offline on first use."""
+        return self.target.startswith("demo:") or self.draft.startswith("demo:")
+
 
 @dataclass(frozen=True)
 class SpecConfig:

@@ -20,7 +20,6 @@ __all__ = [
     "find_demo_models",
     "load_draft",
     "load_model_pair",
-    "uses_demo_models",
 ]
 
 
@@ -53,14 +52,10 @@ def _is_toy(config: ModelConfig) -> bool:
     return config.target.startswith("toy:") or config.draft.startswith("toy:")
 
 
-def uses_demo_models(config: ModelConfig) -> bool:
-    return config.target.startswith("demo:") or config.draft.startswith("demo:")
-
-
 def _sources(config: ModelConfig) -> dict[str, str]:
     """Paths or hub ids of target, draft and tokenizer, with ``demo:`` names resolved."""
     sources = {"target": config.target, "draft": config.draft, "tokenizer": config.target}
-    if uses_demo_models(config):
+    if config.uses_demo_models:
         paths = _demo_paths()
         sources = {
             k: str(getattr(paths, v.split(":", 1)[1], v)) if v.startswith("demo:") else v
