@@ -18,7 +18,9 @@ measures the alternative; that cost drifts slowly, so this probe is rarer); and 
 ``width_probe_every`` steps rows that draft draft one token more or one less. All rows probe on
 the same steps: probes spread over rows would make most steps of a batch pay for drafting.
 Before a batch size has been measured its costs are borrowed from the nearest measured one, and
-before anything is measured from a prior ratio, so a cold replica does not start at ``max_k``.
+before anything is measured from a prior ratio, so a cold replica does not start at ``max_k``;
+once anything is measured, a batch size drafts only after a step without drafting of its own
+(the base its costs and the realized-gain guard price drafting against).
 Deterministic given its inputs; pure (no clocks: the caller passes measured seconds). With k
 chosen from live statistics a seed fixes a request's output distribution, not its exact text.
 """
@@ -202,12 +204,16 @@ class StepCosts:
         return zero[1] / zero[0] if zero else None
 
     def lacks_base(self, batch: int) -> bool:
-        """Drafting steps were measured at this batch size, a step without drafting not: the
-        costs would be the prior's ratios to a base read off the drafting steps, which is how a
+        """No step without drafting was measured at this batch size: the costs would be the
+        prior's ratios to a base read off the drafting steps or a neighbour's, which is how a
         cold replica went on drafting at 16 sampled rows for a hundred steps at 1.6x the
-        target alone's step. One step without drafting measures it."""
-        bucket = self.bucket(batch)
-        return bucket in self._line and bucket not in self._zero
+        target alone's step; and the realized-gain guard cannot judge drafting there
+        (:meth:`GoodputController.held_off`). That included batch sizes whose every drafting
+        step catches the draft up (left out of the line): with 2 clients, each step of one row
+        between two requests drafted k = 2 after reading 40-120 tokens first (8-18 ms against
+        about 4), all measurement long. One step without drafting measures it. (A controller
+        that has measured nothing yet starts from its priors.)"""
+        return self.bucket(batch) not in self._zero and bool(self._zero or self._line)
 
     def seconds(self, batch: int, max_k: int) -> list[float]:
         """Estimated step seconds for k = 0..max_k at this batch size.

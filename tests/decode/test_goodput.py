@@ -336,3 +336,26 @@ def test_the_guard_judges_only_against_a_measured_step_without_drafting():
     for _ in range(6):  # 2x the step for 1.25x the tokens: held off, the cold steps unheard
         controller.observe_step(batch=16, k=2, seconds=0.02, emitted=20)
     assert controller.held_off(16)
+
+
+def test_a_batch_size_whose_drafting_steps_all_catch_up_measures_its_base_and_is_held_off():
+    """With 2 clients, the steps of one row between two requests drafted, each after reading
+    the tokens the draft had missed: such steps stay out of the cost line, so that batch size
+    had neither a line nor a base, kept the prior's cheap drafting, and the realized-gain
+    guard (which prices drafting against the batch size's own base) could never judge it."""
+    controller = GoodputController(max_k=4, prior=0.9, costs=StepCosts(prior_ratio=0.1))
+    for _ in range(40):  # two rows, the target alone: 4 ms a step
+        controller.observe_step(batch=2, k=0, seconds=0.004, emitted=2)
+    assert controller.choose("v", "", batch=1, limit=8) == 0  # its base first
+    controller.observe_step(batch=1, k=0, seconds=0.0035, emitted=1)
+    chosen = []
+    for _ in range(12):  # each drafting step catches up: 10 ms for 2 tokens (1 in 3.5 ms)
+        k = controller.choose("v", "", batch=1, limit=8)
+        chosen.append(k)
+        accepted = min(k, 1)  # the estimates still favour drafting: only the guard sees it lose
+        controller.observe_row("v", "", k, accepted)
+        controller.observe_step(batch=1, k=k, seconds=0.010 if k else 0.0035,
+                                catching_up=k > 0, emitted=1 + accepted)  # fmt: skip
+    assert chosen[0] > 0  # drafting is tried ...
+    assert chosen[-4:] == [0, 0, 0, 0]  # ... and held off once it is seen to lose
+    assert controller.held_off(1)
