@@ -41,6 +41,7 @@ __all__ = [
     "worth_packing",
     "plan_forward",
     "plan_one_row",
+    "plan_zero_rows",
 ]
 
 _MIN_CAPACITY = 64
@@ -235,21 +236,42 @@ def plan_one_row(
     device: torch.device | str,
 ) -> ForwardPlan:
     """A plan for one fresh row of ``num_tokens`` zeros in slot 0 (sizing and profiling)."""
-    zeros = torch.zeros(1, dtype=torch.int64, device=device)
+    return plan_zero_rows([num_tokens], 0, trash_slot, dtype, layout, device)
+
+
+def plan_zero_rows(
+    lengths: list[int],
+    start: int,
+    trash_slot: int,
+    dtype: torch.dtype,
+    layout: AttentionLayout | None,
+    device: torch.device | str,
+    packed: bool = False,
+) -> ForwardPlan:
+    """A plan for rows in slots 0.. with ``lengths[b]`` tokens (zeros: only the shapes matter)
+    after ``start`` positions each, left-padded to the longest; ``packed``: only the real
+    tokens computed (sizing, profiling, compiling graphs ahead)."""
+    rows, width = len(lengths), max(lengths)
+    left = [width - n for n in lengths]
+
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     return plan_forward(
-        input_ids=torch.zeros(1, num_tokens, dtype=torch.int64, device=device),
-        start=zeros,
-        left=zeros,
-        real=torch.full((1,), num_tokens, dtype=torch.int64, device=device),
-        own_slot=zeros,
-        base_slot=zeros,
-        prefix_len=zeros,
+        input_ids=torch.zeros(rows, width, dtype=torch.int64, device=device),
+        start=column([start] * rows),
+        left=column(left),
+        real=column(lengths),
+        own_slot=column(list(range(rows))),
+        base_slot=column(list(range(rows))),
+        prefix_len=column([0] * rows),
         trash_slot=trash_slot,
         dtype=dtype,
-        kv_len=num_tokens,
+        kv_len=start + width,
         layout=layout,
-        max_real=num_tokens,
+        max_real=width,
         first_slot=0,
+        packed=packing(left, lengths, width, 1, device, share=1.0) if packed else None,
     )
 
 

@@ -49,9 +49,8 @@ from osd.decode.kv_cache import (
     ForwardPlan,
     SlotKVCache,
     kept_positions,
-    packing,
-    plan_forward,
     plan_one_row,
+    plan_zero_rows,
 )
 from osd.decode.lean_forward import LeanForward, lean_forward_for
 from osd.devices import to_device
@@ -194,30 +193,6 @@ def _scratch_cache() -> SlotKVCache:
     """Two slots, storage growing from its least (a forward never fills it exactly: that step
     runs eagerly)."""
     return SlotKVCache(num_slots=2, max_len=_GRAPH_START + FEW_TOKENS + 8)
-
-
-def _scratch_plan(
-    lengths: list[int], packed: bool, dtype: torch.dtype, lm: CausalLM, start: int
-) -> ForwardPlan:
-    """Rows in slots 0.. with ``lengths[b]`` tokens after ``start`` positions each (zeros:
-    only the shapes matter); ``packed``: only the real tokens computed."""
-    rows, width = len(lengths), max(lengths)
-    column = lambda values: torch.tensor(values, dtype=torch.int64, device=lm.device)  # noqa: E731
-    left = [width - n for n in lengths]
-    return plan_forward(
-        input_ids=torch.zeros(rows, width, dtype=torch.int64, device=lm.device),
-        start=column([start] * rows),
-        left=column(left),
-        real=column(lengths),
-        own_slot=column(list(range(rows))),
-        base_slot=column(list(range(rows))),
-        prefix_len=column([0] * rows),
-        trash_slot=rows,
-        dtype=dtype,
-        layout=lm.attention,
-        first_slot=0,
-        packed=packing(left, lengths, width, 1, lm.device, share=1.0) if packed else None,
-    )
 
 
 @dataclass
@@ -454,11 +429,23 @@ class CausalLM:
         cache = _scratch_cache()
         with torch.inference_mode():  # as the decode loop's steps run (dynamo guards on it)
             # The first forward allocates the cache's storage (eager: nothing to read in place).
-            self.run(_scratch_plan([_GRAPH_START] * 2, False, dtype, self, 0), cache, num_logits=1)
+            self.run(self._zero_rows([_GRAPH_START] * 2, 0, cache, dtype), cache, num_logits=1)
             for lengths, packed in shapes:
-                plan = _scratch_plan(lengths, packed, dtype, self, _GRAPH_START)
+                plan = self._zero_rows(lengths, _GRAPH_START, cache, dtype, packed)
                 self.run(plan, cache, num_logits=1)
         return len(shapes)
+
+    def _zero_rows(
+        self,
+        lengths: list[int],
+        start: int,
+        cache: SlotKVCache,
+        dtype: torch.dtype,
+        packed: bool = False,
+    ) -> ForwardPlan:
+        return plan_zero_rows(
+            lengths, start, cache.trash_slot, dtype, self.attention, self.device, packed
+        )
 
     def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The base model's (no adapter) own forward, with transformers' masks and no cache.
