@@ -38,7 +38,14 @@ from osd.process import die_with_parent_preexec
 # `everysec` does, and which once lost a whole pushed batch in CI); the OS flushes the file.
 PROCESS_CRASH_SAFE_ARGS = ("--appendfsync", "no")
 
-__all__ = ["LocalRedis", "RedisServerError", "check_credentials", "connect", "redact_url"]
+__all__ = [
+    "PROCESS_CRASH_SAFE_ARGS",
+    "LocalRedis",
+    "RedisServerError",
+    "check_credentials",
+    "connect",
+    "redact_url",
+]
 
 
 class RedisServerError(RuntimeError):

@@ -209,9 +209,9 @@ class StepCosts:
         cold replica went on drafting at 16 sampled rows for a hundred steps at 1.6x the
         target alone's step; and the realized-gain guard cannot judge drafting there
         (:meth:`GoodputController.held_off`). That included batch sizes whose every drafting
-        step catches the draft up (left out of the line): with 2 clients, each step of one row
-        between two requests drafted k = 2 after reading 40-120 tokens first (8-18 ms against
-        about 4), all measurement long. One step without drafting measures it. (A controller
+        step catches the draft up (left out of the line): with 2 clients, the one-row steps
+        between two requests drafted k = 1-2 after reading 40-120 tokens first, all
+        measurement long, unjudged. One step without drafting measures it. (A controller
         that has measured nothing yet starts from its priors.)"""
         return self.bucket(batch) not in self._zero and bool(self._zero or self._line)
 
