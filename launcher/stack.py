@@ -41,6 +41,10 @@ from serving.ingress import Ingress
 __all__ = ["LocalStack", "free_port", "install_signal_handlers"]
 
 EMBEDDED_REDIS_MEMORY = "1gb"  # the private redis-server's maxmemory (log.max_bytes fits in it)
+_APP = "osd"  # the Serve application's name
+# Longest wait for the replica to answer, its warm-up included (2-6 minutes on a 2-core CPU when
+# it compiles its forwards the first time).
+_READY_S = 1800.0
 _SERVE_SHUTDOWN_S = 45.0  # longest wait for Serve's graceful shutdown before stopping Ray
 
 
@@ -134,15 +138,17 @@ class LocalStack(Closeable):
     def start(self) -> LocalStack:
         """Starts every part. Ctrl-C during start-up is held until the part being started is
         up (an interrupt inside Ray's or subprocess's own bookkeeping can hang them), then
-        everything started so far is stopped."""
+        everything started so far is stopped. Waiting for the replica to be ready (its
+        warm-up: minutes the first time it compiles) is not held: Ctrl-C stops it within a
+        second."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(config_to_yaml(self.config))
         self._build_models()  # interruptible as usual: a build resumes where it stopped
-        steps = [self._start_redis, self._start_serve]
-        if self.with_trainer:
-            steps.append(self._start_trainer)
         try:
             with _interrupts_deferred() as interrupted:
+                steps = [self._start_redis, lambda: self._start_serve(interrupted)]
+                if self.with_trainer:
+                    steps.append(self._start_trainer)
                 for step in steps:
                     step()
                     if interrupted():
@@ -198,9 +204,10 @@ class LocalStack(Closeable):
             ).start()
             self.redis_url = self.redis.url
 
-    def _start_serve(self) -> None:
+    def _start_serve(self, interrupted: Callable[[], bool] = lambda: False) -> None:
         import ray
         from ray import serve
+        from ray.serve import api as serve_api
 
         from serving.app import build_app
 
@@ -224,8 +231,15 @@ class LocalStack(Closeable):
                 "on-disk cache after; model.compile=false skips it)",
                 flush=True,
             )
-        serve.run(build_app(self.config, self.redis_url), name="osd", route_prefix="/")
-        self.wait_ready()
+        # Deployed without waiting for it to run (serve.run would wait, deaf to Ctrl-C, for the
+        # replica's warm-up); wait_ready then waits, and hears it.
+        deploy = getattr(serve_api, "_run", None)
+        app = build_app(self.config, self.redis_url)
+        if deploy is None:  # a Ray without it: serve.run, which waits
+            serve.run(app, name=_APP, route_prefix="/")
+        else:
+            deploy(app, _blocking=False, name=_APP, route_prefix="/")
+        self.wait_ready(interrupted=interrupted)
 
     def _start_trainer(self) -> None:
         log = open(self.run_dir / "trainer.log", "ab")  # noqa: SIM115 - owned by the child
@@ -247,14 +261,25 @@ class LocalStack(Closeable):
             env={**os.environ, **child_env(self._torch_processes)},
         )
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(
+        self, timeout_s: float = _READY_S, interrupted: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Waits until the app answers /health (its replica warmed up); raises what failed its
+        deployment at once, and KeyboardInterrupt as soon as ``interrupted()``."""
+        from ray import serve
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if interrupted():
+                raise KeyboardInterrupt("interrupted while the replica started")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
+            app = serve.status().applications.get(_APP) if self._ray_started else None
+            if app is not None and app.status == "DEPLOY_FAILED":
+                raise RuntimeError(f"the Serve app failed to deploy: {app.message}")
             time.sleep(0.5)
         raise TimeoutError(f"the Serve app did not answer at {self.base_url} in {timeout_s}s")
 

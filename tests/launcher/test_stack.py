@@ -96,6 +96,13 @@ def wait_for_line(process, pattern, timeout_s):
     raise AssertionError("".join(lines))
 
 
+def health_answers(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def loop_health(port: int) -> dict:
     try:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
@@ -106,7 +113,8 @@ def loop_health(port: int) -> dict:
 @pytest.mark.parametrize("when", ["while-serving", "during-start", "killed"])
 def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
     """Ctrl-C while serving (after the supervisor restarted Redis and the trainer) or during
-    start-up stops everything; SIGKILL of ``osd up`` itself takes its children with it, the
+    start-up stops everything (during start-up, without waiting for the replica's warm-up:
+    the app never answers); SIGKILL of ``osd up`` itself takes its children with it, the
     restarted ones included (they were started from the supervisor's thread)."""
     port = free_port()
     run_dir = tmp_path / "run"
@@ -190,6 +198,11 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
         if when == "during-start":  # once redis-server is up and Ray is starting
             wait_for_start(process, output, timeout_s=240)
         process.send_signal(signal.SIGINT)
+        answered = []  # during start-up: the replica's warm-up is not waited for
+        while when == "during-start" and process.poll() is None:
+            answered.append(health_answers(port))
+            time.sleep(0.2)
+        assert not any(answered), "".join(output[-40:])
         try:
             process.wait(timeout=120)
         except subprocess.TimeoutExpired:

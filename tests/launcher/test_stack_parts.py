@@ -1,7 +1,7 @@
 """The parts of launcher.stack that need no Ray: the port a stack serves on, the config file
 the trainer child reads back, the signal handlers ``osd up`` installs, ``close()`` on a
-stack that never started, and waiting for the trainer's first heartbeat. The stack itself,
-started and stopped, is ``test_stack.py``."""
+stack that never started, and waiting for the replica and the trainer's first heartbeat. The
+stack itself, started and stopped, is ``test_stack.py``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,6 +104,24 @@ def test_a_stack_that_never_answers_times_out_naming_its_url():
     stack = LocalStack(toy_config(), port=free_port())  # nothing listens there
     with pytest.raises(TimeoutError, match=stack.base_url):
         stack.wait_ready(timeout_s=0.5)
+
+
+def test_waiting_for_the_replica_hears_ctrl_c_and_a_failed_deployment(monkeypatch):
+    """The replica's warm-up (minutes when it compiles) is waited for outside Serve's own
+    blocking deploy: Ctrl-C ends the wait at once, and a deployment Serve gave up on ends it
+    with Serve's message (here Serve's status stands in: a real failed deployment takes Ray
+    and several failed replica starts)."""
+    from ray import serve
+
+    stack = LocalStack(toy_config(), port=free_port())  # nothing listens there
+    with pytest.raises(KeyboardInterrupt):
+        stack.wait_ready(timeout_s=30, interrupted=lambda: True)
+    failed = SimpleNamespace(status="DEPLOY_FAILED", message="replica constructor raised")
+    status = SimpleNamespace(applications={"osd": failed})
+    monkeypatch.setattr(serve, "status", lambda: status)
+    stack._ray_started = True
+    with pytest.raises(RuntimeError, match="replica constructor raised"):
+        stack.wait_ready(timeout_s=30)
 
 
 def test_waiting_for_the_trainer_ends_at_its_first_heartbeat_or_the_timeout():
