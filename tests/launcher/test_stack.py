@@ -96,18 +96,17 @@ def wait_for_line(process, pattern, timeout_s):
     raise AssertionError("".join(lines))
 
 
-def health_answers(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def loop_health(port: int) -> dict:
+    """The replica's /health answer; a status saying why where no replica answered (nothing
+    listens yet, or the ingress's own error page while none is up)."""
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+        response = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
     except httpx.HTTPError as exc:
         return {"status": f"unanswered: {exc}"}
+    try:
+        return response.json()
+    except ValueError:
+        return {"status": f"unanswered: HTTP {response.status_code}, not the replica's JSON"}
 
 
 @pytest.mark.parametrize("when", ["while-serving", "during-start", "killed"])
@@ -200,9 +199,10 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path, when):
         process.send_signal(signal.SIGINT)
         answered = []  # during start-up: the replica's warm-up is not waited for
         while when == "during-start" and process.poll() is None:
-            answered.append(health_answers(port))
+            answered.append(loop_health(port)["status"])
             time.sleep(0.2)
-        assert not any(answered), "".join(output[-40:])
+        replica = [status for status in answered if not status.startswith("unanswered")]
+        assert replica == [], "".join(output[-40:])
         try:
             process.wait(timeout=120)
         except subprocess.TimeoutExpired:
