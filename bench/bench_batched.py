@@ -126,11 +126,13 @@ def measure(
     request: dict[str, Any],
     max_num_seqs: int,
     num_threads: int,
+    fuse_prefill: bool = True,
 ) -> dict[str, float]:
-    """One variant at one concurrency on a fresh engine, with forward clocks."""
+    """One variant at one concurrency on a fresh engine, with forward clocks; ``fuse_prefill``
+    as :class:`BatchLimits` takes it."""
     target_clock, draft_clock = ForwardClock(), ForwardClock()
     undo = [clocked(decoder.target, target_clock), clocked(decoder.draft, draft_clock)]
-    limits = BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024)
+    limits = BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024, fuse_prefill=fuse_prefill)
     engine = BatchedEngine(decoder, limits, num_threads=num_threads)
     try:
         row = closed_loop(engine, decoder, prompts, concurrency, num_requests, request)

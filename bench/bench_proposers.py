@@ -211,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         "(model.compile), every graph compiled in a warm-up before the first measurement; "
         "without it the forwards run eagerly",
     )
+    parser.add_argument(
+        "--no-riders",
+        action="store_true",
+        help="every joining prompt in a prefill forward of its own, none read in a decode "
+        "step (BatchLimits.fuse_prefill off)",
+    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     threads = apply_bench_threads(args.threads)
@@ -226,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.compile:  # graphs compiled and trials settled before anything is timed
         engine = BatchedEngine(
-            decoder, BatchLimits(max_num_seqs=16, max_waiting=1024), num_threads=threads
+            decoder,
+            BatchLimits(max_num_seqs=16, max_waiting=1024, fuse_prefill=not args.no_riders),
+            num_threads=threads,
         )
         try:
             print(warm_up(engine).describe(), flush=True)
@@ -262,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 # At least 8 requests a client: the controller's cold start is part of a
                 # measurement, not all of it.
                 count = max(args.requests, 8 * conc)
-                row = measure(decoder, prompts, conc, count, request, 16, threads)
+                row = measure(
+                    decoder, prompts, conc, count, request, 16, threads, not args.no_riders
+                )
                 row |= {"workload": workload, "variant": variant, "concurrency": conc}
                 rows.append(row)
                 print(

@@ -255,13 +255,16 @@ class _CompiledLayers:
 
     def __call__(self, layers: Any, *inputs: Any) -> torch.Tensor:
         """``_in_place_layers``' inputs: the layers, hidden, cos, sin, mask, keys, values,
-        write index, slots (None: the rows' slots are consecutive), the first slot as a size
-        and the packed tokens' index (None: every column computed)."""
+        write index, slots (None: the rows' slots are consecutive), the first slot as a size,
+        the packed tokens' index (None: every column computed) and, where a packed forward's
+        attention splits in two grids, the tail's columns as a size, the wide rows and the
+        tokens' places (:func:`osd.decode.lean_forward._attend_packed`)."""
         import torch._dynamo as dynamo
 
         hidden, cos, sin, mask, keys, values, write_index, slots, *rest = inputs
         first = rest[0] if rest else None
         packed = rest[1] if len(rest) > 1 else None
+        split = [t for t in rest[2:] if t is not None]  # the tail as a size, wide rows, places
         if self._failed or mask.shape[-1] < 2 or mask.shape[-1] == keys[0].shape[1]:
             # A one-token prompt's forward, and a step whose longest row fills the storage
             # (keys read as the whole storage, a contiguous view: torch guards on it): eager,
@@ -284,6 +287,7 @@ class _CompiledLayers:
             *(() if slots is None else ((slots, (0,)),)),
             *(() if first is None else ((first, (0,)),)),
             *(() if packed is None else ((packed, (0,)),)),
+            *((t, (0,)) for t in split),
             *((store, (0, 1)) for store in stores if fresh),  # slots, capacity
         ):
             for dim in dims:

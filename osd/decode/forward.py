@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from osd.decode.compiled_forward import FEW_TOKENS
 from osd.decode.goodput import GoodputController
 from osd.decode.history import TokenHistory
 from osd.decode.kv_cache import SlotKVCache, packing, plan_forward, worth_packing
@@ -145,7 +146,11 @@ def run_model(
         layout=model.attention,
         max_real=max(num_real),
         first_slot=first if consecutive else None,
-        packed=packing(left, num_real, width, num_logits, device) if model.packs else None,
+        packed=(
+            packing(left, num_real, width, num_logits, device, narrow=FEW_TOKENS)
+            if model.packs
+            else None
+        ),
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
 

@@ -36,7 +36,9 @@ __all__ = [
     "ForwardPlan",
     "SlotKVCache",
     "kept_positions",
+    "AttentionSplit",
     "Packing",
+    "attention_split",
     "packing",
     "worth_packing",
     "plan_forward",
@@ -180,11 +182,68 @@ class Packing:
             ``num_logits`` columns).
         logits_to: (M,) their places in the flattened (B, num_logits) logits; the other places
             (right padding) get logits 0, read by nobody.
+        split: where a few rows reach far further left than the rest (a prompt read in a
+            decode step beside rows of a token or a few: :func:`attention_split`), attention
+            runs on two grids instead of the whole one: every row's last ``split.tail``
+            columns, and the ``split.wide`` rows' columns before them. None: the whole grid.
     """
 
     index: torch.Tensor
     logits_from: torch.Tensor
     logits_to: torch.Tensor
+    split: AttentionSplit | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSplit:
+    """Attention of a packed forward on two grids (:func:`attention_split`).
+
+    Attributes:
+        tail: columns of the tail grid: every row's last ``tail`` columns, (B, tail).
+        wide: (R,) the rows with real tokens before those columns: the head grid is their
+            first T - ``tail`` columns, (R, T - tail).
+        index: (N,) each computed token's place in the two grids flattened one after the
+            other (the tail grid's B x tail places, then the head grid's).
+    """
+
+    tail: int
+    wide: torch.Tensor
+    index: torch.Tensor
+
+
+# The least columns of a split's tail and head grids: a size of 1 would be a compiled graph of
+# its own (torch specializes it), and the tail's column of padding for rows of one token costs
+# those rows' attention once more over their keys, a small part of a forward.
+_SPLIT_LEAST_COLUMNS = 2
+
+
+def attention_split(
+    left: Sequence[int], real: Sequence[int], width: int, narrow: int
+) -> tuple[int, list[int]] | None:
+    """(tail, wide rows) when a (B, ``width``) grid of rows laid out as ``left`` padding then
+    ``real`` tokens attends on two smaller grids (:class:`AttentionSplit`), else None.
+
+    The rows whose tokens lie in their last ``narrow`` columns or fewer set the tail (the
+    widest of them, at least two columns); the others are the wide rows. A packed forward's
+    attention otherwise runs on the whole grid: one 50-token prompt beside 16 rows of one token
+    made every row attend with 50 queries (the demo target, compiled, one thread: 24.2 ms the
+    forward, 10.4 split, against 6.9 for the 16 rows alone and 6.3 for the prompt alone,
+    ``docs/benchmarks.md``). The two grids hold fewer queries whenever some row is narrow and
+    some is wide: B x tail + R x (T - tail) against B x T, R < B. Split then, where the head
+    is at least two columns wide."""
+    spans = [width - pad for pad, count in zip(left, real, strict=True) if count > 0]
+    narrow_spans = [span for span in spans if span <= narrow]
+    if not narrow_spans:
+        return None
+    tail = max(max(narrow_spans), _SPLIT_LEAST_COLUMNS)
+    wide = [
+        b
+        for b, (pad, count) in enumerate(zip(left, real, strict=True))
+        if count > 0 and pad < width - tail
+    ]
+    if not wide or width - tail < _SPLIT_LEAST_COLUMNS:
+        return None
+    return tail, wide
 
 
 def worth_packing(real: Sequence[int], width: int, share: float = 0.8) -> bool:
@@ -201,6 +260,7 @@ def packing(
     num_logits: int,
     device: torch.device | str,
     share: float = 0.8,
+    narrow: int = 0,
 ) -> Packing | None:
     """The :class:`Packing` of a (B, ``width``) grid of rows laid out as ``left`` padding,
     ``real`` tokens, then right padding, when computing only the real tokens saves enough to
@@ -209,7 +269,9 @@ def packing(
     A forward's matmuls cost in proportion to the positions they compute: at 16 rows on the
     demo target, one row verifying 8 drafted tokens beside 15 verifying none made all 16
     compute 9 positions (24 ms a forward, 13 ms packed: ``docs/batched_engine.md``).
-    ``share``: see :func:`worth_packing` (1: always pack).
+    ``share``: see :func:`worth_packing` (1: always pack). ``narrow``: with more than 0, the
+    attention splits where :func:`attention_split` finds it pays (rows of at most ``narrow``
+    columns set the tail).
     """
     if not worth_packing(real, width, share):
         return None
@@ -223,9 +285,34 @@ def packing(
                 logits_from.append(len(index))
                 logits_to.append(b * num_logits + column - tail)
             index.append(b * width + column)
-    columns = to_device(torch.tensor(index, dtype=torch.int64), device)
+    found = attention_split(left, real, width, narrow) if narrow > 0 else None
+    places = _split_places(index, found, len(left), width) if found else []
+    columns = to_device(
+        torch.tensor([index, places] if found else [index], dtype=torch.int64), device
+    )
     tails = to_device(torch.tensor([logits_from, logits_to], dtype=torch.int64), device)
-    return Packing(columns, tails[0], tails[1])
+    split = None
+    if found:
+        wide = to_device(torch.tensor(found[1], dtype=torch.int64), device)
+        split = AttentionSplit(found[0], wide, columns[1])
+    return Packing(columns[0], tails[0], tails[1], split)
+
+
+def _split_places(
+    index: list[int], found: tuple[int, list[int]], rows: int, width: int
+) -> list[int]:
+    """Each grid index's place in an :class:`AttentionSplit`'s two grids, flattened."""
+    tail, wide = found
+    head = width - tail
+    wide_rank = {b: r for r, b in enumerate(wide)}
+    places = []
+    for flat in index:
+        b, column = divmod(flat, width)
+        if column >= head:
+            places.append(b * tail + column - head)
+        else:
+            places.append(rows * tail + wide_rank[b] * head + column)
+    return places
 
 
 def plan_one_row(
@@ -247,10 +334,12 @@ def plan_zero_rows(
     layout: AttentionLayout | None,
     device: torch.device | str,
     packed: bool = False,
+    narrow: int = 0,
 ) -> ForwardPlan:
     """A plan for rows in slots 0.. with ``lengths[b]`` tokens (zeros: only the shapes matter)
     after ``start`` positions each, left-padded to the longest; ``packed``: only the real
-    tokens computed (sizing, profiling, compiling graphs ahead)."""
+    tokens computed (sizing, profiling, compiling graphs ahead), its attention split as
+    :func:`packing` splits it with ``narrow``."""
     rows, width = len(lengths), max(lengths)
     left = [width - n for n in lengths]
 
@@ -271,7 +360,9 @@ def plan_zero_rows(
         layout=layout,
         max_real=width,
         first_slot=0,
-        packed=packing(left, lengths, width, 1, device, share=1.0) if packed else None,
+        packed=packing(left, lengths, width, 1, device, share=1.0, narrow=narrow)
+        if packed
+        else None,
     )
 
 

@@ -248,11 +248,12 @@ def _attend(
     keys: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
+    products: bool = True,
 ) -> torch.Tensor:
     """(B, T, H, D) queries over (B, S, H_kv, D) keys and values, token-major as the slot cache
     keeps them -> (B, T, H, D): by products and sums where they pay
-    (:func:`_products_pay`), else SDPA."""
-    if _products_pay(q, keys.shape[1]):
+    (:func:`_products_pay`; never without ``products``), else SDPA."""
+    if products and _products_pay(q, keys.shape[1]):
         return _attend_by_products(layer, q, keys, values, mask)
     return F.scaled_dot_product_attention(
         q.transpose(1, 2),
@@ -326,6 +327,52 @@ def _products_pay(q: torch.Tensor, span: int) -> bool:
     )
 
 
+def _attend_packed(
+    layer: _Layer,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    index: torch.Tensor,
+    split: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """A packed forward's attention: (N, H, D) queries of the real tokens at ``index`` of the
+    (B, T) grid (B and T read off the (B, 1, T, S) ``mask``), over every row's (B, S, H_kv, D)
+    keys and values -> (N, H x D).
+
+    Without ``split`` the queries go back on the whole grid. With it (:class:`osd.decode.
+    kv_cache.AttentionSplit`: the tail's columns as a size, the wide rows, each token's place
+    in the two grids), on two: every row's last columns, attended as a decode or verify step's
+    are, and the wide rows' columns before them (their keys copied out: a row or a few), by
+    SDPA whatever their width, so that a compiled graph takes any head (one graph, not one
+    for each side of ``FEW_TOKENS``)."""
+    batch, width = mask.shape[0], mask.shape[2]
+    if split is None:
+        grid = _scattered(q, index, batch * width).view(batch, width, *q.shape[1:])
+        return _attend(layer, grid, keys, values, mask).reshape(batch * width, -1)[index]
+    tail_size, wide, places = split
+    tail, rows = tail_size.shape[0], wide.shape[0]
+    head = width - tail
+    grids = _scattered(q, places, batch * tail + rows * head)
+    tail_out = _attend(
+        layer,
+        grids[: batch * tail].view(batch, tail, *q.shape[1:]),
+        keys,
+        values,
+        mask[:, :, head:],
+    )
+    head_out = _attend(
+        layer,
+        grids[batch * tail :].view(rows, head, *q.shape[1:]),
+        keys.index_select(0, wide),
+        values.index_select(0, wide),
+        mask.index_select(0, wide)[:, :, :head],
+        products=False,
+    )
+    outs = (tail_out.reshape(batch * tail, -1), head_out.reshape(rows * head, -1))
+    return torch.cat(outs)[places]
+
+
 def _after_attention(layer: _Layer, residual: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The output projection and the MLP, each with its residual."""
     hidden = residual + layer.o(out)
@@ -345,6 +392,9 @@ def _in_place_layers(
     slots: torch.Tensor | None = None,
     first: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    wide: torch.Tensor | None = None,
+    places: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The decoder layers over (B, T, hidden) when row b reads slot ``first + b`` of
     ``keys``/``values`` (each layer's whole (slots, capacity, H_kv, D) storage) in place and
@@ -355,7 +405,9 @@ def _in_place_layers(
     depend on the rows' slots (:mod:`osd.decode.cuda_graphs`). With ``packed`` (N,), the
     real tokens' places in the flattened (B, T) grid (:class:`osd.decode.kv_cache.Packing`),
     only they are computed: ``hidden`` is (N, hidden), ``cos``/``sin`` (N, 1, D),
-    ``write_index`` theirs, and attention alone sees the grid (B and T read off ``mask``)."""
+    ``write_index`` theirs, and attention alone sees the grid (B and T read off ``mask``), or
+    with ``tail`` (its columns as a size), ``wide`` and ``places`` two grids
+    (:func:`_attend_packed`)."""
     batch, width = (mask.shape[0], mask.shape[2]) if packed is not None else hidden.shape[:2]
     kv_len = mask.shape[-1]
     start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
@@ -371,11 +423,22 @@ def _in_place_layers(
             for store in stores
         ]
         if packed is not None:
-            q = _scattered(q, packed, batch * width).view(batch, width, *q.shape[1:])
-        out = _attend(layer, q, rows[0], rows[1], mask).reshape(batch * width, -1)
-        out = out[packed] if packed is not None else out.view(batch, width, -1)
+            split = None if tail is None or wide is None or places is None else (tail, wide, places)
+            out = _attend_packed(layer, q, rows[0], rows[1], mask, packed, split)
+        else:
+            out = _attend(layer, q, rows[0], rows[1], mask).view(batch, width, -1)
         hidden = _after_attention(layer, hidden, out)
     return hidden
+
+
+def _split_inputs(
+    packed: Packing | None, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A packing's attention split as the layers take it (the tail's columns as a size)."""
+    if packed is None or packed.split is None:
+        return None
+    split = packed.split
+    return torch.empty(split.tail, 0, device=device), split.wide, split.index
 
 
 def _scattered(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
@@ -481,7 +544,16 @@ class LeanForward:
         # Packed, a verify step's few tokens a row run compiled too; a packed prefill's many
         # stay eager (an eighth graph a model, not measured to pay).
         graphed = self.graphed_layers if packed is None else None
-        compiled = self.in_place_layers if packed is None or width <= FEW_TOKENS else None
+        # A split's compiled graph takes one wide row (a prompt read in a decode step, one a
+        # turn: osd.decode.loop); a few wide rows of a packed prefill run eagerly.
+        wide_rows_apart = (
+            packed is not None and packed.split is not None and len(packed.split.wide) == 1
+        )
+        compiled = (
+            self.in_place_layers
+            if packed is None or width <= FEW_TOKENS or wide_rows_apart
+            else None
+        )
         io = (
             cache.in_place_io(len(self.layers))
             if (graphed or compiled) is not None and not isinstance(masks, dict)
@@ -503,6 +575,7 @@ class LeanForward:
                 None,
                 first_slot_size(first, hidden.device),
                 None if packed is None else packed.index,
+                *(_split_inputs(packed, hidden.device) or ()),
             )
         else:
             hidden = self._layers_through_cache(
@@ -539,6 +612,7 @@ class LeanForward:
         """The decoder layers, their keys and values through ``cache.update_packed`` (any
         plan: packed, gathered, rings, mixed layer kinds); ``grid``: the (B, T) input's."""
         batch, width = grid
+        split = _split_inputs(packed, hidden.device)
         for index, layer in enumerate(self.layers):
             mask = masks[layer.kind] if isinstance(masks, dict) else masks
             q, k, v = _attention_inputs(layer, hidden, cos, sin)
@@ -548,14 +622,13 @@ class LeanForward:
                 v.reshape(-1, heads_kv, layer.head_dim),
                 index,
             )
-            if packed is not None:
-                q = _scattered(q, packed.index, batch * width)
-            q = q.view(batch, width, -1, layer.head_dim)
-            out = _attend(layer, q, keys.transpose(1, 2), values.transpose(1, 2), mask)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
             if packed is None:
-                out = out.reshape(batch, width, -1)
+                q = q.view(batch, width, -1, layer.head_dim)
+                out = _attend(layer, q, keys, values, mask).reshape(batch, width, -1)
             else:
-                out = out.reshape(batch * width, -1)[packed.index]
+                q = q.view(q.shape[0], -1, layer.head_dim)
+                out = _attend_packed(layer, q, keys, values, mask, packed.index, split)
             hidden = _after_attention(layer, hidden, out)
         return hidden
 

@@ -3,8 +3,16 @@
 A background thread owns both models' slot caches. Each turn it takes new submissions,
 drops cancelled requests, admits waiting ones while there is room (:mod:`osd.decode.scheduler`),
 prefills up to ``max_num_batched_tokens`` prompt tokens of the joiners, and runs one
-speculative step (:func:`osd.decode.step.run_step`) over every request that is decoding. A
-request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
+speculative step (:func:`osd.decode.step.run_step`) over every request that is decoding. One
+joiner a turn with a short prompt (``_RIDER_LEAST_TOKENS`` to ``_RIDER_TOKENS``, no other
+choices, one draft, no prompt logprobs) rides in that step instead, where the target's forward
+packs (:attr:`osd.decode.models.CausalLM.packs`): its prompt goes through the step's target
+forward beside the other rows' tokens, its attention on a grid of its own
+(:func:`osd.decode.kv_cache.attention_split`), drafting nothing, and its first token comes from
+the same draw as after a prefill of its own (``BatchLimits.fuse_prefill``). Rows that finish
+apart (speculation makes them) then cost no forward each to replace: at 16 sampled clients,
+42-65 prefill forwards of a few rows each came to 5 % of the time a measurement took, against
+16 when rows kept in step (``docs/benchmarks.md``). A request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
 to the next waiting request at once. Callers get a :class:`RequestHandle`: an iterator of the
 request's chunks that blocks until the loop produces them, or a handle that hands them to a
 sink from the loop's thread (a consumer on an event loop: no thread waits per request).
@@ -57,6 +65,12 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _END = object()
+# The most prompt tokens that ride in a decode step (BatchedEngine._riders): a longer prompt's
+# own compute dwarfs the forward riding saves, and it would slow every row's step.
+_RIDER_TOKENS = 256
+# The fewest: a shorter one leaves its own attention grid under two columns
+# (osd.decode.kv_cache.attention_split), and its own prefill costs little.
+_RIDER_LEAST_TOKENS = 4
 
 
 class EngineFull(RuntimeError):
@@ -168,6 +182,7 @@ class LoopStats:
     step_seconds: float = 0.0
     waiting: int = 0
     running: int = 0
+    riders: int = 0  # prompts read in a decode step's forward, not one of their own
 
     @property
     def mean_batch(self) -> float:
@@ -323,10 +338,11 @@ class BatchedEngine:
             self._waiting.append(self._submitted.get())
         self._drop_cancelled()
         self._admit()
+        riders = self._riders()
         if self._prefilling:
-            self._prefill()
-        if self._decoding:
-            self._step()
+            self._prefill(sum(h._row.prefill_left for h in riders))
+        if self._decoding or riders:
+            self._step(riders)
         self.stats.waiting = sum(h._group_size for h in self._waiting)
         self.stats.running = self._num_running()
 
@@ -374,10 +390,30 @@ class BatchedEngine:
         with self._count_lock:
             self._num_queued -= count
 
-    def _prefill(self) -> None:
+    def _riders(self) -> list[RequestHandle]:
+        """The joiner whose prompt rides in this turn's decode step (module docstring), taken
+        out of ``_prefilling``; none when no row decodes (a prefill is then the only forward),
+        or where the target's forward cannot keep the prompt's attention apart from the other
+        rows' (it does not pack: :attr:`osd.decode.models.CausalLM.packs`). One a turn: the
+        target's compiled graph for a step with a prompt in it takes one."""
+        if not self._decoding or not self.limits.fuse_prefill or not self.pair.target.packs:
+            return []
+        budget = min(self.limits.max_num_batched_tokens, _RIDER_TOKENS)
+        for handle in self._prefilling:
+            row, request = handle._row, handle.request
+            alone = not handle._followers and request.num_slots == 1
+            size = row.prefill_left
+            if alone and request.prompt_logprobs is None and _RIDER_LEAST_TOKENS <= size <= budget:
+                self._prefilling.remove(handle)
+                return [handle]
+        return []
+
+    def _prefill(self, riding: int = 0) -> None:
+        """Prefills the joiners that do not ride, with what ``riding`` tokens leave of the
+        per-turn budget."""
         rows = [h._row for h in self._prefilling]
         try:
-            prefill(self.pair, rows, self.limits.max_num_batched_tokens)
+            prefill(self.pair, rows, max(self.limits.max_num_batched_tokens - riding, 0))
         except Exception as exc:  # noqa: BLE001 - these requests fail, others go on
             log.exception("prefill failed")
             self._fail(self._prefilling, exc)
@@ -397,7 +433,10 @@ class BatchedEngine:
         if ready:
             self._decoding.sort(key=lambda h: h._row.slots[0])
 
-    def _step(self) -> None:
+    def _step(self, riders: list[RequestHandle]) -> None:
+        if riders:  # in slot order with the others (their keys read in place)
+            self.stats.riders += len(riders)
+            self._decoding = sorted(self._decoding + riders, key=lambda h: h._row.slots[0])
         rows = [h._row for h in self._decoding]
         started = time.perf_counter()
         try:

@@ -424,8 +424,8 @@ class CausalLM:
             return 0
         dtype = next(self.model.parameters()).dtype
         shapes = [([tokens] * rows, False) for rows in (1, 2) for tokens in _GRAPH_TOKENS]
-        if self.packs:
-            shapes.append(([_GRAPH_TOKENS[1], 1], True))
+        if self.packs:  # verify steps of different widths; a prompt read in a decode step
+            shapes += [([_GRAPH_TOKENS[1], 1], True), ([1, 1, _GRAPH_TOKENS[2]], True)]
         cache = _scratch_cache()
         with torch.inference_mode():  # as the decode loop's steps run (dynamo guards on it)
             # The first forward allocates the cache's storage (eager: nothing to read in place).
@@ -444,7 +444,14 @@ class CausalLM:
         packed: bool = False,
     ) -> ForwardPlan:
         return plan_zero_rows(
-            lengths, start, cache.trash_slot, dtype, self.attention, self.device, packed
+            lengths,
+            start,
+            cache.trash_slot,
+            dtype,
+            self.attention,
+            self.device,
+            packed,
+            narrow=FEW_TOKENS if packed else 0,
         )
 
     def plain_logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,10 @@ class BatchLimits:
         max_waiting: requests waiting for room; beyond it :meth:`submit` refuses at once.
         kv_cache_memory_bytes: with ``kv_slots`` 0, the KV memory both models' caches may take
             together: as many slots as fit (:func:`kv_slots_for_memory`); 0: no budget.
+        fuse_prefill: a request joining rows that decode has its (short) prompt read in the
+            step's target forward, beside their tokens, rather than in a forward of its own
+            (:meth:`osd.decode.loop.BatchedEngine`; vLLM mixes prefills into decode steps
+            alike); False: every prompt gets its own prefill forward.
     """
 
     max_num_seqs: int = 16
@@ -34,6 +38,7 @@ class BatchLimits:
     max_model_len: int = 0
     max_waiting: int = 64
     kv_cache_memory_bytes: int = 0
+    fuse_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

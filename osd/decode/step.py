@@ -268,9 +268,12 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     masks = None
     if GrammarMasks.needed(rows):
         masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
-    # Rows back on the draft model after steps without it read what they missed first.
+    # Rows back on the draft model after steps without it read what they missed first; rows
+    # whose prompts ride in this step (osd.decode.loop) draft nothing and are read here first.
+    # Either makes the step dearer than its drafting: the controller's cost line leaves it out.
     unread = [len(r.seq) - r.draft_len for r, k in zip(rows, plan.model_k, strict=True) if k]
     catching_up = bool(unread) and sum(unread) > CATCH_UP_TOKENS * len(unread)
+    catching_up = catching_up or any(row.prefill_left > 0 for row in rows)
     # No row of the draft model: no draft forward this step.
     drafts = propose(pair, rows, sampling, history, plan.model_k, branches, max(width, 1), masks)
     pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)

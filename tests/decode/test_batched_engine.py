@@ -412,3 +412,45 @@ def test_a_steps_tensor_operations_do_not_grow_with_its_rows(decoder, monkeypatc
     # The steps every row takes alike (the last ones draft less: fewer tokens are left).
     two, four = (max(set(c), key=c.count) for c in (counts[2], counts[4]))
     assert four == two, counts
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_prompt_riding_in_a_decode_step_gives_the_tokens_of_its_own_prefill(
+    decoder, target_model, fuse
+):
+    """A request that joins rows already decoding has its prompt read in their step's forward
+    (BatchLimits.fuse_prefill): its first token is drawn as after a prefill of its own, so a
+    seeded request's tokens, log and logprobs are those of the request alone; greedy ones the
+    target's. With fusing off it takes a forward of its own, with the same result."""
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8, fuse_prefill=fuse))
+    try:
+        sampled = dict(
+            max_tokens=20, temperature=0.9, seed=11, method="block", num_spec_tokens=4, logprobs=2
+        )
+        greedy = dict(max_tokens=16, temperature=0, method="token", stop_token_ids=[])
+        # Rows decoding first, so the subjects join a running batch one at a time.
+        neighbour = engine.submit(
+            decoder.prepare(PROMPTS[0], max_tokens=60, temperature=1.0, seed=3, stop_token_ids=[])
+        )
+        next(iter(neighbour))
+        riders = engine.stats.riders
+        sampled_handle = engine.submit(decoder.prepare(PROMPTS[1], adapter="sql", **sampled))
+        next(iter(sampled_handle))
+        greedy_result = engine.submit(decoder.prepare(PROMPTS[3], **greedy)).result()
+        sampled_result = sampled_handle.result()
+        neighbour.result()
+        assert (engine.stats.riders - riders == 2) if fuse else engine.stats.riders == 0
+    finally:
+        engine.close()
+    alone = decoder.generate(PROMPTS[1], adapter="sql", **sampled)
+    assert sampled_result.token_ids == alone.token_ids
+    assert [p.logprob for p in sampled_result.logprobs] == pytest.approx(
+        [p.logprob for p in alone.logprobs], abs=1e-4
+    )
+    torch.testing.assert_close(
+        sampled_result.log.target_top_probs.float(),
+        alone.log.target_top_probs.float(),
+        atol=1e-3,
+        rtol=0,
+    )
+    assert greedy_result.token_ids == target_greedy(target_model, PROMPTS[3], 16)

@@ -52,9 +52,11 @@ def _plan(
     seed: int,
     first: int = 0,
     packed: bool = False,
+    narrow: int = 0,
 ):
     """Rows in slots ``first``.. reading their own slot in place, ``lengths[b]`` new tokens
-    each; ``packed``: only those computed (kv_cache.packing), logits for every column."""
+    each; ``packed``: only those computed (kv_cache.packing, its attention split as ``narrow``
+    says), logits for every column."""
     gen = torch.Generator().manual_seed(seed)
     width = max(lengths)
     ids = torch.randint(1, 60, (len(lengths), width), generator=gen)
@@ -73,7 +75,11 @@ def _plan(
         dtype=torch.float32,
         layout=lm.attention,
         first_slot=first,
-        packed=packing(left, lengths, width, width, "cpu", share=1.0) if packed else None,
+        packed=(
+            packing(left, lengths, width, width, "cpu", share=1.0, narrow=narrow)
+            if packed
+            else None
+        ),
     )
 
 
@@ -197,6 +203,38 @@ def test_packed_verify_steps_run_their_own_graph_for_any_mix_of_rows_and_widths(
         torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS], rtol=1e-5, atol=1e-5)
 
 
+def test_a_prompt_read_in_a_decode_step_runs_one_graph_for_any_prompt_and_rows(models):
+    # A joining prompt riding in the step of rows decoding or verifying a few tokens
+    # (osd.decode.loop): attention on two grids (kv_cache.attention_split), one graph for any
+    # prompt length, rows and widths, computing what the eager forward does.
+    eager, compiled = models
+    warm_up = [
+        _plan(eager, [9, 5, 7, 3], [0] * 4, 50),
+        _plan(eager, [1, 1, 1, 20], [9, 5, 7, 3], 51, packed=True, narrow=16),
+    ]
+    before = compile_stats().compilations
+    _run(models, warm_up)
+    assert compile_stats().compilations > before
+    layers = compiled._lean_forward().in_place_layers.func
+    assert any(tokens == 3 and packed for _, tokens, packed in layers._times)  # its graph ran
+    warm = compile_stats().compilations
+    plans = [
+        _plan(eager, [12, 3, 8, 5, 2], [0] * 5, 52),
+        _plan(eager, [1, 1, 1, 1, 30], [12, 3, 8, 5, 2], 53, packed=True, narrow=16),
+        _plan(eager, [3, 1, 4, 23, 2], [13, 4, 9, 6, 32], 54, packed=True, narrow=16),
+        _plan(eager, [2, 2, 40], [16, 5, 13], 55, packed=True, narrow=16),
+    ]
+    for plan in plans[1:]:
+        assert plan.packed is not None and plan.packed.split is not None
+        assert len(plan.packed.split.wide) == 1
+    outs, caches = _run(models, plans)
+    assert compile_stats().compilations == warm
+    for want, got in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[1]._keys, caches[0]._keys, strict=True):
+        torch.testing.assert_close(mine[:SLOTS], theirs[:SLOTS], rtol=1e-5, atol=1e-5)
+
+
 def test_after_compile_graphs_no_served_shape_compiles():
     # The warm-up runs compile_graphs on both models: served, a draft back on 16 rows after
     # steps without it read a few tokens a row, all rows alike, a graph the warm-up's requests
@@ -207,7 +245,9 @@ def test_after_compile_graphs_no_served_shape_compiles():
     models = (eager, compiled)
     assert eager.compile_graphs() == 0
     before = compile_stats().compilations
-    assert compiled.compile_graphs() == 7  # one row or several x one, a few, many; packed
+    # One row or several x one, a few, many tokens a row; packed: a verify step's rows of
+    # different widths, a prompt read in a decode step.
+    assert compiled.compile_graphs() == 8
     assert compile_stats().compilations > before  # they compiled here, not earlier
     warm = compile_stats().compilations
     with torch.inference_mode():  # planned as the decode loop's steps plan (dynamo guards on it)
@@ -216,6 +256,7 @@ def test_after_compile_graphs_no_served_shape_compiles():
             _plan(eager, [14] * 5, [30] * 5, 41),
             _plan(eager, [1] * 5, [44] * 5, 42),
             _plan(eager, [3, 9, 1, 1, 2], [45] * 5, 43, packed=True),
+            _plan(eager, [1, 1, 26, 1, 1], [54] * 5, 47, packed=True, narrow=16),
         ]
         one_row = [_plan(eager, [20], [0], 44), _plan(eager, [1], [20], 45)]
         one_row.append(_plan(eager, [6], [21], 46))

@@ -99,6 +99,62 @@ def test_a_packed_forward_computes_what_the_padded_one_does(name):
             torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", LEAN)
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_prompt_read_beside_decoding_rows_attends_apart_and_computes_what_the_grid_does(
+    name, in_place
+):
+    """A 12-token prompt in the step of three rows verifying or decoding a few tokens (a prompt
+    riding in a decode step, osd.decode.loop): its attention splits in two grids
+    (kv_cache.attention_split), and it gives transformers' logits at every real position and
+    the same cached keys, read in place or gathered, past the windows (8)."""
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    caches = [SlotKVCache(6, 64, lean.attention.spans, 16) for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    tokens = lambda n: torch.randint(1, 60, (n,), generator=gen).tolist()  # noqa: E731
+    prompts = [11, 9, 13]
+    prefill = _plan(
+        lean,
+        [[0] * (13 - n) + tokens(n) for n in prompts],
+        [0] * 3,
+        [13 - n for n in prompts],
+        prompts,
+        [0, 1, 2],
+        [0, 1, 2],
+        [0] * 3,
+        0,
+    )
+    # Columns 11-13 of a 14-wide grid: row 0 verifies 2 tokens (then right padding), row 1
+    # decodes one, row 2 verifies 3; row 3's 12-token prompt fills columns 0-11.
+    left, real = [11, 11, 11, 0], [2, 1, 3, 12]
+    ids = [[0] * pad + tokens(n) + [0] * (14 - pad - n) for pad, n in zip(left, real, strict=True)]
+    step = _plan(
+        lean,
+        ids,
+        prompts + [0],
+        left,
+        real,
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [0] * 4,
+        0 if in_place else None,
+    )
+    packed = packing(left, real, 14, 3, "cpu", narrow=4)
+    assert packed is not None and packed.split is not None
+    assert packed.split.tail == 3 and packed.split.wide.tolist() == [3]
+    with torch.inference_mode():
+        for lm, cache in zip((lean, plain), caches, strict=True):
+            lm.run(prefill, cache, num_logits=1)
+        got = lean.run(dataclasses.replace(step, packed=packed), caches[0], num_logits=3)
+        want = plain.run(step, caches[1], num_logits=3)
+    for b, (pad, count) in enumerate(zip(left, real, strict=True)):
+        ends = [column - 11 for column in range(pad, pad + count) if column >= 11]
+        torch.testing.assert_close(got[b, ends], want[b, ends], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
+        torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
+
+
 def test_a_model_with_lora_is_never_run_packed():
     target, draft = family_pair("llama3")
     assert CausalLM(target, 64).packs and not CausalLM(target, 64, lean=False).packs

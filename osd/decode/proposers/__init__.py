@@ -163,8 +163,8 @@ class Proposers:
         look_up = controller is not None and controller.wants_lookups(batch)
         for b, row in enumerate(rows):
             request = row.request
-            if request.method == "none":
-                continue
+            if request.method == "none" or row.prefill_left > 0:
+                continue  # (a prompt riding in the step: osd.decode.loop) drafts nothing
             limit = min(request.num_spec_tokens, row.remaining - 1)
             choice = request.proposer
             # Grammars mask the draft's q as it drafts; SpecTr's K drafts come from the model.
