@@ -8,9 +8,11 @@ the tokens per row, the context and the cache's slots and capacity are dynamic f
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
 row or several, times one token a row, a few (up to 16: decode and verify steps attend by
 products and sums on the CPU, ``lean_forward._attend_by_products``) or more (prefills: SDPA),
-and one more for several rows of a few tokens that compute only their real ones (packed,
-:func:`osd.decode.kv_cache.packing`: a verify step whose rows verify different widths),
-seven in all (torch specializes sizes of 1). A LoRA draft's forwards whose rows all run one
+and two more for rows that compute only their real tokens (packed,
+:func:`osd.decode.kv_cache.packing`): several rows of a few tokens (a verify step whose rows
+verify different widths), and a prompt read in a decode step beside them, its attention on a
+grid of its own (:func:`osd.decode.kv_cache.attention_split`); eight in all (torch specializes
+sizes of 1). A LoRA draft's forwards whose rows all run one
 adapter (its merged forwards, most draft forwards) run the same graphs with their own
 weights (:class:`CompiledModel`): an adapter swapped in compiles nothing. Other forwards
 (packed prefills, gathered, rings, rows of mixed adapters, the first forward of a one-token
@@ -65,7 +67,7 @@ __all__ = [
     "persistent_inductor_cache",
 ]
 
-# Graphs one model's compiled layers may hold before torch runs them eagerly: the seven shapes
+# Graphs one model's compiled layers may hold before torch runs them eagerly: the eight shapes
 # above, with room to spare. Each model counts alone (``isolate_recompiles``): by default every
 # compiled call of one function shares the limit (the target's and a plain draft's, or every
 # engine a process builds).
