@@ -10,12 +10,13 @@ packs (:attr:`osd.decode.models.CausalLM.packs`): its prompt goes through the st
 forward beside the other rows' tokens, its attention on a grid of its own
 (:func:`osd.decode.kv_cache.attention_split`), drafting nothing, and its first token comes from
 the same draw as after a prefill of its own (``BatchLimits.fuse_prefill``). Rows that finish
-apart (speculation makes them) then cost no forward each to replace: at 16 sampled clients,
-42-65 prefill forwards of a few rows each came to 5 % of the time a measurement took, against
-16 when rows kept in step (``docs/benchmarks.md``). A request leaves the batch the step it finishes, hits a stop, or is cancelled, and its slots go
-to the next waiting request at once. Callers get a :class:`RequestHandle`: an iterator of the
-request's chunks that blocks until the loop produces them, or a handle that hands them to a
-sink from the loop's thread (a consumer on an event loop: no thread waits per request).
+apart (speculation makes them) then take no prefill forward of a row or two each to replace:
+the prompt's tokens cost what they cost, the forward's fixed cost is shared
+(``docs/benchmarks.md``). A request leaves the batch the step it finishes, hits a stop, or is
+cancelled, and its slots go to the next waiting request at once. Callers get a
+:class:`RequestHandle`: an iterator of the request's chunks that blocks until the loop
+produces them, or a handle that hands them to a sink from the loop's thread (a consumer on
+an event loop: no thread waits per request).
 
 Several choices of one prompt (OpenAI's ``n``) come in as a group (:meth:`BatchedEngine.
 submit_group`, requests from :func:`osd.decode.choices.choice_requests`): the group waits, is

@@ -454,3 +454,37 @@ def test_a_prompt_riding_in_a_decode_step_gives_the_tokens_of_its_own_prefill(
         rtol=0,
     )
     assert greedy_result.token_ids == target_greedy(target_model, PROMPTS[3], 16)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+        dict(top_k=5, min_p=0.05, top_p=0.9),
+        dict(logit_bias={5: 3.0, 7: -2.0}, stop=["e "]),
+    ],
+    ids=["penalties", "truncation", "bias-and-stop"],
+)
+def test_a_riding_prompt_with_sampling_options_gives_the_tokens_of_the_request_alone(
+    decoder, options
+):
+    """The options that read the prompt (penalties count its tokens), cut the distribution or
+    stop on text hold for a prompt read in a decode step as for one prefilled apart."""
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8))
+    request = dict(
+        max_tokens=24, temperature=0.8, seed=5, method="block", num_spec_tokens=3, **options
+    )
+    try:
+        neighbour = engine.submit(
+            decoder.prepare(PROMPTS[0], max_tokens=80, temperature=1.0, seed=3, stop_token_ids=[])
+        )
+        next(iter(neighbour))
+        riders = engine.stats.riders
+        result = engine.submit(decoder.prepare(PROMPTS[3], **request)).result()
+        assert engine.stats.riders == riders + 1
+        neighbour.result()
+    finally:
+        engine.close()
+    alone = decoder.generate(PROMPTS[3], **request)
+    assert result.token_ids == alone.token_ids
+    assert result.text == alone.text
