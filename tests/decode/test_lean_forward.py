@@ -11,7 +11,13 @@ import torch
 from peft import LoraConfig
 
 from osd import SpeculativeDecoder
-from osd.decode.kv_cache import ForwardPlan, SlotKVCache, packing, plan_forward
+from osd.decode.kv_cache import (
+    ForwardPlan,
+    SlotKVCache,
+    attention_split,
+    packing,
+    plan_forward,
+)
 from osd.decode.lean_forward import lean_forward_for
 from osd.decode.models import CausalLM
 from tests.families import FAMILIES, build_family, family_pair
@@ -151,6 +157,39 @@ def test_a_prompt_read_beside_decoding_rows_attends_apart_and_computes_what_the_
     for b, (pad, count) in enumerate(zip(left, real, strict=True)):
         ends = [column - 11 for column in range(pad, pad + count) if column >= 11]
         torch.testing.assert_close(got[b, ends], want[b, ends], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
+        torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_attention_splits_only_where_rows_of_a_few_tokens_meet_wider_ones():
+    # (left padding, real tokens, width, narrow) -> (tail, wide rows) or None.
+    assert attention_split([13, 13, 0], [1, 1, 14], 14, 16) is None  # every row narrow
+    assert attention_split([13, 13, 0], [1, 1, 14], 14, 4) == (2, [2])  # a tail of 2 at least
+    assert attention_split([11, 12, 0], [3, 1, 12], 14, 4) == (3, [2])  # right padding counts
+    assert attention_split([0, 10], [30, 20], 30, 16) is None  # no narrow row
+    assert attention_split([1, 0], [2, 3], 3, 2) is None  # a head of one column
+    assert attention_split([27, 0, 10, 28], [3, 30, 20, 2], 30, 16) == (3, [1, 2])
+
+
+@pytest.mark.parametrize("name", ["llama3", "mistral-sliding"])
+def test_a_packed_prefill_of_short_and_long_prompts_splits_with_several_wide_rows(name):
+    """Prompts of 3 and 2 tokens beside ones of 20 and 30: the long ones are the wide rows
+    (eagerly: the compiled graph takes one), and the logits and keys are transformers'."""
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    caches = [SlotKVCache(6, 64, lean.attention.spans, 40) for _ in range(2)]
+    lengths, width = [3, 20, 30, 2], 30
+    left = [width - n for n in lengths]
+    ids = torch.randint(1, 60, (4, width), generator=torch.Generator().manual_seed(4))
+    ids = [row.tolist() for row in ids]
+    plan = _plan(lean, ids, [0] * 4, left, lengths, [0, 1, 2, 3], [0, 1, 2, 3], [0] * 4, 0)
+    packed = packing(left, lengths, width, 1, "cpu", narrow=16)
+    assert packed is not None and packed.split is not None
+    assert packed.split.tail == 3 and packed.split.wide.tolist() == [1, 2]
+    with torch.inference_mode():
+        got = lean.run(dataclasses.replace(plan, packed=packed), caches[0], num_logits=1)
+        want = plain.run(plan, caches[1], num_logits=1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
         torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
 
