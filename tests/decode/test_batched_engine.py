@@ -397,7 +397,10 @@ def test_a_steps_tensor_operations_do_not_grow_with_its_rows(decoder, monkeypatc
         return chunks
 
     monkeypatch.setattr(loop, "run_step", counting)
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    # Every prompt prefilled apart: a request the loop admits before the next is submitted
+    # would otherwise ride in a step of its own kind (fuse_prefill), one a turn, and the rows
+    # would step apart as the submissions' timing falls.
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, fuse_prefill=False))
     try:
         for batch in (2, 4):
             handles = [
