@@ -564,6 +564,7 @@ class GoodputController:
         model: bool = True,
         catching_up: bool = False,
         emitted: int = 0,
+        riding: bool = False,
     ) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
         (:meth:`StepCosts.observe`); ``model``: the draft model ran in it. ``catching_up``:
@@ -571,7 +572,11 @@ class GoodputController:
         it): its seconds count against the exploration share if it probed, but not in the
         cost line, which prices drafting step after step (a line fitted to probes, each with
         its rows' catch-up, kept a good draft off at 16 rows). ``emitted``: the tokens the
-        step's rows emitted (the realized-gain guard, :meth:`held_off`)."""
+        step's rows emitted (the realized-gain guard, :meth:`held_off`). ``riding``: a
+        joining prompt was read in the step (:mod:`osd.decode.loop`): its seconds say nothing
+        of drafting's cost, so neither the cost line, the guard nor a probe's excess take them
+        (counted as drafting, the rider steps' prompts held the demo's drafting off: 1.11x the
+        reference requests against 2.2x)."""
         # Remembered over about 10,000 steps: the share holds over many probe intervals
         # (a short memory would let each probe through once its cost had faded).
         self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds
@@ -581,14 +586,15 @@ class GoodputController:
         for i, value in enumerate(gain):
             gain[i] = value * _GAIN_KEEP
         base = self.costs.own_base(batch)  # not a prior's or a neighbour's
-        if k > 0 and emitted and not self._probed and base is not None:
+        if k > 0 and emitted and not self._probed and base is not None and not riding:
             for i, value in enumerate((1.0, float(emitted), batch * seconds / max(base, 1e-9))):
                 gain[i] += value
         if self._probed:
-            self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)
-            self._explore_spent += self._probe_excess
+            if not riding:
+                self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)
+                self._explore_spent += self._probe_excess
             self._probed = False
-        if not catching_up:
+        if not (catching_up or riding):
             self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._forget_step()

@@ -268,12 +268,13 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     masks = None
     if GrammarMasks.needed(rows):
         masks = GrammarMasks(rows, spec_k, branches, width, pair.vocab_size, device)
-    # Rows back on the draft model after steps without it read what they missed first; rows
-    # whose prompts ride in this step (osd.decode.loop) draft nothing and are read here first.
-    # Either makes the step dearer than its drafting: the controller's cost line leaves it out.
+    # Rows back on the draft model after steps without it read what they missed first: the
+    # step is dearer than its drafting, and the controller's cost line leaves it out. A prompt
+    # riding in the step (osd.decode.loop) makes it dearer still, for no drafting's sake: the
+    # controller leaves such a step out of its costs and its realized-gain guard alike.
     unread = [len(r.seq) - r.draft_len for r, k in zip(rows, plan.model_k, strict=True) if k]
     catching_up = bool(unread) and sum(unread) > CATCH_UP_TOKENS * len(unread)
-    catching_up = catching_up or any(row.prefill_left > 0 for row in rows)
+    riding = any(row.prefill_left > 0 for row in rows)
     # No row of the draft model: no draft forward this step.
     drafts = propose(pair, rows, sampling, history, plan.model_k, branches, max(width, 1), masks)
     pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)
@@ -416,6 +417,6 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             extra = max(computed / len(fan_out) - 1, 0.0)
         emitted = num_rows + sum(row[0] for row in packed)
         pair.controller.observe_step(
-            num_rows, extra, seconds, plan.model_runs, catching_up, emitted
+            num_rows, extra, seconds, plan.model_runs, catching_up, emitted, riding
         )
     return chunks

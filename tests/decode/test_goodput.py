@@ -328,6 +328,21 @@ def test_drafting_that_pays_is_not_held_off():
     assert not bad.held_off(16)
 
 
+def test_a_step_a_prompt_rode_in_is_neither_a_cost_nor_the_guards_evidence():
+    # A joining prompt read in the step (osd.decode.loop) makes it dear for no drafting's
+    # sake: counted, 16 rows' steps carrying prompts held the demo's drafting off.
+    controller = GoodputController(max_k=4, prior=0.9)
+    controller.observe_step(batch=16, k=0, seconds=1.0)
+    costs = controller.costs.seconds(16, 4)
+    for _ in range(10):  # a prompt's tokens widen the forward (k > 0) and triple its seconds
+        controller.observe_step(batch=16, k=3, seconds=3.0, emitted=17, riding=True)
+    assert not controller.held_off(16) and controller.costs.seconds(16, 4) == costs
+    assert controller.steps == 11
+    for _ in range(10):  # the control: the same steps, no prompt in them
+        controller.observe_step(batch=16, k=3, seconds=3.0, emitted=17)
+    assert controller.held_off(16)
+
+
 def test_the_guard_judges_only_against_a_measured_step_without_drafting():
     controller = GoodputController(max_k=4, prior=0.9)
     for _ in range(10):  # cold: no step without drafting measured at 16 rows (nor anywhere)
