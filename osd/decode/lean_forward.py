@@ -411,6 +411,7 @@ def _in_place_layers(
     batch, width = (mask.shape[0], mask.shape[2]) if packed is not None else hidden.shape[:2]
     kv_len = mask.shape[-1]
     start = 0 if first is None else first.shape[0] - _SLOT_SIZE_OFFSET
+    split = None if tail is None or wide is None or places is None else (tail, wide, places)
     for index, layer in enumerate(layers):
         q, k, v = _attention_inputs(layer, hidden, cos, sin)
         stores = keys[index], values[index]
@@ -423,7 +424,6 @@ def _in_place_layers(
             for store in stores
         ]
         if packed is not None:
-            split = None if tail is None or wide is None or places is None else (tail, wide, places)
             out = _attend_packed(layer, q, rows[0], rows[1], mask, packed, split)
         else:
             out = _attend(layer, q, rows[0], rows[1], mask).view(batch, width, -1)
@@ -541,11 +541,10 @@ class LeanForward:
             cos, sin = cos[0], sin[0]  # (N, 1, D)
         # Compiled or graphed, every layer reading its rows in place takes plain tensors in and
         # out; the eager forward keeps the cache's own reads and writes (no per-step slicing).
-        # Packed, a verify step's few tokens a row run compiled too; a packed prefill's many
-        # stay eager (an eighth graph a model, not measured to pay).
+        # Packed, a verify step's few tokens a row run compiled too, and so does a step with
+        # one prompt read in it, its attention split (one wide row: osd.decode.loop takes one
+        # a turn); a packed prefill's many tokens a row, split or not, stay eager.
         graphed = self.graphed_layers if packed is None else None
-        # A split's compiled graph takes one wide row (a prompt read in a decode step, one a
-        # turn: osd.decode.loop); a few wide rows of a packed prefill run eagerly.
         wide_rows_apart = (
             packed is not None and packed.split is not None and len(packed.split.wide) == 1
         )
