@@ -126,7 +126,7 @@ def measure(
     request: dict[str, Any],
     max_num_seqs: int,
     num_threads: int,
-    fuse_prefill: bool = True,
+    fuse_prefill: bool = False,
 ) -> dict[str, float]:
     """One variant at one concurrency on a fresh engine, with forward clocks; ``fuse_prefill``
     as :class:`BatchLimits` takes it."""

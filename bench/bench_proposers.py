@@ -212,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         "without it the forwards run eagerly",
     )
     parser.add_argument(
-        "--no-riders",
+        "--riders",
         action="store_true",
-        help="every joining prompt in a prefill forward of its own, none read in a decode "
-        "step (BatchLimits.fuse_prefill off)",
+        help="a joining prompt read in the decode step, one a turn (BatchLimits.fuse_prefill "
+        "on; off by default: every prompt in a prefill forward of its own)",
     )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile:  # graphs compiled and trials settled before anything is timed
         engine = BatchedEngine(
             decoder,
-            BatchLimits(max_num_seqs=16, max_waiting=1024, fuse_prefill=not args.no_riders),
+            BatchLimits(max_num_seqs=16, max_waiting=1024, fuse_prefill=args.riders),
             num_threads=threads,
         )
         try:
@@ -270,9 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 # At least 8 requests a client: the controller's cold start is part of a
                 # measurement, not all of it.
                 count = max(args.requests, 8 * conc)
-                row = measure(
-                    decoder, prompts, conc, count, request, 16, threads, not args.no_riders
-                )
+                row = measure(decoder, prompts, conc, count, request, 16, threads, args.riders)
                 row |= {"workload": workload, "variant": variant, "concurrency": conc}
                 rows.append(row)
                 print(

@@ -9,8 +9,9 @@ choices, one draft, no prompt logprobs) rides in that step instead, where the ta
 packs (:attr:`osd.decode.models.CausalLM.packs`): its prompt goes through the step's target
 forward beside the other rows' tokens, its attention on a grid of its own
 (:func:`osd.decode.kv_cache.attention_split`), drafting nothing, and its first token comes from
-the same draw as after a prefill of its own (``BatchLimits.fuse_prefill``). Rows that finish
-apart (speculation makes them) then take no prefill forward of a row or two each to replace:
+the same draw as after a prefill of its own (``BatchLimits.fuse_prefill``, off by default).
+Rows that finish apart (speculation makes them) then take no prefill forward of a row or two
+each to replace:
 the prompt's tokens cost what they cost, the forward's fixed cost is shared
 (``docs/benchmarks.md``). A request leaves the batch the step it finishes, hits a stop, or is
 cancelled, and its slots go to the next waiting request at once. Callers get a

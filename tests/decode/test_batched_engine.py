@@ -397,9 +397,9 @@ def test_a_steps_tensor_operations_do_not_grow_with_its_rows(decoder, monkeypatc
         return chunks
 
     monkeypatch.setattr(loop, "run_step", counting)
-    # Every prompt prefilled apart: a request the loop admits before the next is submitted
-    # would otherwise ride in a step of its own kind (fuse_prefill), one a turn, and the rows
-    # would step apart as the submissions' timing falls.
+    # Every prompt prefilled apart (said, though the default): a request the loop admits
+    # before the next is submitted would otherwise ride in a step of its own kind
+    # (fuse_prefill), one a turn, and the rows would step apart as the submissions' timing falls.
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, fuse_prefill=False))
     try:
         for batch in (2, 4):
@@ -473,7 +473,7 @@ def test_a_riding_prompt_with_sampling_options_gives_the_tokens_of_the_request_a
 ):
     """The options that read the prompt (penalties count its tokens), cut the distribution or
     stop on text hold for a prompt read in a decode step as for one prefilled apart."""
-    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8))
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=8, fuse_prefill=True))
     request = dict(
         max_tokens=24, temperature=0.8, seed=5, method="block", num_spec_tokens=3, **options
     )
