@@ -78,6 +78,23 @@ class ModelPair:
             self._sampled_rows, self._sampling = tuple(rows), sampling
         return sampling, self.history.of(rows) if sampling.any_history else None
 
+    @torch.inference_mode()
+    def move_rows(self, moves: Sequence[tuple[Row, int]]) -> None:
+        """Moves each row (one slot each) to the free slot given with it: the positions its
+        target and draft caches hold are copied there, in one copy per layer for all rows.
+        (A penalty's token counts follow by themselves: :class:`TokenHistory` rebuilds a
+        slot's counts when another row holds it.)"""
+        for cache, filled in ((self.target_cache, "target_len"), (self.draft_cache, "draft_len")):
+            copies = [
+                (row.slots[0], dst, p) for row, dst in moves for p in range(getattr(row, filled))
+            ]
+            if copies:
+                where = as_tensor(copies, self.device)  # (N, 3): src, dst, position
+                cache.copy_positions(where[:, 0], where[:, 1], where[:, 2])
+        for row, dst in moves:
+            assert len(row.slots) == 1, "rows with scratch slots stay where they are"
+            row.slots = [dst]
+
 
 def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target's top-m at temperature 1: (..., V) logits -> (..., m) ids and probs."""

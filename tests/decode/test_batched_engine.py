@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from osd import SpeculativeDecoder
 from osd.buffer.record import Record
+from osd.decode.forward import ModelPair
 from osd.decode.loop import BatchedEngine, EngineFull
 from osd.decode.scheduler import BatchLimits
 
@@ -491,3 +492,51 @@ def test_a_riding_prompt_with_sampling_options_gives_the_tokens_of_the_request_a
     alone = decoder.generate(PROMPTS[3], **request)
     assert result.token_ids == alone.token_ids
     assert result.text == alone.text
+
+
+def moved_and_alone(decoder, engine):
+    """Four seeded rows (a penalty, logprobs) of which the first two finish early: the
+    rows above them move down into their slots. Each row's result, and the same alone."""
+    asked = [
+        (
+            PROMPTS[i],
+            dict(
+                max_tokens=max_tokens,
+                temperature=0.9,
+                seed=11 + i,
+                method="block",
+                num_spec_tokens=3,
+                presence_penalty=0.7,
+                logprobs=2,
+                stop_token_ids=[],
+            ),
+        )
+        for i, max_tokens in enumerate([4, 9, 30, 36])
+    ]
+    try:
+        handles = [engine.submit(decoder.prepare(p, **kw)) for p, kw in asked]
+        results = [h.result() for h in handles]
+    finally:
+        engine.close()
+    return results, [decoder.generate(p, **kw) for p, kw in asked]
+
+
+def test_rows_moved_down_into_a_finished_rows_slot_give_the_tokens_of_the_request_alone(
+    decoder, monkeypatch
+):
+    """A batch stays in consecutive slots (it reads its keys in place): rows above a finished
+    row move down into its slot, their cached positions copied (BatchedEngine._condense)."""
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    results, alone = moved_and_alone(decoder, engine)
+    assert engine.stats.moved >= 2
+    for got, want in zip(results, alone, strict=True):
+        assert got.token_ids == want.token_ids
+        assert [t.logprob for t in got.logprobs] == pytest.approx(
+            [t.logprob for t in want.logprobs], abs=1e-4
+        )
+    # Negative control: rows given the new slot without their cached positions.
+    monkeypatch.setattr(
+        ModelPair, "move_rows", lambda self, moves: [setattr(r, "slots", [d]) for r, d in moves]
+    )
+    results, alone = moved_and_alone(decoder, BatchedEngine(decoder, BatchLimits(max_num_seqs=4)))
+    assert any(got.token_ids != want.token_ids for got, want in zip(results, alone, strict=True))

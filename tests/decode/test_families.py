@@ -159,3 +159,17 @@ def test_windowed_layers_keeping_only_their_window_stay_exact(name):
     results = decode_batch(engine, decoder, runs)
     for (method, _, _, p, n), result in zip(runs, results, strict=True):
         assert result.token_ids == target_greedy(target, PROMPTS[p], n), method
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma2"])
+def test_a_row_moved_down_after_its_windowed_rings_wrapped_stays_exact(name):
+    # The first row finishes after its rings (8 + 64 positions) wrapped: the rows above it
+    # move down into its slot (BatchedEngine._condense), their rings copied as they lie.
+    target, draft = family_pair(name)
+    decoder = SpeculativeDecoder(target, draft)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4, max_num_batched_tokens=4))
+    runs = [("block", "code", 4, 0, 90), ("block", None, 3, 1, 130), ("none", None, 4, 0, 150)]
+    results = decode_batch(engine, decoder, runs)
+    assert engine.stats.moved >= 1
+    for (method, _, _, p, n), result in zip(runs, results, strict=True):
+        assert result.token_ids == target_greedy(target, PROMPTS[p], n), method
