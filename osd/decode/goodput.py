@@ -46,6 +46,9 @@ _EXPLORE_KEEP = 0.9999
 # past (about 500 steps), and the drafting steps' weight it needs before it judges.
 _GAIN_KEEP = 0.998
 _GAIN_EVIDENCE = 4.0
+# Each time the guard holds drafting off again at a batch size, its evidence fades half as fast
+# (GoodputController.held_off), at most 2 ** this slower: about 110, 220, 440, 880 steps.
+_GAIN_MAX_BACKOFF = 3
 
 
 def expected_tokens(acceptance: list[float], k: int) -> float:
@@ -363,6 +366,8 @@ class GoodputController:
     # Per batch-size bucket, over recent drafting steps that were not probes:
     # [weight, tokens emitted, tokens the target alone would have emitted in their seconds].
     _gain: dict[int, list[float]] = field(default_factory=dict)
+    # Per bucket, the times in a row the guard held drafting off there (its fading slows).
+    _gain_holds: dict[int, int] = field(default_factory=dict)
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
     # This step's (draft model's tokens/s, seconds by looked-up width), by the same key.
     _compared: dict[tuple[str, str, int, int], tuple[float, list[float]]] = field(
@@ -387,6 +392,7 @@ class GoodputController:
         key = (adapter, route)
         if key not in self.curves:
             self.curves[key] = AcceptanceCurve(self.max_k)
+            self._gain_holds.clear()  # a new draft (or route) is judged at the usual pace
         return self.curves[key]
 
     def choose(self, adapter: str, route: str, batch: int, limit: int) -> int:
@@ -511,7 +517,12 @@ class GoodputController:
         model of acceptance and step costs, each estimate noisy, let whole batches draft (or
         verify lookups) that cost 1.5-3x a step for 1.1x its tokens, as rows joined a batch
         with their prompts unread. While held off only probes draft; the sums fade (about
-        500 steps) below their evidence and the controller's choices are tried again."""
+        500 steps) below their evidence and the controller's choices are tried again, after
+        about 110 steps the first time; each time drafting there is held off again, the sums
+        fade half as fast (up to ``2 ** _GAIN_MAX_BACKOFF``), until drafting is judged to pay
+        or a new draft or route appears (:meth:`curve`). At 16 sampled rows the re-openings
+        every 110 steps cost 1.5-2 % of the decode time: each drafted once, its rows catching
+        up, before the guard held it off again."""
         sums = self._gain.get(StepCosts.bucket(batch))
         if sums is None or sums[0] < _GAIN_EVIDENCE:
             return False
@@ -565,6 +576,7 @@ class GoodputController:
         catching_up: bool = False,
         emitted: int = 0,
         riding: bool = False,
+        explorable: float = 1.0,
     ) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
         (:meth:`StepCosts.observe`); ``model``: the draft model ran in it. ``catching_up``:
@@ -576,19 +588,30 @@ class GoodputController:
         joining prompt was read in the step (:mod:`osd.decode.loop`): its seconds say nothing
         of drafting's cost, so neither the cost line, the guard nor a probe's excess take them
         (counted as drafting, the rider steps' prompts held the demo's drafting off: 1.11x the
-        reference requests against 2.2x)."""
+        reference requests against 2.2x). ``explorable``: the share of the step's rows whose k
+        the controller chose; only their share of its seconds earns probes their budget (rows
+        of the target alone, beside them on one replica, gave drafting's probes twice the
+        share of its requests' time)."""
         # Remembered over about 10,000 steps: the share holds over many probe intervals
         # (a short memory would let each probe through once its cost had faded).
-        self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds
+        self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds * explorable
         self._explore_spent *= _EXPLORE_KEEP
         bucket = StepCosts.bucket(batch)
         gain = self._gain.setdefault(bucket, [0.0, 0.0, 0.0])
+        keep = _GAIN_KEEP ** (0.5 ** max(self._gain_holds.get(bucket, 0) - 1, 0))
         for i, value in enumerate(gain):
-            gain[i] = value * _GAIN_KEEP
+            gain[i] = value * keep
         base = self.costs.own_base(batch)  # not a prior's or a neighbour's
         if k > 0 and emitted and not self._probed and base is not None and not riding:
+            held = self.held_off(batch)
             for i, value in enumerate((1.0, float(emitted), batch * seconds / max(base, 1e-9))):
                 gain[i] += value
+            if gain[0] >= _GAIN_EVIDENCE:  # judged: held off (again), or paying
+                holds = self._gain_holds.get(bucket, 0)
+                lost = self.held_off(batch)
+                self._gain_holds[bucket] = (
+                    0 if not lost else holds if held else min(holds + 1, _GAIN_MAX_BACKOFF + 1)
+                )
         if self._probed:
             if not riding:
                 self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)

@@ -417,6 +417,13 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             extra = max(computed / len(fan_out) - 1, 0.0)
         emitted = num_rows + sum(row[0] for row in packed)
         pair.controller.observe_step(
-            num_rows, extra, seconds, plan.model_runs, catching_up, emitted, riding
+            num_rows,
+            extra,
+            seconds,
+            plan.model_runs,
+            catching_up,
+            emitted,
+            riding,
+            explorable=plan.controlled / num_rows,
         )
     return chunks

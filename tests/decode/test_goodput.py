@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+import osd.decode.goodput as goodput_module
 from osd.decode.goodput import (
     AcceptanceCurve,
     GoodputController,
@@ -263,9 +264,13 @@ def test_a_batch_size_with_only_drafting_measured_gets_a_step_without_drafting_f
     assert controller.choose("v", "", batch=16, limit=4) > 0  # the prior still says draft
 
 
-def probe_share(explore_share: float, steps: int = 6000) -> tuple[float, int]:
+def probe_share(
+    explore_share: float, steps: int = 6000, explorable: float = 1.0, told: bool = True
+) -> tuple[float, int]:
     """A draft that never helps, whose probe steps cost 10x a step without drafting (its
-    catch-up over every token its rows took without it): probes' excess over all seconds."""
+    catch-up over every token its rows took without it): probes' excess over the seconds of
+    the rows the controller chooses for (``explorable`` of each step's; ``told``: the
+    controller is told that share)."""
     controller = GoodputController(max_k=4, explore_share=explore_share)
     controller.observe_step(batch=16, k=0, seconds=1.0)
     for _ in range(100):
@@ -278,8 +283,10 @@ def probe_share(explore_share: float, steps: int = 6000) -> tuple[float, int]:
             probes += 1
             excess += seconds - 1.0
             controller.observe_row("v", "", num_drafted=k, num_accepted=0)
-        total += seconds
-        controller.observe_step(batch=16, k=k, seconds=seconds)
+        total += seconds * explorable
+        controller.observe_step(
+            batch=16, k=k, seconds=seconds, explorable=explorable if told else 1
+        )
     return excess / total, probes
 
 
@@ -289,6 +296,16 @@ def test_probes_cost_at_most_the_exploration_share():
     # Negative control: without the share, probes on their schedule cost 3.4 % here.
     unbounded, _ = probe_share(explore_share=1.0)
     assert unbounded > 0.03
+
+
+def test_rows_of_the_target_alone_earn_probes_no_share():
+    # Half of each step's rows ask for the target alone (``spec.method: none``) beside the
+    # controller's: the probes' share is of the controller's rows' time only.
+    share, probes = probe_share(explore_share=0.01, explorable=0.5)
+    assert share <= 0.011 and probes >= 3
+    # Negative control: counted whole, such steps paid probes twice the share.
+    whole, _ = probe_share(explore_share=0.01, explorable=0.5, told=False)
+    assert whole > 0.015
 
 
 def test_drafting_that_emits_less_than_the_target_alone_would_is_held_off():
@@ -374,3 +391,44 @@ def test_a_batch_size_whose_drafting_steps_all_catch_up_measures_its_base_and_is
     assert chosen[0] > 0  # drafting is tried ...
     assert chosen[-4:] == [0, 0, 0, 0]  # ... and held off once it is seen to lose
     assert controller.held_off(1)
+
+
+def losing_drafting_steps(controller: GoodputController, steps: int) -> int:
+    """Steps of 16 rows whose drafting (not a probe) costs 2x a step for 1.2x its tokens (its
+    rows catching up), while the estimates keep favouring drafting: only the guard sees it."""
+    drafted = 0
+    for _ in range(steps):
+        k = controller.choose("v", "", batch=16, limit=4)
+        probe = controller._probed
+        drafted += bool(k) and not probe
+        controller.observe_step(batch=16, k=k, seconds=2.0 if k else 1.0,
+                                catching_up=k > 0, emitted=19 if k else 16)  # fmt: skip
+    return drafted
+
+
+def test_the_guard_holds_drafting_off_longer_each_time_it_loses_again(monkeypatch):
+    def fresh() -> GoodputController:
+        controller = GoodputController(max_k=4, prior=0.9, explore_share=0.0)
+        controller.observe_step(batch=16, k=0, seconds=1.0)
+        return controller
+
+    controller = fresh()
+    drafted = losing_drafting_steps(controller, 4000)
+    # Negative control: with the guard's evidence fading at one pace, drafting came back
+    # every ~110 steps.
+    monkeypatch.setattr(goodput_module, "_GAIN_MAX_BACKOFF", -1)
+    steady = losing_drafting_steps(fresh(), 4000)
+    monkeypatch.undo()
+    assert steady >= 30 and drafted <= 0.4 * steady
+    # A new draft version (or route) is judged at the usual pace again.
+    assert controller.held_off(16)
+    controller.curve("v2", "")
+    waited = 0
+    while controller.held_off(16):
+        controller.observe_step(batch=16, k=0, seconds=1.0)
+        waited += 1
+    assert waited <= 130
+    # Drafting that pays ends the backoff.
+    for _ in range(6):
+        controller.observe_step(batch=16, k=2, seconds=1.2, emitted=32)
+    assert not controller.held_off(16) and not controller._gain_holds.get(StepCosts.bucket(16))

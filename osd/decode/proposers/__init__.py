@@ -126,12 +126,14 @@ class StepPlan:
         model_k: k of the rows the draft model drafts (0 for the others).
         names: each row's proposer (``draft`` where it drafts nothing).
         lookups: rows whose drafts were looked up: their continuation, cut to their k.
+        controlled: rows whose k the goodput controller chose (``auto``).
     """
 
     spec_k: list[int]
     model_k: list[int]
     names: list[str]
     lookups: dict[int, Continuation] = field(default_factory=dict)
+    controlled: int = 0
 
     @property
     def model_runs(self) -> bool:
@@ -166,6 +168,7 @@ class Proposers:
             if request.method == "none" or row.prefill_left > 0:
                 continue  # (a prompt riding in the step: osd.decode.loop) drafts nothing
             limit = min(request.num_spec_tokens, row.remaining - 1)
+            plan.controlled += request.auto_spec
             choice = request.proposer
             # Grammars mask the draft's q as it drafts; SpecTr's K drafts come from the model.
             model_only = request.grammar is not None or request.num_slots > 1
