@@ -6,7 +6,6 @@ import math
 
 import pytest
 
-import osd.decode.goodput as goodput_module
 from osd.decode.goodput import (
     AcceptanceCurve,
     GoodputController,
@@ -391,44 +390,3 @@ def test_a_batch_size_whose_drafting_steps_all_catch_up_measures_its_base_and_is
     assert chosen[0] > 0  # drafting is tried ...
     assert chosen[-4:] == [0, 0, 0, 0]  # ... and held off once it is seen to lose
     assert controller.held_off(1)
-
-
-def losing_drafting_steps(controller: GoodputController, steps: int) -> int:
-    """Steps of 16 rows whose drafting (not a probe) costs 2x a step for 1.2x its tokens (its
-    rows catching up), while the estimates keep favouring drafting: only the guard sees it."""
-    drafted = 0
-    for _ in range(steps):
-        k = controller.choose("v", "", batch=16, limit=4)
-        probe = controller._probed
-        drafted += bool(k) and not probe
-        controller.observe_step(batch=16, k=k, seconds=2.0 if k else 1.0,
-                                catching_up=k > 0, emitted=19 if k else 16)  # fmt: skip
-    return drafted
-
-
-def test_the_guard_holds_drafting_off_longer_each_time_it_loses_again(monkeypatch):
-    def fresh() -> GoodputController:
-        controller = GoodputController(max_k=4, prior=0.9, explore_share=0.0)
-        controller.observe_step(batch=16, k=0, seconds=1.0)
-        return controller
-
-    controller = fresh()
-    drafted = losing_drafting_steps(controller, 4000)
-    # Negative control: with the guard's evidence fading at one pace, drafting came back
-    # every ~110 steps.
-    monkeypatch.setattr(goodput_module, "_GAIN_MAX_BACKOFF", -1)
-    steady = losing_drafting_steps(fresh(), 4000)
-    monkeypatch.undo()
-    assert steady >= 30 and drafted <= 0.4 * steady
-    # A new draft version (or route) is judged at the usual pace again.
-    assert controller.held_off(16)
-    controller.curve("v2", "")
-    waited = 0
-    while controller.held_off(16):
-        controller.observe_step(batch=16, k=0, seconds=1.0)
-        waited += 1
-    assert waited <= 130
-    # Drafting that pays ends the backoff.
-    for _ in range(6):
-        controller.observe_step(batch=16, k=2, seconds=1.2, emitted=32)
-    assert not controller.held_off(16) and not controller._gain_holds.get(StepCosts.bucket(16))
