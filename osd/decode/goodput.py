@@ -513,9 +513,8 @@ class GoodputController:
         with their prompts unread. While held off only probes draft; the sums fade (about
         500 steps) below their evidence and the controller's choices are tried again (about
         110 steps after it held drafting off). Per batch size, not per route: a slower fade
-        after each hold (tried) kept the suffix lookups of code and SQL rows off for as long as
-        prose rows at the same batch size had lost (``osd demo`` 1.66x the reference requests
-        against 2.2-2.8x)."""
+        after each hold (tried, ``docs/benchmarks.md``) would keep code and SQL rows' lookups
+        off for as long as prose rows at the same batch size had lost."""
         sums = self._gain.get(StepCosts.bucket(batch))
         if sums is None or sums[0] < _GAIN_EVIDENCE:
             return False
