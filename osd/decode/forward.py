@@ -84,6 +84,7 @@ class ModelPair:
         target and draft caches hold are copied there, in one copy per layer for all rows.
         (A penalty's token counts follow by themselves: :class:`TokenHistory` rebuilds a
         slot's counts when another row holds it.)"""
+        assert all(len(row.slots) == 1 for row, _ in moves), "rows with scratch slots stay"
         for cache, filled in ((self.target_cache, "target_len"), (self.draft_cache, "draft_len")):
             copies = [
                 (row.slots[0], dst, p) for row, dst in moves for p in range(getattr(row, filled))
@@ -92,7 +93,6 @@ class ModelPair:
                 where = as_tensor(copies, self.device)  # (N, 3): src, dst, position
                 cache.copy_positions(where[:, 0], where[:, 1], where[:, 2])
         for row, dst in moves:
-            assert len(row.slots) == 1, "rows with scratch slots stay where they are"
             row.slots = [dst]
 
 
