@@ -46,6 +46,7 @@ from bench.bench_batched import measure
 from bench.cpu import add_threads_argument, apply_bench_threads
 from bench.tables import print_table
 from osd import SpeculativeDecoder
+from osd.config import SpecConfig
 from osd.decode.loop import BatchedEngine
 from osd.decode.proposers import LookupSettings, Proposers, SuffixScope
 from osd.decode.proposers.token_index import SuffixStore, continuations
@@ -217,6 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         help="a joining prompt read in the decode step, one a turn (BatchLimits.fuse_prefill "
         "on; off by default: every prompt in a prefill forward of its own)",
     )
+    parser.add_argument(
+        "--max-spec-tokens",
+        type=int,
+        default=SpecConfig.max_spec_tokens,
+        help="the most tokens a row drafts a step under auto (spec.max_spec_tokens)",
+    )
+    parser.add_argument(
+        "--max-lookup-tokens",
+        type=int,
+        default=SpecConfig.max_lookup_tokens,
+        help="the most tokens a looked-up draft verifies a step under auto "
+        "(spec.max_lookup_tokens)",
+    )
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
     threads = apply_bench_threads(args.threads)
@@ -228,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         draft = distilled_draft(paths, target, draft, tokenizer, "sql", args.distill_steps, threads)
         per_workload["sql"] = {"adapter": "sql", "route": "sql"}
     decoder = SpeculativeDecoder(
-        target, draft, tokenizer, suffix_budget=args.budget, compile_forward=args.compile
+        target,
+        draft,
+        tokenizer,
+        suffix_budget=args.budget,
+        compile_forward=args.compile,
+        max_spec_tokens=args.max_spec_tokens,
+        max_lookup_tokens=args.max_lookup_tokens,
     )
     if args.compile:  # graphs compiled and trials settled before anything is timed
         engine = BatchedEngine(
@@ -258,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # one store per route differs from one store on mixed routes only
                 scope: SuffixScope = "route" if variant in ROUTE_SCOPED else "global"
                 # Learns from scratch.
-                decoder.proposers = Proposers(LookupSettings(args.budget, scope))
+                decoder.proposers = Proposers(
+                    LookupSettings(args.budget, scope, args.max_lookup_tokens)
+                )
                 request = {
                     "max_tokens": args.max_tokens,
                     "temperature": args.temperature,

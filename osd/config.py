@@ -110,6 +110,13 @@ class SpecConfig:
     adaptive_threshold: float = 0.0
     log_top_m: int = 32
     max_spec_tokens: int = 8
+    # The most tokens a looked-up draft (suffix, ngram) verifies a step under "auto" k, apart
+    # from the draft model's max_spec_tokens: a lookup costs no draft forward, only its
+    # positions in the target's verify, and the controller takes the prefix worth its cost
+    # (vLLM's suffix decoding drafts up to 16). Up to 15 a row's verify stays in the compiled
+    # graphs' few-token path. 15 bought nothing measurable over 8 in process on repetitive
+    # traffic (docs/benchmarks.md), so 8 stays the default.
+    max_lookup_tokens: int = 8
     # Who drafts for requests that name none (osd.decode.proposers): "auto" (the controller picks
     # the draft model or a looked-up continuation per row and step), "draft", "suffix", "ngram".
     proposer: ProposerChoice = "auto"
@@ -173,6 +180,12 @@ class SpecConfig:
             1 <= self.max_spec_tokens <= MAX_SPEC_TOKENS,
             "spec.max_spec_tokens",
             self.max_spec_tokens,
+            f"in 1..{MAX_SPEC_TOKENS}",
+        )
+        _require(
+            1 <= self.max_lookup_tokens <= MAX_SPEC_TOKENS,
+            "spec.max_lookup_tokens",
+            self.max_lookup_tokens,
             f"in 1..{MAX_SPEC_TOKENS}",
         )
 

@@ -108,6 +108,7 @@ def build_runtime(
         merged_drafts=config.model.merged_drafts,
         suffix_budget=spec.suffix_budget_tokens,
         suffix_scope=spec.suffix_scope,
+        max_lookup_tokens=spec.max_lookup_tokens,
         # Adapters are added and removed between forwards, never during one.
         draft_guard=models.slots.model_lock.reading,
     )

@@ -59,6 +59,9 @@ class SpeculativeDecoder:
             continuations up in (oldest forgotten first); 0 keeps none (it still looks in each
             request's own tokens, as ``ngram`` does).
         suffix_scope: ``global``: one store for all requests; ``route``: one per route.
+        max_lookup_tokens: the most tokens a looked-up draft verifies a step under ``"auto"``
+            k (it may exceed ``max_spec_tokens``: no draft forward, see
+            :class:`osd.decode.proposers.LookupSettings`).
         proposers: False: the draft model drafts every row (no model-free proposers at all).
     """
 
@@ -81,6 +84,7 @@ class SpeculativeDecoder:
         merged_drafts: int = 4,
         suffix_budget: int = 500_000,
         suffix_scope: SuffixScope = "global",
+        max_lookup_tokens: int = LookupSettings.max_tokens,
         proposers: bool = True,
     ) -> None:
         """``draft_guard`` is entered around every draft forward: a server that adds and removes
@@ -141,10 +145,16 @@ class SpeculativeDecoder:
                 f"max_spec_tokens must be in 1..{MAX_SPEC_TOKENS}, got {max_spec_tokens}"
             )
         self.max_spec_tokens = max_spec_tokens
+        if not 1 <= max_lookup_tokens <= MAX_SPEC_TOKENS:
+            raise ValueError(
+                f"max_lookup_tokens must be in 1..{MAX_SPEC_TOKENS}, got {max_lookup_tokens}"
+            )
         # Statistics of this decoder's own generate/stream calls (a batched engine keeps its own).
         self.controller = GoodputController(max_k=max_spec_tokens)
         # Shared by its calls and its batched engines: what one request said, the next may reuse.
-        settings = LookupSettings(suffix_budget, suffix_scope) if proposers else None
+        settings = (
+            LookupSettings(suffix_budget, suffix_scope, max_lookup_tokens) if proposers else None
+        )
         self.proposers = Proposers(settings)
         positions = [m for m in (self.target.max_positions, self.draft.max_positions) if m]
         self.max_context = min(positions) if positions else None

@@ -364,8 +364,9 @@ class GoodputController:
     # [weight, tokens emitted, tokens the target alone would have emitted in their seconds].
     _gain: dict[int, list[float]] = field(default_factory=dict)
     _chosen: dict[tuple[str, str, int, int], int] = field(default_factory=dict)  # this step's
-    # This step's (draft model's tokens/s, seconds by looked-up width), by the same key.
-    _compared: dict[tuple[str, str, int, int], tuple[float, list[float]]] = field(
+    # This step's (draft model's tokens/s, seconds by looked-up width), by the same four and
+    # the lookups' cap.
+    _compared: dict[tuple[str, str, int, int, int], tuple[float, list[float]]] = field(
         default_factory=dict
     )
 
@@ -436,10 +437,12 @@ class GoodputController:
         batch: int,
         limit: int,
         offers: list[tuple[str, tuple[float, ...]]],
+        free_limit: int | None = None,
     ) -> tuple[str, int]:
-        """The proposer and k for one row: the draft model (``"draft"``, k from :meth:`choose`)
-        or one of the model-free ``offers`` (name, cumulative probability of each proposed
-        prefix), whichever maximises expected tokens per second.
+        """The proposer and k for one row: the draft model (``"draft"``, k from :meth:`choose`,
+        at most ``limit``) or one of the model-free ``offers`` (name, cumulative probability
+        of each proposed prefix; at most ``free_limit`` tokens, None: as the draft model's),
+        whichever maximises expected tokens per second.
 
         A model-free proposal of m tokens is expected to yield ``1 + sum_i min(1, f * c_i)``
         tokens, with c_i its prefix probabilities and f this route's calibration of them
@@ -451,13 +454,14 @@ class GoodputController:
         k = self.choose(adapter, route, batch, limit)
         if not offers:
             return "draft", k
-        key = (adapter, route, batch, limit)
-        if key not in self._compared:  # rows of one step mostly share all four
+        free_limit = min(limit, self.max_k) if free_limit is None else free_limit
+        key = (adapter, route, batch, limit, free_limit)
+        if key not in self._compared:  # rows of one step mostly share all five
             model_seconds = self.costs.seconds(batch, min(limit, self.max_k))
             rates = self.curve(adapter, route).rates(self.prior, self.prior_weight)
             self._compared[key] = (
                 expected_tokens(rates, k) / max(model_seconds[k], 1e-9),
-                self.costs.free_seconds(batch, min(limit, self.max_k)),
+                self.costs.free_seconds(batch, free_limit),
             )
         draft_rate, free_seconds = self._compared[key]
         best = ("draft", k, draft_rate)
@@ -465,7 +469,7 @@ class GoodputController:
         if not probing and self.held_off(batch):
             return best[0], best[1]
         for name, probs in offers:
-            m, rate = self._free_choice(name, route, probs[:limit], free_seconds)
+            m, rate = self._free_choice(name, route, probs[:free_limit], free_seconds)
             if probing:  # at least one token: a cost or calibration that fell is measured again
                 m, rate = max(m, 1), math.inf
                 self._probed = True

@@ -201,6 +201,57 @@ def test_the_controller_takes_a_likely_lookup_and_leaves_an_unlikely_one():
     assert controller.choose_proposer("base", "", 1, 4, []) == ("draft", k)
 
 
+def test_a_lookup_under_auto_k_has_its_own_cap_above_the_draft_models():
+    """A looked-up draft costs no draft forward: under "auto" k it may verify up to
+    ``max_lookup_tokens`` (free_limit), while the draft model keeps ``max_spec_tokens``."""
+    controller = GoodputController(max_k=4)
+    controller.costs = CheapDraftCosts()  # type: ignore[assignment]
+    sure = ("suffix", (1.0,) * 12)
+    assert controller.choose_proposer("base", "", 1, 4, [sure], 12) == ("suffix", 12)
+    assert controller.choose_proposer("base", "", 1, 4, [sure]) == ("suffix", 4)  # no cap: k's
+    assert controller.choose_proposer("base", "", 1, 4, [], 12)[1] <= 4  # the draft model's
+
+
+def test_an_answer_asked_again_is_replayed_past_the_draft_models_k_and_stays_exact(
+    text_decoder,
+):
+    wide = SpeculativeDecoder(
+        text_decoder.target.model,
+        text_decoder.draft.model,
+        char_tokenizer(),
+        suffix_budget=10_000,
+        max_spec_tokens=4,
+        max_lookup_tokens=12,
+    )
+    prompt = "select a, b from t where a = 1; select c from u where"
+    alone = wide.generate(prompt, max_tokens=40, temperature=0, method="none")
+    wide.generate(prompt, max_tokens=40, temperature=0)  # the suffix store learns the answer
+    again = wide.generate(prompt, max_tokens=40, temperature=0)
+    assert again.token_ids == alone.token_ids
+    stats = again.stats
+    looked_up = [
+        n for n, p in zip(stats.draft_lengths, stats.step_proposers, strict=True) if p == "suffix"
+    ]
+    drafted = [
+        n for n, p in zip(stats.draft_lengths, stats.step_proposers, strict=True) if p == "draft"
+    ]
+    assert looked_up and max(looked_up) > 4  # past the draft model's k ...
+    assert max(looked_up) <= 12 and max(drafted, default=0) <= 4  # ... within each cap
+    assert stats.steps < 40 / 4  # fewer steps than k = 4 could take
+    # A fixed k is the request's, for lookups too.
+    fixed = wide.generate(
+        prompt, max_tokens=40, temperature=0, num_spec_tokens=3, proposer="suffix"
+    )
+    assert fixed.token_ids == alone.token_ids and max(fixed.stats.draft_lengths) <= 3
+    with pytest.raises(ValueError, match="max_lookup_tokens"):
+        SpeculativeDecoder(
+            text_decoder.target.model,
+            text_decoder.draft.model,
+            char_tokenizer(),
+            max_lookup_tokens=0,
+        )
+
+
 def test_a_pinned_proposer_is_checked_and_reported(text_decoder):
     with pytest.raises(ParamError) as raised:
         text_decoder.prepare("abc", proposer="eagle")

@@ -54,6 +54,7 @@ def test_overrides_are_typed_and_applied():
         ("spec.proposer=eagle", "spec.proposer must be one of"),
         ("spec.suffix_budget_tokens=-1", "spec.suffix_budget_tokens must be >= 0"),
         ("spec.suffix_scope=tenant", "spec.suffix_scope must be"),
+        ("spec.max_lookup_tokens=0", "spec.max_lookup_tokens must be in 1..64"),
         ("spec.num_spec_tokens=many", "spec.num_spec_tokens must be int or one of"),
         ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization must be in"),
         ("serve.kv_cache_memory_bytes=-1", "serve.kv_cache_memory_bytes must be >= 0"),

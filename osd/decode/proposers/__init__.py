@@ -43,10 +43,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class LookupSettings:
-    """Settings of the model-free proposers (config ``spec.suffix_*``)."""
+    """Settings of the model-free proposers (config ``spec.suffix_*``, ``max_tokens``:
+    ``spec.max_lookup_tokens``).
+
+    ``max_tokens`` caps a looked-up draft under ``"auto"`` k, apart from the draft model's
+    ``max_spec_tokens``: a lookup costs no draft forward, only its positions in the target's
+    verify, which the goodput controller weighs per row and per batch. Up to 15 a row's
+    verify positions stay in the compiled graphs' few-token path
+    (:data:`osd.decode.compiled_forward.FEW_TOKENS`)."""
 
     budget: int = 500_000
     scope: SuffixScope = "global"
+    max_tokens: int = 8
 
 
 # The model-free proposers by name. ``suffix`` looks in the row's own tokens too, so it finds
@@ -183,18 +191,28 @@ class Proposers:
             ):
                 plan.model_k[b] = plan.spec_k[b] = row.spec_tokens(controller, batch)
                 continue
+            # Under "auto" k a lookup has its own cap (LookupSettings.max_tokens); a fixed k
+            # is the request's for every proposer.
+            assert self.settings is not None
+            free_limit = (
+                min(self.settings.max_tokens, row.remaining - 1) if request.auto_spec else limit
+            )
             if choice != "auto":  # one model-free proposer pinned
-                self._take(plan, b, choice, self.lookups[choice].offer(row, limit))
+                self._take(plan, b, choice, self.lookups[choice].offer(row, free_limit))
                 continue
             assert controller is not None
             offers: dict[str, Continuation | None] = {}
             if look_up:  # (LookupBackoff: rows of a cold route start backed off)
                 cold = self._route_yield(request.route).cold
                 if LookupBackoff.of(row, cold).due(row.step):
-                    offers = {name: self.lookups[name].offer(row, limit) for name in AUTO_LOOKUPS}
+                    offers = {
+                        name: self.lookups[name].offer(row, free_limit) for name in AUTO_LOOKUPS
+                    }
                     looked_up.append(b)
             found = [(name, c.probs) for name, c in offers.items() if c is not None]
-            name, k = controller.choose_proposer(row.stats_key, request.route, batch, limit, found)
+            name, k = controller.choose_proposer(
+                row.stats_key, request.route, batch, limit, found, free_limit
+            )
             if name == "draft":
                 plan.model_k[b] = plan.spec_k[b] = k
             else:
