@@ -329,6 +329,36 @@ def test_drafting_that_emits_less_than_the_target_alone_would_is_held_off():
     assert not controller.held_off(16)
 
 
+def test_rows_skip_lookups_that_could_not_pay_at_their_routes_calibration():
+    """Where verifying looked-up positions costs more than they could give (each at the
+    route's calibration, at most one token), no offer would be taken: rows of that route skip
+    looking them up but on the lookups' probe steps (whose measurements may change that)."""
+    controller = GoodputController(max_k=4)
+    for _ in range(5):
+        controller.observe_step(batch=16, k=0, seconds=1.0)
+    names = ("suffix",)
+    assert controller.lookups_could_pay(16, 8, "", names)  # the priors: sure, and cheap
+    for extra in (1.0, 1.5, 2.0) * 5:  # 0.2 fixed and 0.6 per position a row verifies
+        controller.observe_step(batch=16, k=extra, seconds=1.2 + 0.6 * extra, model=False)
+    assert controller.lookups_could_pay(16, 8, "", names)  # if they were all accepted
+    for _ in range(100):  # the route's lookups keep a quarter of what they predict
+        controller.observe_free("suffix", "", 4.0, 1)
+    wanted = []
+    for _ in range(controller.probe_every):
+        wanted.append(controller.lookups_could_pay(16, 8, "", names))
+        controller.steps += 1
+    assert wanted.count(True) == 1  # the lookups' probe step
+    # The choice it spares: even an offer sure of all of its tokens is not taken.
+    sure = [("suffix", (1.0,) * 8)]
+    assert controller.choose_proposer("v", "", 16, 4, sure, 8)[0] == "draft"
+    assert controller.lookups_could_pay(16, 8, "sql", names)  # another route's calibration
+    assert controller.lookups_could_pay(1, 8, "", names)  # another batch size's costs
+    for _ in range(200):  # verifying got cheap: 0.1 fixed and 0.05 a position
+        controller.observe_step(batch=16, k=2.0, seconds=1.2, model=False)
+        controller.observe_step(batch=16, k=1.0, seconds=1.15, model=False)
+    assert controller.lookups_could_pay(16, 8, "", names)
+
+
 def test_drafting_that_pays_is_not_held_off():
     controller = GoodputController(max_k=4, prior=0.9)
     controller.observe_step(batch=16, k=0, seconds=1.0)

@@ -202,7 +202,11 @@ class Proposers:
                 continue
             assert controller is not None
             offers: dict[str, Continuation | None] = {}
-            if look_up:  # (LookupBackoff: rows of a cold route start backed off)
+            # (LookupBackoff: rows of a cold route start backed off; no lookup where no offer
+            # could be taken: GoodputController.lookups_could_pay)
+            if look_up and controller.lookups_could_pay(
+                batch, free_limit, request.route, AUTO_LOOKUPS
+            ):
                 cold = self._route_yield(request.route).cold
                 if LookupBackoff.of(row, cold).due(row.step):
                     offers = {
