@@ -47,9 +47,18 @@ _PROMPT_TOKENS = 32
 # Rounds at each batch size: speculation as served (the controller's k, lookups included,
 # adapters mixed per row), the draft model drafting for rows all on one adapter (its merged
 # forwards at that batch size; a served round may never run the draft model over several rows,
-# its lookups drafting instead), then the target alone. Which graphs compile does not depend
-# on them (CausalLM.compile_graphs runs first).
-_ROUNDS: tuple[tuple[Method, bool], ...] = (("block", False), ("block", True), ("none", False))
+# its lookups drafting instead), uneven lookups (even rows verify a looked-up token a step,
+# their answers of the rounds before replayed, odd rows none: the packed verify forward at that
+# batch size, whose shape class settles compiled or eager in 8 timed calls; the served round's
+# controller may verify no lookups at 16 rows, and those trials then ran on served traffic at
+# ~13 ms a call), then the target alone. Which graphs compile does not depend on them
+# (CausalLM.compile_graphs runs first).
+_ROUNDS: tuple[tuple[Method, str], ...] = (
+    ("block", "served"),
+    ("block", "draft"),
+    ("block", "uneven lookups"),
+    ("none", "served"),
+)
 
 
 @dataclass(frozen=True)
@@ -115,9 +124,9 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
             log.exception("compiling a model's graphs before the warm-up's requests failed")
     try:
         for size in sizes:
-            for method, by_draft in _ROUNDS:
+            for method, kind in _ROUNDS:
                 requests = [
-                    _request(decoder, row, method, adapter, prompt_tokens, max_tokens, by_draft)
+                    _request(decoder, row, method, adapter, prompt_tokens, max_tokens, kind)
                     for row in range(size)
                 ]
                 handles = [engine.submit(request) for request in requests]
@@ -150,10 +159,17 @@ def _request(
     adapter: str | None,
     prompt_tokens: int,
     max_tokens: int,
-    by_draft: bool = False,
+    kind: str = "served",
 ) -> DecodeRequest:
     """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth;
-    ``by_draft``: the draft model drafts (k at most), every row on ``adapter``."""
+    ``kind`` (:data:`_ROUNDS`): ``draft``: the draft model drafts (k at most), every row on
+    ``adapter``; ``uneven lookups``: even rows' drafts looked up (one token a step:
+    suffix decoding replays the same greedy rows' answers of the rounds before), odd rows
+    the target alone."""
+    by_draft = kind == "draft"
+    lookups = kind == "uneven lookups" and row % 2 == 0
+    if kind == "uneven lookups" and row % 2:
+        method = "none"
     quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
     motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]
     prompt = (motif * (prompt_tokens // _MOTIF + 1))[:prompt_tokens]
@@ -164,8 +180,10 @@ def _request(
         seed=row,
         method=method,
         adapter=adapter if by_draft or row % 4 == 3 else None,
-        proposer="draft" if by_draft else "auto",
-        num_spec_tokens=decoder.max_spec_tokens if by_draft else "auto",
+        proposer="draft" if by_draft else "suffix" if lookups else "auto",
+        # One looked-up token a step: the replays last 9+ steps, the 8 calls a shape
+        # class's trials take (k + 1 = 2 positions is the same class as any width <= 16).
+        num_spec_tokens=decoder.max_spec_tokens if by_draft else 1 if lookups else "auto",
         log=True,  # the target's top-m of the log runs on served steps: warmed too
         route="warm-up",
     )

@@ -33,10 +33,17 @@ def test_warm_up_runs_each_batch_size_drafted_and_not_and_keeps_nothing(engine, 
 
     real_step = loop.run_step
 
+    steps_uneven: list[tuple[int, bool]] = []  # (rows, lookups verified beside none)
+
     def counting_step(pair, rows):
         chunks = real_step(pair, rows)
         drafted = any(r.stats.drafted for r in rows)
         batches.append((len(rows), drafted))
+        last = [r.stats.draft_lengths[-1] if r.stats.draft_lengths else 0 for r in rows]
+        looked_up = any(
+            n and r.stats.step_proposers[-1] == "suffix" for n, r in zip(last, rows, strict=True)
+        )
+        steps_uneven.append((len(rows), looked_up and 0 in last))
         return chunks
 
     monkeypatch.setattr(loop, "run_step", counting_step)
@@ -52,7 +59,7 @@ def test_warm_up_runs_each_batch_size_drafted_and_not_and_keeps_nothing(engine, 
     monkeypatch.setattr(draft, "run", recording_run)
     report = warm_up(engine)
     assert report.batch_sizes == (1, 2, 4, 6)
-    assert report.requests == 3 * (1 + 2 + 4 + 6) and report.failed == 0
+    assert report.requests == 4 * (1 + 2 + 4 + 6) and report.failed == 0
     # The draft model ran over several rows all on one adapter (its merged forward, whose
     # graphs model.compile compiles here rather than on served traffic), at 6 rows too.
     adapter = engine.decoder.adapters[0]
@@ -60,7 +67,10 @@ def test_warm_up_runs_each_batch_size_drafted_and_not_and_keeps_nothing(engine, 
     assert report.steps == len(batches) > 0
     assert {rows for rows, _ in batches} >= {1, 2, 4, 6}
     assert any(drafted for _, drafted in batches)  # the drafted round drafted
-    assert "warm-up: 39 requests" in report.describe()
+    assert "warm-up: 52 requests" in report.describe()
+    # The uneven round: looked-up drafts verified beside rows without any (a packed verify
+    # forward; how many rows a step held depends on when the loop took each request).
+    assert any(uneven for _, uneven in steps_uneven)
     # The replica's own controller, suffix store and counters never saw it.
     assert engine.pair.controller is controller and engine.pair.proposers is proposers
     assert controller.steps == 0 and not controller.curves
