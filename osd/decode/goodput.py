@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 __all__ = [
     "AcceptanceCurve",
@@ -372,7 +371,7 @@ class GoodputController:
         default_factory=dict
     )
     # This step's lookups_could_pay, by batch, cap, route and proposers.
-    _could_pay: dict[tuple[Any, ...], bool] = field(default_factory=dict)
+    _could_pay: dict[tuple[int, int, str, tuple[str, ...]], bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_backoff < 0:
@@ -484,12 +483,17 @@ class GoodputController:
     def lookup_tokens(self, name: str, route: str, probs: tuple[float, ...]) -> list[float]:
         """Expected tokens of a step that drafts the first m tokens of a model-free proposal,
         m = 0..len(probs): ``1 + sum_{i<m} min(1, f * c_i)`` (see :meth:`choose_proposer`)."""
-        accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
-        factor = (accepted + self.prior_weight) / (predicted + self.prior_weight)
+        factor = self._calibration(name, route)
         out = [1.0]
         for p in probs:
             out.append(out[-1] + min(1.0, factor * p))
         return out
+
+    def _calibration(self, name: str, route: str) -> float:
+        """f: how many tokens a lookup's predicted token is worth on this route (accepted
+        over predicted, with ``prior_weight`` pseudo-tokens of 1)."""
+        accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
+        return (accepted + self.prior_weight) / (predicted + self.prior_weight)
 
     def batch_width(
         self, batch: int, expected: list[list[float]], others: int, packed: bool = False
@@ -549,14 +553,10 @@ class GoodputController:
         controller, calibrated to 0.42 of their probabilities, took none of them."""
         if self._probing_lookups():
             return True
-        key = (batch, max_tokens, route, *names)
+        key = (batch, max_tokens, route, tuple(names))
         found = self._could_pay.get(key)
         if found is None:
-            best = 0.0
-            for name in names:
-                accepted, predicted = self.calibration.get((name, route), (0.0, 0.0))
-                best = max(best, (accepted + self.prior_weight) / (predicted + self.prior_weight))
-            per_position = min(1.0, best)
+            per_position = min(1.0, max(self._calibration(name, route) for name in names))
             free = self.costs.free_seconds(batch, max_tokens)
             base = free[0]
             found = self._could_pay[key] = any(

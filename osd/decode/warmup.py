@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from osd.decode.compiled_forward import compile_stats
 from osd.decode.goodput import GoodputController
@@ -53,7 +53,8 @@ _PROMPT_TOKENS = 32
 # controller may verify no lookups at 16 rows, and those trials then ran on served traffic at
 # ~13 ms a call), then the target alone. Which graphs compile does not depend on them
 # (CausalLM.compile_graphs runs first).
-_ROUNDS: tuple[tuple[Method, str], ...] = (
+RoundKind = Literal["served", "draft", "uneven lookups"]
+_ROUNDS: tuple[tuple[Method, RoundKind], ...] = (
     ("block", "served"),
     ("block", "draft"),
     ("block", "uneven lookups"),
@@ -159,7 +160,7 @@ def _request(
     adapter: str | None,
     prompt_tokens: int,
     max_tokens: int,
-    kind: str = "served",
+    kind: RoundKind = "served",
 ) -> DecodeRequest:
     """Row ``row`` of a round: sampled on odd rows, an adapter's draft on every fourth;
     ``kind`` (:data:`_ROUNDS`): ``draft``: the draft model drafts (k at most), every row on
@@ -168,7 +169,7 @@ def _request(
     the target alone."""
     by_draft = kind == "draft"
     lookups = kind == "uneven lookups" and row % 2 == 0
-    if kind == "uneven lookups" and row % 2:
+    if kind == "uneven lookups" and not lookups:
         method = "none"
     quarter = max(decoder.vocab_size // 4, 1)  # ids from the vocabulary's second quarter
     motif = [quarter + (row * 131 + i * 37) % quarter for i in range(_MOTIF)]

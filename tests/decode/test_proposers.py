@@ -210,6 +210,10 @@ def test_a_lookup_under_auto_k_has_its_own_cap_above_the_draft_models():
     assert controller.choose_proposer("base", "", 1, 4, [sure], 12) == ("suffix", 12)
     assert controller.choose_proposer("base", "", 1, 4, [sure]) == ("suffix", 4)  # no cap: k's
     assert controller.choose_proposer("base", "", 1, 4, [], 12)[1] <= 4  # the draft model's
+    for _ in range(50):  # the draft accepts everything: it beats an unlikely lookup ...
+        controller.observe_row("base", "", 4, 4)
+    name, k = controller.choose_proposer("base", "", 1, 4, [("suffix", (0.15,) * 12)], 12)
+    assert name == "draft" and 1 <= k <= 4  # ... at its own cap, not the lookups
 
 
 def test_an_answer_asked_again_is_replayed_past_the_draft_models_k_and_stays_exact(
