@@ -8,11 +8,12 @@ the tokens per row, the context and the cache's slots and capacity are dynamic f
 compilation, so a changing batch mix does not recompile: there is one graph for each of one
 row or several, times one token a row, a few (up to 16: decode and verify steps attend by
 products and sums on the CPU, ``lean_forward._attend_by_products``) or more (prefills: SDPA),
-and two more for rows that compute only their real tokens (packed,
+and three more for rows that compute only their real tokens (packed,
 :func:`osd.decode.kv_cache.packing`): several rows of a few tokens (a verify step whose rows
-verify different widths), and a prompt read in a decode step beside them, its attention on a
-grid of its own (:func:`osd.decode.kv_cache.attention_split`); eight in all (torch specializes
-sizes of 1). A LoRA draft's forwards whose rows all run one
+verify different widths), their attention on the whole grid or split with several wide rows
+(looked-up drafts beside rows of a token), and a prompt read in a decode step beside them, its
+attention on a grid of its own (:func:`osd.decode.kv_cache.attention_split`: one wide row);
+nine in all (torch specializes sizes of 1). A LoRA draft's forwards whose rows all run one
 adapter (its merged forwards, most draft forwards) run the same graphs with their own
 weights (:class:`CompiledModel`): an adapter swapped in compiles nothing. Other forwards
 (packed prefills, gathered, rings, rows of mixed adapters, the first forward of a one-token

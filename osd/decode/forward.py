@@ -29,6 +29,7 @@ __all__ = [
     "computed_positions",
     "history_rows",
     "left_padded",
+    "right_aligned",
     "run_model",
     "top_m_distribution",
 ]
@@ -141,6 +142,10 @@ def run_model(
     padding is worth skipping (:func:`osd.decode.kv_cache.packing`)."""
     device = input_ids.device
     width = input_ids.shape[1]
+    packs = model.packs and worth_packing(num_real, width)
+    logits_left = left
+    if packs and any(pad + n < width for pad, n in zip(left, num_real, strict=True)):
+        input_ids, left = right_aligned(input_ids, left, num_real)
     # Rows in consecutive slots, each reading only its own, read their keys in place.
     first = own[0] if own else 0
     consecutive = bool(own) and all(
@@ -164,12 +169,42 @@ def run_model(
         max_real=max(num_real),
         first_slot=first if consecutive else None,
         packed=(
-            packing(left, num_real, width, num_logits, device, narrow=FEW_TOKENS)
-            if model.packs
+            packing(
+                left,
+                num_real,
+                width,
+                num_logits,
+                device,
+                narrow=FEW_TOKENS,
+                logits_left=logits_left,
+            )
+            if packs
             else None
         ),
     )
     return model.run(plan, cache, num_logits=num_logits, adapters=adapters)
+
+
+def right_aligned(
+    input_ids: torch.Tensor, left: list[int], num_real: list[int]
+) -> tuple[torch.Tensor, list[int]]:
+    """Rows laid out as ``left`` padding, ``num_real`` tokens, then right padding, moved so that
+    each row's tokens fill its last columns: (ids, left padding).
+
+    A packed forward's attention sees the grid, and a verify step right-pads the rows that
+    verify fewer tokens than the widest: their one or two tokens then sit in the grid's first
+    columns, beside a row's eight looked-up ones, and the attention cannot split so that they
+    attend with their own few queries (:func:`osd.decode.kv_cache.attention_split`). Right-
+    aligned, it can. Only the attention's grid moves: positions, cache writes and masks
+    follow the tokens, and the logits go back to the caller's columns (``packing``'s
+    ``logits_left``)."""
+    width = input_ids.shape[1]
+    shifts = as_tensor(
+        [width - pad - n for pad, n in zip(left, num_real, strict=True)], input_ids.device
+    )
+    columns = torch.arange(width, device=input_ids.device)
+    moved = input_ids.gather(1, (columns.unsqueeze(0) - shifts.unsqueeze(1)) % width)
+    return moved, [width - n for n in num_real]
 
 
 def computed_positions(model: CausalLM, num_real: list[int], width: int) -> int:

@@ -215,6 +215,11 @@ class AttentionSplit:
 # its own (torch specializes it), and the tail's column of padding for rows of one token costs
 # those rows' attention once more over their keys, a small part of a forward.
 _SPLIT_LEAST_COLUMNS = 2
+# What a wide row costs beyond its head grid's columns, in query columns of the tail grid: its
+# keys and values copied out and SDPA's fixed cost per (row, head). Measured on the demo target
+# (compiled, one thread, 150 keys): 12 rows of one token beside 4 of five cost the same with a
+# tail of 2 (4 wide rows of 3 head columns) as with a tail of 5 (none wide), 9.6 against 9.4 ms.
+_WIDE_ROW_COLUMNS = 8
 
 
 def attention_split(
@@ -223,27 +228,32 @@ def attention_split(
     """(tail, wide rows) when a (B, ``width``) grid of rows laid out as ``left`` padding then
     ``real`` tokens attends on two smaller grids (:class:`AttentionSplit`), else None.
 
-    The rows whose tokens lie in their last ``narrow`` columns or fewer set the tail (the
-    widest of them, at least two columns); the others are the wide rows. A packed forward's
-    attention otherwise runs on the whole grid: one 50-token prompt beside 16 rows of one token
-    made every row attend with 50 queries (the demo target, compiled, one thread: 24.2 ms the
-    forward, 10.4 split, against 6.9 for the 16 rows alone and 6.3 for the prompt alone,
-    ``docs/benchmarks.md``). The two grids hold fewer queries whenever some row is narrow and
-    some is wide: B x tail + R x (T - tail) against B x T, R < B. Split then, where the head
-    is at least two columns wide."""
+    A packed forward's attention otherwise runs on the whole grid: every row attends with the
+    widest row's queries. One 50-token prompt beside 16 rows of one token (the demo target,
+    compiled, one thread): 24.2 ms the forward, 10.4 split, against 6.9 for the 16 rows alone
+    and 6.3 for the prompt alone (``docs/benchmarks.md``). One row verifying 8 looked-up tokens
+    beside 15 verifying none, 150 keys: 15.6 ms whole, 9.8 split (a tail of 2), 9.0 for the 16
+    rows of one token.
+
+    The tail is one of the spans of the rows of at most ``narrow`` columns (at least two
+    columns); the rows reaching further left are the wide rows. Of those tails, and the whole
+    grid, the one with the fewest query columns is taken: B x tail, plus (T - tail +
+    ``_WIDE_ROW_COLUMNS``) a wide row, against B x T; the head at least two columns wide."""
     spans = [width - pad for pad, count in zip(left, real, strict=True) if count > 0]
-    narrow_spans = [span for span in spans if span <= narrow]
-    if not narrow_spans:
-        return None
-    tail = max(max(narrow_spans), _SPLIT_LEAST_COLUMNS)
-    wide = [
-        b
-        for b, (pad, count) in enumerate(zip(left, real, strict=True))
-        if count > 0 and pad < width - tail
-    ]
-    if not wide or width - tail < _SPLIT_LEAST_COLUMNS:
-        return None
-    return tail, wide
+    tails = {max(span, _SPLIT_LEAST_COLUMNS) for span in spans if span <= narrow}
+    best: tuple[int, int, list[int]] | None = None  # (query columns, tail, wide rows)
+    for tail in sorted(tails):
+        wide = [
+            b
+            for b, (pad, count) in enumerate(zip(left, real, strict=True))
+            if count > 0 and pad < width - tail
+        ]
+        if not wide or width - tail < _SPLIT_LEAST_COLUMNS:
+            continue
+        columns = len(left) * tail + len(wide) * (width - tail + _WIDE_ROW_COLUMNS)
+        if columns < len(left) * width and (best is None or columns < best[0]):
+            best = (columns, tail, wide)
+    return None if best is None else (best[1], best[2])
 
 
 def worth_packing(real: Sequence[int], width: int, share: float = 0.8) -> bool:
@@ -261,6 +271,7 @@ def packing(
     device: torch.device | str,
     share: float = 0.8,
     narrow: int = 0,
+    logits_left: Sequence[int] | None = None,
 ) -> Packing | None:
     """The :class:`Packing` of a (B, ``width``) grid of rows laid out as ``left`` padding,
     ``real`` tokens, then right padding, when computing only the real tokens saves enough to
@@ -271,7 +282,9 @@ def packing(
     compute 9 positions (24 ms a forward, 13 ms packed: ``docs/batched_engine.md``).
     ``share``: see :func:`worth_packing` (1: always pack). ``narrow``: with more than 0, the
     attention splits where :func:`attention_split` finds it pays (rows of at most ``narrow``
-    columns set the tail).
+    columns set the tail). ``logits_left``: where each row's tokens began in the grid whose
+    last ``num_logits`` columns the logits are of, when the rows were moved for attention
+    (:func:`osd.decode.forward.run_model` right-aligns them); None: ``left``.
     """
     if not worth_packing(real, width, share):
         return None
@@ -279,12 +292,13 @@ def packing(
     logits_from: list[int] = []
     logits_to: list[int] = []
     tail = width - num_logits  # first column that gives logits
-    for b, (pad, count) in enumerate(zip(left, real, strict=True)):
-        for column in range(pad, pad + count):
-            if column >= tail:
+    origins = left if logits_left is None else logits_left
+    for b, (pad, count, origin) in enumerate(zip(left, real, origins, strict=True)):
+        for offset in range(count):
+            if origin + offset >= tail:
                 logits_from.append(len(index))
-                logits_to.append(b * num_logits + column - tail)
-            index.append(b * width + column)
+                logits_to.append(b * num_logits + origin + offset - tail)
+            index.append(b * width + pad + offset)
     found = attention_split(left, real, width, narrow) if narrow > 0 else None
     places = _split_places(index, found, len(left), width) if found else []
     columns = to_device(

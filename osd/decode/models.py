@@ -190,9 +190,9 @@ _GRAPH_START = 3
 
 
 def _scratch_cache() -> SlotKVCache:
-    """Two slots, storage growing from its least (a forward never fills it exactly: that step
-    runs eagerly)."""
-    return SlotKVCache(num_slots=2, max_len=_GRAPH_START + FEW_TOKENS + 8)
+    """Eight slots (compile_graphs' widest forward's rows), storage growing from its least (a
+    forward never fills it exactly: that step runs eagerly)."""
+    return SlotKVCache(num_slots=8, max_len=_GRAPH_START + FEW_TOKENS + 8)
 
 
 @dataclass
@@ -424,8 +424,15 @@ class CausalLM:
             return 0
         dtype = next(self.model.parameters()).dtype
         shapes = [([tokens] * rows, False) for rows in (1, 2) for tokens in _GRAPH_TOKENS]
-        if self.packs:  # verify steps of different widths; a prompt read in a decode step
-            shapes += [([_GRAPH_TOKENS[1], 1], True), ([1, 1, _GRAPH_TOKENS[2]], True)]
+        if self.packs:  # verify steps of different widths, their attention whole or split
+            # (several wide rows: looked-up drafts beside rows of a token); a prompt read in a
+            # decode step (one wide row)
+            few = 2 * _GRAPH_TOKENS[1]
+            shapes += [
+                ([_GRAPH_TOKENS[1], 1], True),
+                ([1] * 6 + [few, few], True),
+                ([1, 1, _GRAPH_TOKENS[2]], True),
+            ]
         cache = _scratch_cache()
         with torch.inference_mode():  # as the decode loop's steps run (dynamo guards on it)
             # The first forward allocates the cache's storage (eager: nothing to read in place).

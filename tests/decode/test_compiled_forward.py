@@ -246,8 +246,9 @@ def test_after_compile_graphs_no_served_shape_compiles():
     assert eager.compile_graphs() == 0
     before = compile_stats().compilations
     # One row or several x one, a few, many tokens a row; packed: a verify step's rows of
-    # different widths, a prompt read in a decode step.
-    assert compiled.compile_graphs() == 8
+    # different widths, attending on the whole grid or split (several wide rows), a prompt
+    # read in a decode step (one wide row).
+    assert compiled.compile_graphs() == 9
     assert compile_stats().compilations > before  # they compiled here, not earlier
     warm = compile_stats().compilations
     with torch.inference_mode():  # planned as the decode loop's steps plan (dynamo guards on it)
@@ -257,7 +258,12 @@ def test_after_compile_graphs_no_served_shape_compiles():
             _plan(eager, [1] * 5, [44] * 5, 42),
             _plan(eager, [3, 9, 1, 1, 2], [45] * 5, 43, packed=True),
             _plan(eager, [1, 1, 26, 1, 1], [54] * 5, 47, packed=True, narrow=16),
+            # Verify steps, right-aligned (forward.right_aligned): looked-up drafts beside
+            # rows of one token, their attention split with one wide row and with two.
+            _plan(eager, [1, 1, 9, 1, 1], [57] * 5, 48, packed=True, narrow=16),
+            _plan(eager, [9, 1, 7, 1, 1], [66] * 5, 49, packed=True, narrow=16),
         ]
+        assert [len(plan.packed.split.wide) for plan in five_rows[-2:]] == [1, 2]
         one_row = [_plan(eager, [20], [0], 44), _plan(eager, [1], [20], 45)]
         one_row.append(_plan(eager, [6], [21], 46))
     outs = _run(models, five_rows)[0] + _run(models, one_row)[0]

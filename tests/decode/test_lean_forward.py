@@ -5,12 +5,14 @@ in-place and gathered reads, windows, GQA, Qwen3's q/k norms and per-row LoRA ad
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from peft import LoraConfig
 
 from osd import SpeculativeDecoder
+from osd.decode.forward import right_aligned, run_model
 from osd.decode.kv_cache import (
     ForwardPlan,
     SlotKVCache,
@@ -33,7 +35,7 @@ def test_exactly_the_llama_shaped_families_take_the_lean_forward(name):
     assert not CausalLM(model, 64, lean=False).uses_lean_forward
 
 
-def _plan(lm, ids, start, left, real, own, base, prefix, first_slot=None):
+def _plan(lm, ids, start, left, real, own, base, prefix, first_slot=None, trash=4):
     column = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
     return plan_forward(
         input_ids=torch.tensor(ids),
@@ -43,7 +45,7 @@ def _plan(lm, ids, start, left, real, own, base, prefix, first_slot=None):
         own_slot=column(own),
         base_slot=column(base),
         prefix_len=column(prefix),
-        trash_slot=4,
+        trash_slot=trash,
         dtype=torch.float32,
         layout=lm.attention,
         first_slot=first_slot,
@@ -161,14 +163,112 @@ def test_a_prompt_read_beside_decoding_rows_attends_apart_and_computes_what_the_
         torch.testing.assert_close(mine[:4], theirs[:4], rtol=1e-5, atol=1e-5)
 
 
-def test_attention_splits_only_where_rows_of_a_few_tokens_meet_wider_ones():
-    # (left padding, real tokens, width, narrow) -> (tail, wide rows) or None.
-    assert attention_split([13, 13, 0], [1, 1, 14], 14, 16) is None  # every row narrow
+def test_attention_splits_where_fewer_queries_attend():
+    # (left padding, real tokens, width, narrow) -> (tail, wide rows) or None: of the narrow
+    # rows' spans (at least 2) and the whole grid, the fewest query columns, a wide row
+    # counted as its head's columns and 8 more (kv_cache._WIDE_ROW_COLUMNS).
+    assert attention_split([13, 13, 0], [1, 1, 14], 14, 16) == (2, [2])  # 26 against 42
     assert attention_split([13, 13, 0], [1, 1, 14], 14, 4) == (2, [2])  # a tail of 2 at least
     assert attention_split([11, 12, 0], [3, 1, 12], 14, 4) == (3, [2])  # right padding counts
     assert attention_split([0, 10], [30, 20], 30, 16) is None  # no narrow row
     assert attention_split([1, 0], [2, 3], 3, 2) is None  # a head of one column
     assert attention_split([27, 0, 10, 28], [3, 30, 20, 2], 30, 16) == (3, [1, 2])
+    # A verify step's rows right-aligned (forward.right_aligned): one row of 9 beside 15 of
+    # one splits at 2 (47 columns against 144), and so do two of 9 beside 6 of one.
+    assert attention_split([8] * 15 + [0], [1] * 15 + [9], 9, 16) == (2, [15])
+    assert attention_split([8] * 6 + [0, 0], [1] * 6 + [9, 9], 9, 16) == (2, [6, 7])
+    # Every row of 1-2 beside one of 3: the head of the one wide row does not pay for itself.
+    assert attention_split([1, 2, 0], [2, 1, 3], 3, 16) is None
+    # 12 rows of one beside 4 of 5: a tail of 2 (76 columns) before one of 5 (80).
+    assert attention_split([4, 4, 4, 0] * 4, [1, 1, 1, 5] * 4, 5, 16) == (2, [3, 7, 11, 15])
+
+
+@pytest.mark.parametrize("name", LEAN)
+def test_a_verify_steps_right_padded_rows_run_right_aligned_and_split(name):
+    """A verify step right-pads the rows that verify fewer tokens than the widest; packed,
+    run_model right-aligns them so that their attention splits (one row verifying eight
+    looked-up tokens beside rows of one or two pending), and the logits at every real
+    position, in the caller's columns, and the cached keys are transformers' padded
+    forward's, past the windows (8)."""
+    model = build_family(name, 1)
+    lean, plain = CausalLM(model, 64), CausalLM(model, 64, lean=False)
+    assert lean.packs
+    caches = [SlotKVCache(8, 64, lean.attention.spans, 16) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    tokens = lambda n: torch.randint(1, 60, (n,), generator=gen).tolist()  # noqa: E731
+    rows = 6
+    prompts = [15, 12, 14, 11, 13, 16]
+    prefill = _plan(
+        lean,
+        [[0] * (16 - n) + tokens(n) for n in prompts],
+        [0] * rows,
+        [16 - n for n in prompts],
+        prompts,
+        list(range(rows)),
+        list(range(rows)),
+        [0] * rows,
+        0,
+        trash=8,
+    )
+    # Two pending columns, then up to 8 drafted ones: row 0 drafted 8 after one pending
+    # token, row 3 one after two, the others none (right padding). Row 0 is wide.
+    pending, drafted = [1, 2, 1, 2, 1, 1], [8, 0, 0, 1, 0, 0]
+    width = 2 + max(drafted)
+    left = [2 - n for n in pending]
+    real = [p + d for p, d in zip(pending, drafted, strict=True)]
+    ids = [
+        [0] * pad + tokens(n) + [0] * (width - pad - n) for pad, n in zip(left, real, strict=True)
+    ]
+    num_logits = max(drafted) + 1
+    moved, aligned = right_aligned(torch.tensor(ids), left, real)
+    assert aligned == [width - n for n in real]
+    assert moved.tolist() == [
+        [0] * (width - len(r)) + r
+        for r in (row[p : p + n] for row, p, n in zip(ids, left, real, strict=True))
+    ]
+    found = packing(aligned, real, width, num_logits, "cpu", narrow=16, logits_left=left)
+    assert found is not None and found.split is not None
+    # A tail of 3 (row 3's span): 18 + 15 query columns, against 12 + 2 x 16 at 2.
+    assert found.split.tail == 3 and found.split.wide.tolist() == [0]
+    pair = SimpleNamespace(dtype=torch.float32)
+    starts = prompts
+    with torch.inference_mode():
+        for lm, cache in zip((lean, plain), caches, strict=True):
+            lm.run(prefill, cache, num_logits=1)
+        got = run_model(  # type: ignore[arg-type]
+            pair,
+            lean,
+            caches[0],
+            torch.tensor(ids),
+            start=starts,
+            left=left,
+            num_real=real,
+            own=list(range(rows)),
+            base=list(range(rows)),
+            prefix=[0] * rows,
+            num_logits=num_logits,
+        )
+        step = _plan(
+            lean,
+            ids,
+            starts,
+            left,
+            real,
+            list(range(rows)),
+            list(range(rows)),
+            [0] * rows,
+            0,
+            trash=8,
+        )
+        want = plain.run(step, caches[1], num_logits=num_logits)
+    for b, (pad, count) in enumerate(zip(left, real, strict=True)):
+        ends = [
+            c - (width - num_logits) for c in range(pad, pad + count) if c >= width - num_logits
+        ]
+        assert ends == list(range(drafted[b] + 1))  # each row's verify positions
+        torch.testing.assert_close(got[b, ends], want[b, ends], rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(caches[0]._keys, caches[1]._keys, strict=True):
+        torch.testing.assert_close(mine[:rows], theirs[:rows], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama3", "mistral-sliding"])
