@@ -138,6 +138,15 @@ class StepCosts:
     free_prior_ratio: float = 0.015
     decay: float = 0.98
     free_decay: float = 0.95  # per step with looked-up drafts (their line's memory)
+    # Per step of any kind at the batch size's bucket, the looked-up line's evidence and its
+    # prior fade together (the line itself does not change until a step of its own comes,
+    # and never fades back to the prior), so a step with looked-up drafts after a long gap
+    # (a probe) outweighs the steps before it. Without it, 16 greedy rows of repetitive
+    # traffic priced their lookups off for the whole run from a few slow steps of their first
+    # 70, in about half the runs: a probe at 1 position a row, 20 ms against a base of 12,
+    # moved a line at 17 ms a position by a twentieth (the same traffic drafting took 1.24x
+    # the target alone's tokens/s, not drafting 0.95x).
+    free_age: float = 0.99
     # A step counts at most this many times its estimate (once its bucket's step without
     # drafting is measured): served, a step can take 3-5x its due (the replica's other
     # threads, a first call of a shape, a full garbage collection: 165 ms against 5), and
@@ -148,7 +157,8 @@ class StepCosts:
     outlier_ratio: float = 2.0
     _zero: dict[int, list[float]] = field(default_factory=dict)  # bucket: weight, seconds
     _line: dict[int, list[float]] = field(default_factory=dict)  # bucket: w, k, kk, t, kt
-    _free: dict[int, list[float]] = field(default_factory=dict)  # the same, no draft forward
+    # The same with no draft forward, and the weight of its prior (1 when new).
+    _free: dict[int, list[float]] = field(default_factory=dict)
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -167,6 +177,11 @@ class StepCosts:
         # wide lookups) on text that accepted nothing, every hundred steps or so.
         for i, value in enumerate(self._zero.get(bucket, ())):
             self._zero[bucket][i] = value * self.decay
+        free = self._free.get(bucket)
+        if free is not None:  # evidence and prior alike: the line stays as it is
+            free[:] = [value * self.free_age for value in free]
+            if free[0] + free[-1] < 1e-200:  # long idle: the same line at a readable scale
+                free[:] = [value * 1e200 for value in free]
         if k > 0:
             kind, keep = (self._line, self.decay) if model else (self._free, self.free_decay)
             for i, value in enumerate(kind.get(bucket, ())):
@@ -177,7 +192,7 @@ class StepCosts:
         else:
             values = [1.0, k, k * k, seconds, k * seconds]
             lines = self._line if model else self._free
-            sums = lines.setdefault(bucket, [0.0] * 5)
+            sums = lines.setdefault(bucket, [0.0] * 5 + ([] if model else [1.0]))
         for i, value in enumerate(values):
             sums[i] += value
 
@@ -273,16 +288,13 @@ class StepCosts:
         looked-up position a row verifies)."""
         base = self.seconds(batch, 0)[0]
         prior = base * min(1.0, self.free_prior_ratio * batch)
-        weight, k_sum, kk_sum, excess, k_excess = 1.0, 1.0, 1.0, prior, prior  # the prior
         # Only this batch size's own steps: another's were lent first in seconds (16 rows'
         # excess priced a lone row's lookup at 3-7x its step), then as shares of their base,
         # and a few slow warm-up steps still priced lookups out at one row for good (their
         # probes wait on the exploration share). The prior is optimistic; a step corrects it.
-        own = self._free.get(self.bucket(batch))
-        if own:
-            w, k, kk, t, kt = own
-            weight, k_sum, kk_sum = weight + w, k_sum + k, kk_sum + kk
-            excess, k_excess = excess + t - base * w, k_excess + kt - base * k
+        w, k, kk, t, kt, p = self._free.get(self.bucket(batch), (0.0,) * 5 + (1.0,))
+        weight, k_sum, kk_sum = p + w, p + k, p + kk  # the prior: p steps at k = 1
+        excess, k_excess = p * prior + t - base * w, p * prior + kt - base * k
         mean_k, mean_excess = k_sum / weight, excess / weight
         variance = kk_sum / weight - mean_k * mean_k
         slope = prior

@@ -185,6 +185,34 @@ def test_looked_up_drafts_have_a_fixed_cost_of_verifying_and_keep_it_between_the
     assert costs.free_cost(batch=16, extra=1 / 16) == pytest.approx(1.02, rel=0.02)
 
 
+@pytest.mark.parametrize("free_age", [0.99, 1.0])
+def test_a_looked_up_step_after_a_long_gap_outweighs_the_steps_before_it(free_age: float):
+    # 16 greedy rows of repetitive traffic: a few slow looked-up steps among the first (20 ms
+    # for half a position a row, against a base of 10) priced every later lookup out, and the
+    # probes, a step at one position a row every 30-50 steps, moved the line by a twentieth
+    # each: for the whole run. Their evidence and the prior now fade with every step, so the
+    # probes after a long gap decide; without steps of its own the line stays as it was.
+    costs = StepCosts(free_age=free_age)
+    for _ in range(5):
+        costs.observe(batch=16, k=0, seconds=0.010)
+    for extra in (0.3, 0.4, 0.6, 0.5, 0.3, 0.6, 0.4):
+        costs.observe(batch=16, k=extra, seconds=0.020, model=False)
+    early = costs.free_cost(batch=16, extra=1.0)
+    assert early > 0.018  # a position a row at 1.8x a step's base or more
+    for _ in range(100):
+        costs.observe(batch=16, k=0, seconds=0.010)
+    assert costs.free_cost(batch=16, extra=1.0) == pytest.approx(early)  # not faded
+    for _ in range(4):  # probes: a position a row at 1.3x
+        for _ in range(40):
+            costs.observe(batch=16, k=0, seconds=0.010)
+        costs.observe(batch=16, k=1.0, seconds=0.013, model=False)
+    late = costs.free_cost(batch=16, extra=1.0)
+    if free_age == 1.0:  # negative control: the early steps still decide
+        assert late > 0.016
+    else:
+        assert late == pytest.approx(0.013, rel=0.1)
+
+
 def test_looked_up_widths_fit_a_fixed_cost_and_a_slope():
     costs = StepCosts(free_decay=1.0)
     costs.observe(batch=16, k=0, seconds=1.0)
