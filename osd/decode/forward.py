@@ -139,7 +139,8 @@ def run_model(
     """One forward of ``model`` over rows laid out as ``left`` padding, ``num_real`` tokens
     written from position ``start`` to slot ``own`` (reading ``prefix`` positions from ``base``),
     then right padding; only the real tokens are computed where the model packs and the
-    padding is worth skipping (:func:`osd.decode.kv_cache.packing`)."""
+    padding is worth skipping (:func:`osd.decode.kv_cache.packing`), the rows then right-
+    aligned for attention (:func:`right_aligned`; the logits come back in these columns)."""
     device = input_ids.device
     width = input_ids.shape[1]
     packs = model.packs and worth_packing(num_real, width)

@@ -217,8 +217,9 @@ class AttentionSplit:
 _SPLIT_LEAST_COLUMNS = 2
 # What a wide row costs beyond its head grid's columns, in query columns of the tail grid: its
 # keys and values copied out and SDPA's fixed cost per (row, head). Measured on the demo target
-# (compiled, one thread, 150 keys): 12 rows of one token beside 4 of five cost the same with a
-# tail of 2 (4 wide rows of 3 head columns) as with a tail of 5 (none wide), 9.6 against 9.4 ms.
+# (compiled, one thread, 150 keys): 12 rows of one token beside 4 of five, split at a tail of
+# 2 (4 wide rows of 3 head columns: 76 columns by this count) 9.6-10.1 ms, on the whole grid
+# (80) 10.4-11.0: a wide row costs its head and no more than about 8 columns besides.
 _WIDE_ROW_COLUMNS = 8
 
 
