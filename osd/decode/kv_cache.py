@@ -240,15 +240,11 @@ def attention_split(
     columns); the rows reaching further left are the wide rows. Of those tails, and the whole
     grid, the one with the fewest query columns is taken: B x tail, plus (T - tail +
     ``_WIDE_ROW_COLUMNS``) a wide row, against B x T; the head at least two columns wide."""
-    spans = [width - pad for pad, count in zip(left, real, strict=True) if count > 0]
-    tails = {max(span, _SPLIT_LEAST_COLUMNS) for span in spans if span <= narrow}
+    spans = [width - pad if count else 0 for pad, count in zip(left, real, strict=True)]
+    tails = {max(span, _SPLIT_LEAST_COLUMNS) for span in spans if 0 < span <= narrow}
     best: tuple[int, int, list[int]] | None = None  # (query columns, tail, wide rows)
     for tail in sorted(tails):
-        wide = [
-            b
-            for b, (pad, count) in enumerate(zip(left, real, strict=True))
-            if count > 0 and pad < width - tail
-        ]
+        wide = [b for b, span in enumerate(spans) if span > tail]
         if not wide or width - tail < _SPLIT_LEAST_COLUMNS:
             continue
         columns = len(left) * tail + len(wide) * (width - tail + _WIDE_ROW_COLUMNS)
