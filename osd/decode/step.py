@@ -276,7 +276,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     catching_up = bool(unread) and sum(unread) > CATCH_UP_TOKENS * len(unread)
     riding = any(row.prefill_left > 0 for row in rows)
     # No row of the draft model: no draft forward this step.
-    drafts = propose(pair, rows, sampling, history, plan.model_k, branches, max(width, 1), masks)
+    drafts = propose(pair, rows, sampling, history, plan.model_k, branches, width, masks)
     pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)
     if masks is not None:  # the drafts to the host while the target's forward runs
         masks.prefetch(width, drafts.ids)

@@ -240,6 +240,7 @@ def test_evenly_spread_uniforms_draw_each_token_in_proportion_to_its_mass():
         [0.0, 1.0, 0.0],
         [0.0, 0.0, 1e-30, 0.0],
         [1.0 - 1e-7, 1e-7, 0.0],
+        [0.5, 0.5, 1e-9, 0.0],  # the cdf reaches its top before the last token with mass
     ],
 )
 def test_a_token_of_zero_probability_is_never_drawn(probs):
@@ -247,3 +248,6 @@ def test_a_token_of_zero_probability_is_never_drawn(probs):
     uniforms = torch.tensor([0.0, 1e-9, 0.5, 1.0 - 1e-12, 1.0 - 2**-24, 1.0])
     ids = sample_from_probs(table.expand(len(uniforms), -1), uniforms)
     assert bool((table[ids] > 0).all()), ids.tolist()
+    # Rows of positions, as a verify step draws them: (B, T, V).
+    grid = sample_from_probs(table.expand(2, len(uniforms), -1), uniforms.expand(2, -1))
+    assert grid.tolist() == [ids.tolist(), ids.tolist()]
