@@ -261,6 +261,13 @@ class ServeConfig:
     # 223-229 ms, 10 took 189.
     # 0: an event a step, whenever the client keeps up.
     stream_interval_ms: float = 20.0
+    # All streams together send at most about this many events a second: with many streams
+    # open each gathers over streams / this seconds (up to 200 ms) when that is longer than
+    # the interval above (at 16 streams and 400: 40 ms). For hosts whose steps are short
+    # beside many streams (a GPU's hundreds at ~10 ms a step: tens of thousands of events a
+    # second on one event loop). 0 (default): no cap; on 2 CPU cores at 16 streams a cap of
+    # 400 moved nothing beyond the noise (docs/benchmarks.md, 2026-12-06, thirteenth session).
+    stream_events_per_s: float = 0.0
 
     def check_access(self) -> None:
         """Raises ConfigError when this would serve without keys beyond loopback unasked (the
@@ -324,6 +331,12 @@ class ServeConfig:
             "serve.stream_interval_ms",
             self.stream_interval_ms,
             "in [0, 1000]",
+        )
+        _require(
+            self.stream_events_per_s >= 0,
+            "serve.stream_events_per_s",
+            self.stream_events_per_s,
+            ">= 0",
         )
 
 

@@ -6,14 +6,16 @@ thread (:meth:`RequestHandle.deliver_to`), which posts them to the event loop: t
 the decode thread to the SSE writer (``call_soon_threadsafe``, then the stream's asyncio queue),
 and no thread waiting per choice. The job ends itself once: when every choice ended (or one
 failed, or it was given back before it started) it calls its ``on_finish`` with the results (or
-None), on the event loop, whether or not anyone still reads it. Steps of one choice that queued
-up while the consumer was busy go out as one chunk.
+None), on the event loop, whether or not anyone still reads it. A streamed choice's steps are
+gathered over the stream interval where they reach the event loop (a step held back is not
+queued), and steps that queued up while the consumer was busy go out as one chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ from serving.tools import ToolPlan
 __all__ = ["Job"]
 
 OnFinish = Callable[["Job", "list[GenerationResult] | None"], None]
+Interval = float | Callable[[], float]
 # What a choice's delivery brings to the event loop: (choice index, chunk | result | error).
 _Event = tuple[int, Any]
 
@@ -52,9 +55,15 @@ class Job:
     first_token_at: float | None = None
     tools: ToolPlan | None = None  # its replies are read for tool calls
     finished: bool = False  # on_finish was called (exactly once)
+    streamed: bool = False  # delivered as a stream of events (the runtime counts them)
     _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
     _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
     _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
+    # Streamed: the gathering interval (seconds; a callable: read at each step), each
+    # choice's steps held back, and the time of each choice's last event.
+    _interval: Interval = field(default=0.0, repr=False)
+    _held: dict[int, list[StreamChunk]] = field(default_factory=dict, repr=False)
+    _sent: dict[int, float] = field(default_factory=dict, repr=False)
 
     @property
     def stream(self) -> RequestHandle:
@@ -89,13 +98,19 @@ class Job:
             self.cancel()
             self.finish(None)
 
-    def deliver(self, stream: bool) -> asyncio.Future[list[GenerationResult]]:
+    def deliver(
+        self, stream: bool, interval: Interval = 0.0
+    ) -> asyncio.Future[list[GenerationResult]]:
         """Starts delivery to the running event loop; returns the future of every choice's
-        result. ``stream``: each step's chunk is queued for :meth:`chunks`; otherwise only
-        the first (the time to first token) and the ends reach the loop."""
+        result. ``stream``: each step's chunk is queued for :meth:`chunks`, gathered over
+        ``interval`` (seconds, or a callable read as steps arrive: a step that comes less
+        than that after its choice's last event waits for the choice's next step; a
+        choice's last chunk, its result and an error go at once); otherwise only the first
+        chunk (the time to first token) and the ends reach the loop."""
         loop = asyncio.get_running_loop()
         self._done = loop.create_future()
         self._queue = asyncio.Queue() if stream else None
+        self._interval = interval
         for index, handle in enumerate(self.streams):
             handle.deliver_to(self._sink(loop, index, handle, stream))
         return self._done
@@ -130,9 +145,31 @@ class Job:
             self.cancel()  # the other choices stop at their next step
             self._end(None, item)
         if self._queue is not None:
-            self._queue.put_nowait((index, item))
+            self._queue_item(index, item)
         if len(self._results) == len(self.streams):
             self._end([self._results[i] for i in range(len(self.streams))], None)
+
+    def _queue_item(self, index: int, item: Any) -> None:
+        """Queues a choice's chunk for :meth:`chunks`, or holds it back (the interval); a
+        result goes after what its choice held. Held here, a gathered step wakes nobody:
+        the reader runs for events only (at 16 streams of ~20 ms steps, every step woke
+        each stream's reader)."""
+        assert self._queue is not None
+        if not isinstance(item, StreamChunk):
+            held = self._held.pop(index, None)
+            if held and isinstance(item, GenerationResult):
+                self._queue.put_nowait((index, merge_chunks(held)))
+            self._queue.put_nowait((index, item))
+            return
+        held = self._held.setdefault(index, [])
+        held.append(item)
+        now = time.perf_counter()
+        interval = self._interval() if callable(self._interval) else self._interval
+        if item.finish_reason is None and now - self._sent.get(index, -math.inf) < interval:
+            return
+        self._sent[index] = now
+        del self._held[index]
+        self._queue.put_nowait((index, merge_chunks(held)))
 
     def _end(self, results: list[GenerationResult] | None, error: BaseException | None) -> None:
         assert self._done is not None
@@ -144,21 +181,18 @@ class Job:
                 self._done.set_result(results or [])
         self.finish(results)
 
-    async def chunks(self, interval: float = 0.0) -> AsyncGenerator[tuple[int, StreamChunk]]:
-        """Yields (choice index, chunk) as the choices deliver them, until every choice ended;
-        raises what failed one. Leaving early cancels the job (its rows go at the next step).
+    async def chunks(self) -> AsyncGenerator[tuple[int, StreamChunk]]:
+        """Yields (choice index, chunk) as the choices deliver them (gathered over the
+        interval given to :meth:`deliver`), until every choice ended; raises what failed one.
+        Leaving early cancels the job (its rows go at the next step).
 
-        Steps that queued up while the consumer was busy go out as one chunk (under load every
-        event costs the replica, the proxy and the client). ``interval`` (seconds) gathers on
-        purpose: a step that comes less than that after its choice's last event waits for the
-        choice's next step (a choice's last chunk, its result and an error go at once).
-        Deciding as steps arrive, not on a timer, adds no wake-ups of the event loop beside the
-        decode thread; a gathered step waits at most the interval and one step more."""
+        Events that queued up while the consumer was busy go out as one chunk a choice (under
+        load every event costs the replica, the proxy and the client). Gathering is decided as
+        steps arrive, not on a timer: no wake-ups of the event loop beside the decode thread;
+        a gathered step waits at most the interval and one step more."""
         assert self._queue is not None, "deliver(stream=True) first"
         ended = 0
         held: _Event | None = None
-        pending: dict[int, list[StreamChunk]] = {}  # each choice's steps not sent yet
-        sent: dict[int, float] = {}  # each choice's last event
         try:
             while ended < len(self.streams):
                 index, item = held or await self._queue.get()
@@ -166,26 +200,15 @@ class Job:
                 if isinstance(item, BaseException):
                     raise item
                 if isinstance(item, GenerationResult):
-                    waiting = pending.pop(index, None)
-                    if waiting:  # what waits goes out before the choice ends
-                        held = index, item
-                        yield index, merge_chunks(waiting)
-                        continue
                     ended += 1
                     continue
-                steps = [*pending.pop(index, []), item]
+                steps = [item]
                 while held is None and not self._queue.empty():
                     following = self._queue.get_nowait()
                     if following[0] == index and isinstance(following[1], StreamChunk):
                         steps.append(following[1])
                     else:
                         held = following
-                now = time.perf_counter()
-                since = now - sent.get(index, float("-inf"))
-                if steps[-1].finish_reason is None and since < interval:
-                    pending[index] = steps
-                    continue
-                sent[index] = now
                 yield index, merge_chunks(steps)
         finally:
             self.cancel()  # frees its rows at the next step (a no-op once they ended)

@@ -46,6 +46,9 @@ from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
 
+# The longest the events budget (serve.stream_events_per_s) makes a stream gather over.
+_MAX_BUDGET_INTERVAL = 0.2
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,6 +92,7 @@ class ReplicaRuntime:
         self.tool_parser = detect_parser(template) if parser == "auto" else parser
         if self.tool_parser == "none":
             self.tool_parser = None
+        self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
     def tokenizer(self) -> Any:
@@ -278,8 +282,18 @@ class ReplicaRuntime:
     def stream(self, job: Job) -> AsyncGenerator[tuple[int, StreamChunk]]:
         """Yields (choice index, chunk) as the rows verify them; cancels the job if the
         consumer stops (:meth:`serving.jobs.Job.chunks`)."""
-        job.deliver(stream=True)
-        return job.chunks(self.config.serve.stream_interval_ms / 1000)
+        job.deliver(stream=True, interval=self.stream_interval)
+        self._streaming += 1
+        job.streamed = True
+        return job.chunks()
+
+    def stream_interval(self) -> float:
+        """Seconds a streamed choice gathers its steps over: ``serve.stream_interval_ms``, or
+        longer where the open streams would send more than ``serve.stream_events_per_s``
+        events together (each costs the replica's event loop, beside the decode thread)."""
+        serve = self.config.serve
+        budget = self._streaming / serve.stream_events_per_s if serve.stream_events_per_s else 0.0
+        return max(serve.stream_interval_ms / 1000, min(budget, _MAX_BUDGET_INTERVAL))
 
     def abandon(self, job: Job) -> None:
         """Gives back a job whose response ended before its rows delivered (the client went
@@ -295,6 +309,7 @@ class ReplicaRuntime:
         finally:
             self._admission.release()
             self.metrics.in_flight.dec()
+            self._streaming -= job.streamed
             self._give_back(job.lease)
 
     def _give_back(self, lease: AdapterLease) -> None:

@@ -70,12 +70,12 @@ class _Stream:
         self.events: list[Event] = []
 
     async def __aenter__(self) -> _Stream:
-        self.job.deliver(stream=True)
+        self.job.deliver(stream=True, interval=self.interval)
         self._reading = asyncio.ensure_future(self._read())
         return self
 
     async def _read(self) -> None:
-        async for index, chunk in self.job.chunks(self.interval):
+        async for index, chunk in self.job.chunks():
             self.events.append((index, chunk.token_ids, chunk.finish_reason))
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -165,3 +165,69 @@ def test_each_choice_gathers_its_own_steps(clock: _Clock) -> None:
     events = asyncio.run(main())
     for index in (0, 1):  # nothing lost, in order, and not flushed by the other choice
         assert _tokens(events, index) == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
+
+
+def test_an_interval_read_as_steps_arrive_follows_its_changes(clock: _Clock) -> None:
+    """The runtime's interval is a callable (its events budget moves with the open streams):
+    each step is gathered by the interval read when it arrives."""
+    intervals = iter([0.0, 0.0, 0.045, 0.045, 0.045, 0.045, 0.045, 0.0, 0.0, 0.0])
+
+    async def main() -> list[Event]:
+        handle = _Handle()
+        async with _Stream([handle], interval=lambda: next(intervals)) as stream:  # type: ignore[arg-type]
+            await _steps(clock, handle, [0.01 * k for k in range(10)])
+        return stream.events
+
+    events = asyncio.run(main())
+    # Steps 2-6 gather (45 ms from step 1's event: step 6, 50 ms after it, is the first past it);
+    # then each at once.
+    assert _tokens(events) == [[0], [1], [2, 3, 4, 5, 6], [7], [8], [9]]
+
+
+def test_gathered_steps_wake_no_reader(clock: _Clock) -> None:
+    """A step held back by the interval is not queued: the stream's reader runs for events
+    only."""
+
+    async def main() -> tuple[int, list[Event]]:
+        handle = _Handle()
+        async with _Stream([handle], interval=1.0) as stream:
+            queued = 0
+            put = stream.job._queue.put_nowait  # type: ignore[union-attr]
+
+            def counting(item: Any) -> None:
+                nonlocal queued
+                queued += 1
+                put(item)
+
+            stream.job._queue.put_nowait = counting  # type: ignore[union-attr,method-assign]
+            await _steps(clock, handle, [0.001 * k for k in range(20)])
+        return queued, stream.events
+
+    queued, events = asyncio.run(main())
+    assert _tokens(events) == [[0], list(range(1, 20))]
+    assert queued == 3  # the first step, the last (with what waited), the result
+
+
+@pytest.mark.parametrize(
+    ("streams", "per_s", "expected"),
+    [(1, 400.0, 0.02), (16, 400.0, 0.04), (16, 0.0, 0.02), (500, 400.0, 0.2), (4, 100.0, 0.04)],
+)
+def test_the_events_budget_lengthens_the_interval_with_the_open_streams(
+    streams: int, per_s: float, expected: float
+) -> None:
+    from types import SimpleNamespace
+
+    from osd.config import ServeConfig
+    from serving.runtime import ReplicaRuntime
+
+    serve = ServeConfig(stream_interval_ms=20.0, stream_events_per_s=per_s)
+    runtime = SimpleNamespace(config=SimpleNamespace(serve=serve), _streaming=streams)
+    assert ReplicaRuntime.stream_interval(runtime) == pytest.approx(expected)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("per_s", [-1.0, float("nan")])
+def test_a_negative_or_unset_events_budget_is_refused(per_s: float) -> None:
+    from osd.config import ServeConfig
+
+    with pytest.raises(ValueError, match="serve.stream_events_per_s"):
+        ServeConfig(stream_events_per_s=per_s)
