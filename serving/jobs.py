@@ -55,7 +55,6 @@ class Job:
     first_token_at: float | None = None
     tools: ToolPlan | None = None  # its replies are read for tool calls
     finished: bool = False  # on_finish was called (exactly once)
-    streamed: bool = False  # delivered as a stream of events (the runtime counts them)
     _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
     _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
     _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
@@ -69,6 +68,11 @@ class Job:
     def stream(self) -> RequestHandle:
         """The first choice's handle (its request has the settings all choices share)."""
         return self.streams[0]
+
+    @property
+    def streamed(self) -> bool:
+        """It delivers each step to :meth:`chunks` (``deliver(stream=True)``)."""
+        return self._queue is not None
 
     @property
     def delivering(self) -> bool:

@@ -284,7 +284,6 @@ class ReplicaRuntime:
         consumer stops (:meth:`serving.jobs.Job.chunks`)."""
         job.deliver(stream=True, interval=self.stream_interval)
         self._streaming += 1
-        job.streamed = True
         return job.chunks()
 
     def stream_interval(self) -> float:

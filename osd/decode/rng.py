@@ -135,7 +135,9 @@ def step_draws(
     keys: Sequence[int], steps: Sequence[int], num_branches: int, num_positions: int
 ) -> np.ndarray:
     """One step's draws of every row on the host: (B, branches, positions) float64, as
-    :func:`step_uniforms` gives them."""
+    :func:`step_uniforms` gives them (none to make: no work, e.g. a step nobody drafts in)."""
+    if num_branches == 0 or num_positions == 0:
+        return np.zeros((len(keys), num_branches, num_positions))
     counters = counter(
         np.asarray(steps, dtype=np.int64).reshape(-1, 1, 1),
         np.arange(num_branches, dtype=np.int64).reshape(1, -1, 1),

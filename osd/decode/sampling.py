@@ -365,7 +365,8 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
         (...) int64 token ids.
     """
     cdf = torch.cumsum(probs, dim=-1)  # (..., V)
-    targets = (uniforms.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)  # (..., 1)
+    total = cdf[..., -1:].contiguous()  # (..., 1)
+    targets = uniforms.to(cdf.dtype).unsqueeze(-1) * total  # (..., 1)
     ids = torch.searchsorted(cdf.contiguous(), targets.contiguous(), right=True).squeeze(-1)
     ids = ids.clamp_(max=probs.shape[-1] - 1)
     # Rounding can land past the last token with mass (a draw at the cdf's top); it then takes
@@ -374,5 +375,5 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # sync; a search of one value a row, where a (..., V) pass over ``probs > 0`` cost half
     # of a 16-row draw).
     chosen_mass = probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    top = torch.searchsorted(cdf, cdf[..., -1:].contiguous(), right=False).squeeze(-1)
+    top = torch.searchsorted(cdf, total, right=False).squeeze(-1)
     return torch.where(chosen_mass > 0, ids, top)

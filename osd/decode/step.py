@@ -179,11 +179,7 @@ def _verify_draws(
         np.asarray(keys, dtype=np.int64),
         rng.counter(np.asarray(steps, dtype=np.int64), 0, _SAMPLE_POSITION),
     )
-    accept = (  # nothing drafted (a step of the target alone): no accept draws to make
-        rng.step_draws(keys, steps, num_drafts, width)
-        if num_drafts and width
-        else np.zeros((len(rows), num_drafts, width))
-    )
+    accept = rng.step_draws(keys, steps, num_drafts, width)
     draws = to_device(torch.from_numpy(np.concatenate([sample, accept.reshape(-1)])), device)
     return draws[: len(rows)], draws[len(rows) :].view(accept.shape)
 

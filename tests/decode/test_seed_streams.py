@@ -72,6 +72,9 @@ def test_the_hosts_draws_are_the_devices_bit_for_bit():
     steps = [draw.randrange(1 << 40) for _ in keys]
     device = rng.step_uniforms(torch.tensor(keys), torch.tensor(steps), 3, 9).numpy()
     assert np.array_equal(rng.step_draws(keys, steps, 3, 9), device)
+    for empty in ((1, 0), (0, 4)):  # nothing to draw: the same (empty) shapes as the device's
+        shape = rng.step_uniforms(torch.tensor(keys), torch.tensor(steps), *empty).shape
+        assert rng.step_draws(keys, steps, *empty).shape == tuple(shape)
     counters = rng.counter(np.asarray(steps), 0, 5)
     on_device = rng.uniforms(torch.tensor(keys), torch.tensor(counters)).numpy()
     assert np.array_equal(rng.host_uniforms(np.asarray(keys), counters), on_device)
