@@ -296,10 +296,14 @@ class StepCosts:
         weight, k_sum, kk_sum = p + w, p + k, p + kk  # the prior: p steps at k = 1
         excess, k_excess = p * prior + t - base * w, p * prior + kt - base * k
         mean_k, mean_excess = k_sum / weight, excess / weight
-        variance = kk_sum / weight - mean_k * mean_k
-        slope = prior
-        if variance > 1e-3:
-            slope = max((k_excess / weight - mean_k * mean_excess) / variance, 0.0)
+        # The slope is shrunk towards the prior's by p steps a position apart (a ridge): a
+        # least-squares slope through a few steps a fraction of a position apart follows
+        # their noise (three at 0.5-1 position a row, 15-27 ms on a base of 8, priced a
+        # position at 15 ms and every lookup out), and probes at one position a row move the
+        # line's mean, never its slope (GoodputController._probing_wide measures it).
+        spread = kk_sum - weight * mean_k * mean_k
+        covariance = k_excess - weight * mean_k * mean_excess
+        slope = max((covariance + p * prior) / (spread + p), 0.0)
         return base, max(mean_excess - slope * mean_k, 0.0), slope
 
     def _fit(self, sums: list[float] | None, base: float | None) -> tuple[float, float] | None:
@@ -373,6 +377,8 @@ class GoodputController:
     _explore_spent: float = 0.0
     _probed: bool = False  # this step took a probe
     _probe_excess: float = 0.0  # the last probe step's seconds beyond the base
+    _lookup_probed: bool = False  # this step took a lookup probe
+    _lookup_probes: int = 0  # lookup probe steps so far (_probing_wide)
     # Per batch-size bucket, over recent drafting steps that were not probes:
     # [weight, tokens emitted, tokens the target alone would have emitted in their seconds].
     _gain: dict[int, list[float]] = field(default_factory=dict)
@@ -464,7 +470,8 @@ class GoodputController:
         (accepted over predicted, prior 1); it costs a step without a draft forward plus its
         m positions in the target's forward (:meth:`StepCosts.free_seconds`). On one step in
         ``probe_every`` (a phase of its own) a row with an offer takes it, so a calibration
-        that fell is measured again.
+        or cost that fell is measured again: at least one token, and on every other such
+        probe step the whole proposal (:meth:`_probing_wide`).
         """
         k = self.choose(adapter, route, batch, limit)
         if not offers:
@@ -481,13 +488,14 @@ class GoodputController:
         draft_rate, free_seconds = self._compared[key]
         best = ("draft", k, draft_rate)
         probing = self._probing_lookups()
+        wide = probing and self._probing_wide()
         if not probing and self.held_off(batch):
             return best[0], best[1]
         for name, probs in offers:
             m, rate = self._free_choice(name, route, probs[:free_limit], free_seconds)
-            if probing:  # at least one token: a cost or calibration that fell is measured again
-                m, rate = max(m, 1), math.inf
-                self._probed = True
+            if probing:  # a cost or calibration that fell is measured again (_probing_wide)
+                m, rate = (len(probs[:free_limit]) if wide else max(m, 1)), math.inf
+                self._probed = self._lookup_probed = True
             if m and rate >= best[2]:
                 best = (name, m, rate)
         return best[0], best[1]
@@ -524,7 +532,7 @@ class GoodputController:
             rates.append(tokens / max(self.costs.free_cost(batch, extra), 1e-9))
         width = shortest_good(rates, self.tolerance)
         if self._probing_lookups():
-            return max(width, 1)
+            return widest if self._probing_wide() else max(width, 1)
         return 0 if self.held_off(batch) else width
 
     def held_off(self, batch: int) -> bool:
@@ -582,6 +590,15 @@ class GoodputController:
         (while the exploration share allows)."""
         return self.steps % self.probe_every == self.probe_every - 3 and self._may_explore()
 
+    def _probing_wide(self) -> bool:
+        """Every other lookup probe takes each row's whole proposal (the first of them too),
+        the others at least one token. Only steps of different widths measure the cost
+        line's slope: probes all at one position a row moved its mean, never its slope. At 16
+        greedy rows of repetitive traffic one dear step at 3 positions a row (52 ms on a base
+        of 8, where 7 positions took 25: the KV cache grew in it) set a slope that priced
+        every lookup out, and the probes left it so for the rest of the run."""
+        return self._lookup_probes % 2 == 0
+
     def _may_explore(self) -> bool:
         """Probes so far, and one more as dear as the last, cost at most ``explore_share`` of
         the decode time."""
@@ -619,6 +636,7 @@ class GoodputController:
         emitted: int = 0,
         riding: bool = False,
         explorable: float = 1.0,
+        grew: bool = False,
     ) -> None:
         """A step whose rows verified k drafted positions each took ``seconds``
         (:meth:`StepCosts.observe`); ``model``: the draft model ran in it. ``catching_up``:
@@ -633,7 +651,11 @@ class GoodputController:
         reference requests against 2.2x). ``explorable``: the share of the step's rows whose k
         the controller chose; only their share of its seconds earns probes their budget (rows
         of the target alone, beside them on one replica, gave drafting's probes twice the
-        share of its requests' time)."""
+        share of its requests' time). ``grew``: a KV cache's storage grew in the step
+        (:class:`osd.decode.kv_cache.SlotKVCache`), taken as ``riding`` is: a one-off of the
+        rows' length, not of the step's kind (16 repetitive rows' first verify step at 3
+        positions a row took 52 ms against 25 for 7 later, and priced their lookups out)."""
+        aside = riding or grew
         # Remembered over about 10,000 steps: the share holds over many probe intervals
         # (a short memory would let each probe through once its cost had faded).
         self._explore_total = self._explore_total * _EXPLORE_KEEP + seconds * explorable
@@ -643,15 +665,25 @@ class GoodputController:
         for i, value in enumerate(gain):
             gain[i] = value * _GAIN_KEEP
         base = self.costs.own_base(batch)  # not a prior's or a neighbour's
-        if k > 0 and emitted and not self._probed and base is not None and not riding:
+        if k > 0 and emitted and not self._probed and base is not None and not aside:
             for i, value in enumerate((1.0, float(emitted), batch * seconds / max(base, 1e-9))):
                 gain[i] += value
+        self._lookup_probes += self._lookup_probed
+        self._lookup_probed = False
         if self._probed:
-            if not riding:
-                self._probe_excess = max(seconds - self.costs.seconds(batch, 0)[0], 0.0)
+            if not aside:
+                # What the probe lost: its seconds beyond those the target alone would have
+                # taken for the tokens it emitted (a step's base per ``batch`` of them). A
+                # probe that gained costs nothing: counted as its whole excess over the base,
+                # a looked-up probe at 16 repetitive rows (25 ms for 7x a step's tokens)
+                # kept the next one waiting 200 steps, while the line it had corrected
+                # priced lookups out again.
+                base_seconds = self.costs.seconds(batch, 0)[0]
+                worth = base_seconds * max(emitted / max(batch, 1), 1.0)
+                self._probe_excess = max(seconds - worth, 0.0)
                 self._explore_spent += self._probe_excess
             self._probed = False
-        if not (catching_up or riding):
+        if not (catching_up or aside):
             self.costs.observe(batch, k, seconds, model)
         self.steps += 1
         self._forget_step()

@@ -275,6 +275,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     unread = [len(r.seq) - r.draft_len for r, k in zip(rows, plan.model_k, strict=True) if k]
     catching_up = bool(unread) and sum(unread) > CATCH_UP_TOKENS * len(unread)
     riding = any(row.prefill_left > 0 for row in rows)
+    growths = pair.target_cache.growths + pair.draft_cache.growths
     # No row of the draft model: no draft forward this step.
     drafts = propose(pair, rows, sampling, history, plan.model_k, branches, width, masks)
     pair.proposers.fill(plan, drafts.ids, drafts.probs, drafts.num_drafted)
@@ -425,5 +426,6 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
             emitted,
             riding,
             explorable=plan.controlled / num_rows,
+            grew=pair.target_cache.growths + pair.draft_cache.growths > growths,
         )
     return chunks

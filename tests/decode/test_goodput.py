@@ -387,6 +387,70 @@ def test_rows_skip_lookups_that_could_not_pay_at_their_routes_calibration():
     assert controller.lookups_could_pay(16, 8, "", names)
 
 
+def least_squares_slope(points: list[tuple[float, float]]) -> float:
+    n = len(points)
+    mean_k = sum(k for k, _ in points) / n
+    mean_t = sum(t for _, t in points) / n
+    covariance = sum((k - mean_k) * (t - mean_t) for k, t in points)
+    return covariance / sum((k - mean_k) ** 2 for k, _ in points)
+
+
+def test_a_few_early_looked_up_steps_do_not_set_the_slope_alone():
+    # Three noisy steps a fraction of a position apart (15-27 ms on a base of 8): least
+    # squares through them prices a position at 15 ms, every lookup out; the prior's
+    # pseudo-steps hold the slope until steps of different widths measure it.
+    early = [(0.5, 0.0153), (0.9, 0.0274), (1.0, 0.0200)]
+    costs = StepCosts()
+    for _ in range(5):
+        costs.observe(batch=16, k=0, seconds=0.0083)
+    for extra, seconds in early:
+        costs.observe(batch=16, k=extra, seconds=seconds, model=False)
+    assert least_squares_slope(early) > 0.012  # the control: the plain fit's slope
+    base, _, slope = costs._free_line(16)
+    assert slope < 0.005  # near the prior's (0.24 of the base: 2 ms)
+    # Steps over a spread of widths decide: 3 ms fixed and 2 ms a position.
+    for _ in range(10):
+        for extra in (1.0, 4.0, 8.0):
+            costs.observe(batch=16, k=extra, seconds=0.0083 + 0.003 + 0.002 * extra, model=False)
+    base, fixed, slope = costs._free_line(16)
+    assert slope == pytest.approx(0.002, rel=0.15) and fixed == pytest.approx(0.003, rel=0.3)
+
+
+def test_every_other_lookup_probe_takes_the_whole_proposal():
+    """Probes all at one position a row measure the looked-up cost line's mean, never its
+    slope: every other one (the first too) verifies each row's whole proposal."""
+    controller = GoodputController(max_k=8)
+    for _ in range(5):
+        controller.observe_step(batch=16, k=0, seconds=1.0)
+    for _ in range(10):  # a line that prices every lookup out: 1 a position a row
+        for extra in (1.0, 2.0):
+            controller.observe_step(batch=16, k=extra, seconds=1.0 + extra, model=False)
+    offer = [("suffix", (0.9,) * 6)]
+    assert controller.choose_proposer("v", "", 16, 4, offer, 8)[0] == "draft"
+    widths = []
+    for _ in range(40 * controller.probe_every):
+        probing = controller._probing_lookups()
+        name, k = controller.choose_proposer("v", "", 16, 4, offer, 8)
+        assert (name == "suffix") == probing
+        if probing:
+            widths.append((k, controller.batch_width(16, [[1.0] + [1.5] * 6], 15)))
+        controller.observe_step(batch=16, k=0, seconds=1.0, emitted=16)
+    assert widths[:4] == [(6, 6), (1, 1), (6, 6), (1, 1)]
+
+
+def test_a_probe_that_gained_spends_none_of_the_exploration_share():
+    def next_probe_allowed(emitted: int) -> bool:
+        controller = GoodputController(max_k=4)
+        for _ in range(200):
+            controller.observe_step(batch=16, k=0, seconds=1.0, emitted=16)
+        controller._probed = True  # a probe at 3x a step's seconds
+        controller.observe_step(batch=16, k=4.0, seconds=3.0, model=False, emitted=emitted)
+        return controller._may_explore()
+
+    assert next_probe_allowed(emitted=16 * 4)  # 4x the target alone's tokens: a gain
+    assert not next_probe_allowed(emitted=16)  # nothing accepted: 2 steps' seconds lost
+
+
 def test_drafting_that_pays_is_not_held_off():
     controller = GoodputController(max_k=4, prior=0.9)
     controller.observe_step(batch=16, k=0, seconds=1.0)
@@ -402,14 +466,16 @@ def test_drafting_that_pays_is_not_held_off():
     assert not bad.held_off(16)
 
 
-def test_a_step_a_prompt_rode_in_is_neither_a_cost_nor_the_guards_evidence():
+@pytest.mark.parametrize("aside", ["riding", "grew"])
+def test_a_step_a_prompt_rode_in_is_neither_a_cost_nor_the_guards_evidence(aside: str):
     # A joining prompt read in the step (osd.decode.loop) makes it dear for no drafting's
-    # sake: counted, 16 rows' steps carrying prompts held the demo's drafting off.
+    # sake: counted, 16 rows' steps carrying prompts held the demo's drafting off. So does a
+    # KV cache's storage growing in it (its layers zeroed and copied).
     controller = GoodputController(max_k=4, prior=0.9)
     controller.observe_step(batch=16, k=0, seconds=1.0)
     costs = controller.costs.seconds(16, 4)
     for _ in range(10):  # a prompt's tokens widen the forward (k > 0) and triple its seconds
-        controller.observe_step(batch=16, k=3, seconds=3.0, emitted=17, riding=True)
+        controller.observe_step(batch=16, k=3, seconds=3.0, emitted=17, **{aside: True})
     assert not controller.held_off(16) and controller.costs.seconds(16, 4) == costs
     assert controller.steps == 11
     for _ in range(10):  # the control: the same steps, no prompt in them
