@@ -298,9 +298,9 @@ class StepCosts:
         mean_k, mean_excess = k_sum / weight, excess / weight
         # The slope is shrunk towards the prior's by p steps a position apart (a ridge): a
         # least-squares slope through a few steps a fraction of a position apart follows
-        # their noise (three at 0.5-1 position a row, 15-27 ms on a base of 8, priced a
-        # position at 15 ms and every lookup out), and probes at one position a row move the
-        # line's mean, never its slope (GoodputController._probing_wide measures it).
+        # their noise (three such steps of 15-27 ms on a base of 8 fit 15 ms a position,
+        # pricing every lookup out: tests/decode/test_goodput.py), and probes at one position
+        # a row move the line's mean, never its slope (GoodputController._probing_wide).
         spread = kk_sum - weight * mean_k * mean_k
         covariance = k_excess - weight * mean_k * mean_excess
         slope = max((covariance + p * prior) / (spread + p), 0.0)
@@ -674,10 +674,9 @@ class GoodputController:
             if not aside:
                 # What the probe lost: its seconds beyond those the target alone would have
                 # taken for the tokens it emitted (a step's base per ``batch`` of them). A
-                # probe that gained costs nothing: counted as its whole excess over the base,
-                # a looked-up probe at 16 repetitive rows (25 ms for 7x a step's tokens)
-                # kept the next one waiting 200 steps, while the line it had corrected
-                # priced lookups out again.
+                # probe that gained costs nothing. Counted as its whole excess over the base,
+                # a looked-up probe at 16 repetitive rows (25 ms for 7x a step's tokens, on a
+                # base of 8) holds the next one back about 200 steps at a 1 % share.
                 base_seconds = self.costs.seconds(batch, 0)[0]
                 worth = base_seconds * max(emitted / max(batch, 1), 1.0)
                 self._probe_excess = max(seconds - worth, 0.0)

@@ -467,7 +467,7 @@ def test_drafting_that_pays_is_not_held_off():
 
 
 @pytest.mark.parametrize("aside", ["riding", "grew"])
-def test_a_step_a_prompt_rode_in_is_neither_a_cost_nor_the_guards_evidence(aside: str):
+def test_a_step_a_prompt_rode_in_or_the_cache_grew_in_is_no_cost_nor_guard_evidence(aside: str):
     # A joining prompt read in the step (osd.decode.loop) makes it dear for no drafting's
     # sake: counted, 16 rows' steps carrying prompts held the demo's drafting off. So does a
     # KV cache's storage growing in it (its layers zeroed and copied).
