@@ -225,6 +225,10 @@ class ServeConfig:
     max_num_batched_tokens: int = 2048
     kv_slots: int = 0
     max_model_len: int = 0
+    # A joining prompt that begins as a decoding row's or a free slot's last row's did (8
+    # tokens or more) copies those positions' KV rather than prefilling them (vLLM's name;
+    # osd.decode.prefix_reuse). Off: every prompt is prefilled whole.
+    enable_prefix_caching: bool = True
     # With kv_slots 0, KV slots from memory instead (vLLM's gpu_memory_utilization): the replica
     # may fill this share of its device's memory (weights, activations and caches; on the CPU,
     # the machine's RAM), or give the caches kv_cache_memory_bytes outright. 0: neither.

@@ -232,6 +232,10 @@ class ReplicaMetrics:
         self.cuda_graphs.set(compiled.captures)
         self.vllm.observe_batch(running, waiting)
 
+    def observe_prefix_cache(self, queried: int, hit: int) -> None:
+        """Prompt tokens admitted and those copied from cached KV (the loop's totals)."""
+        self.vllm.observe_prefix_cache(queried, hit)
+
     def adapter_swapped(self, adapter: str) -> None:
         self.swaps.labels(adapter).inc()
 

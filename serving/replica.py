@@ -124,6 +124,7 @@ def build_runtime(
             max_model_len=serve.max_model_len,
             max_waiting=serve.max_ongoing_requests,
             kv_cache_memory_bytes=_kv_memory(engine, serve),
+            prefix_caching=serve.enable_prefix_caching,
         ),
         num_threads=threads.num_threads,
     )

@@ -378,6 +378,7 @@ class ReplicaRuntime:
         scrape time."""
         loop = self.batch.stats
         self.metrics.observe_batch(loop.running, loop.waiting, loop.mean_batch, loop.steps)
+        self.metrics.observe_prefix_cache(loop.prompt_tokens, loop.reused_tokens)
         if self.log_writer is not None:
             self.metrics.observe_writer(self.log_writer.metrics())
         return self.metrics.export()

@@ -9,6 +9,9 @@ replica) and meaning as vLLM's V1 engine exports them (``vllm/v1/metrics/loggers
   batch / waiting for a row, read at scrape time;
 - ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, and
   ``vllm:request_success_total{finished_reason}`` (``stop`` or ``length``);
+- ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens of
+  admitted requests / of them copied from another slot's KV rather than prefilled
+  (``osd.decode.prefix_reuse``), so ``hits / queries`` is the prefix cache's hit rate;
 - ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` (and its older name
   ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds``;
 - speculative decoding: ``vllm:spec_decode_num_drafts_total`` (steps of a request that drafted
@@ -80,6 +83,19 @@ class VllmMetrics:
             [*_LABELS, "finished_reason"],
             registry=r,
         )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            _LABELS,
+            registry=r,
+        ).labels(*labels)
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            _LABELS,
+            registry=r,
+        ).labels(*labels)
+        self._prefix_seen = (0, 0)  # the loop's totals at the last scrape
         self._labels = labels
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -164,3 +180,10 @@ class VllmMetrics:
     def observe_batch(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
+
+    def observe_prefix_cache(self, queried: int, hit: int) -> None:
+        """The decode loop's running totals (read at scrape time) into the counters."""
+        seen_queried, seen_hit = self._prefix_seen
+        self.prefix_queries.inc(max(queried - seen_queried, 0))
+        self.prefix_hits.inc(max(hit - seen_hit, 0))
+        self._prefix_seen = (queried, hit)

@@ -96,6 +96,16 @@ class ModelPair:
         for row, dst in moves:
             row.slots = [dst]
 
+    @torch.inference_mode()
+    def copy_prefixes(self, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copies the target's first ``n`` cached positions of slot ``src`` into slot ``dst``,
+        for each (src, dst, n), in one copy per layer (:mod:`osd.decode.prefix_reuse`; the
+        draft's cache is the rows' own: it reads a prompt when it first drafts)."""
+        where = [(src, dst, p) for src, dst, n in copies for p in range(n)]
+        if where:
+            at = as_tensor(where, self.device)  # (N, 3): src, dst, position
+            self.target_cache.copy_positions(at[:, 0], at[:, 1], at[:, 2])
+
 
 def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target's top-m at temperature 1: (..., V) logits -> (..., m) ids and probs."""

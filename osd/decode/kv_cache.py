@@ -436,6 +436,11 @@ class SlotKVCache:
     def trash_slot(self) -> int:
         return self.num_slots
 
+    @property
+    def has_rings(self) -> bool:
+        """Whether some layer keeps only a window of positions (a ring that wraps)."""
+        return any(kept < self.max_len for kept in self.kept)
+
     def _kept(self, layer_idx: int) -> int:
         return self.kept[layer_idx] if layer_idx < len(self.kept) else self.max_len
 

@@ -48,6 +48,7 @@ from osd.decode.choices import check_group
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.goodput import GoodputController
 from osd.decode.limits import HTTP_MAX_DRAFTS, MAX_SPEC_TOKENS
+from osd.decode.prefix_reuse import SlotContents
 from osd.decode.request import DecodeRequest
 from osd.decode.request_checks import fitted_budget
 from osd.decode.rows import Row
@@ -188,6 +189,10 @@ class LoopStats:
     running: int = 0
     riders: int = 0  # prompts read in a decode step's forward, not one of their own
     moved: int = 0  # rows moved down into a free slot (BatchedEngine._condense)
+    # Prompt tokens of admitted requests, and those of them copied from another slot's KV
+    # rather than prefilled (osd.decode.prefix_reuse; vLLM's prefix cache queries and hits).
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
 
     @property
     def mean_batch(self) -> float:
@@ -236,6 +241,12 @@ class BatchedEngine:
         self.pair = decoder.model_pair(limits.num_slots, max_len, self.controller, max_forward)
         self.stats = LoopStats()
         self._free_slots = list(range(limits.num_slots))
+        # What free slots' target KV still holds, for prompts that begin alike (None: off).
+        self._contents = (
+            SlotContents()
+            if limits.prefix_caching and not self.pair.target_cache.has_rings
+            else None
+        )
         self._submitted: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._waiting: deque[RequestHandle] = deque()
         self._prefilling: list[RequestHandle] = []
@@ -375,10 +386,11 @@ class BatchedEngine:
             free_slots=len(self._free_slots),
             max_num_seqs=self.limits.max_num_seqs,
         )
-        admitted = 0
         # Lowest slots first, and the decoding rows kept in slot order: a batch in consecutive
         # slots reads its keys in place (osd.decode.kv_cache, ForwardPlan.first_slot).
         self._free_slots.sort()
+        live = self._decoding + self._prefilling  # before the joiners: their KV is to come
+        joiners: list[RequestHandle] = []
         for group in groups:
             if len(group) > count:
                 break
@@ -387,9 +399,39 @@ class BatchedEngine:
                 needed = handle.request.num_slots
                 handle._row.slots = self._free_slots[:needed]
                 del self._free_slots[:needed]
-            self._prefilling.append(self._waiting.popleft())
-            admitted += 1
-        self._dequeued(admitted)
+            joiners.append(self._waiting.popleft())
+        self._prefilling += joiners
+        self._dequeued(len(joiners))
+        if joiners:
+            self._reuse_prefixes(joiners, live)
+
+    def _reuse_prefixes(self, joiners: list[RequestHandle], live: list[RequestHandle]) -> None:
+        """Starts each joining prompt past the beginning it shares with a row still in the
+        batch or a free slot's last row: those positions' target KV is copied into its slot
+        (:mod:`osd.decode.prefix_reuse`). Not for prompts whose logprobs are asked for (every
+        position's logits come from their own prefill)."""
+        contents = self._contents
+        slots = [slot for h in joiners for m in (h, *h._followers) for slot in m._row.slots]
+        held = {} if contents is None else contents.take(slots)
+        sources = [
+            (h._row.slots[0], h._row.seq[: h._row.target_len])
+            for h in live
+            if h._row.slots and h._row.target_len
+        ]
+        copies: list[tuple[int, int, int]] = []
+        for handle in joiners:
+            row = handle._row
+            self.stats.prompt_tokens += len(row.request.prompt_ids)
+            if contents is None or row.request.prompt_logprobs is not None:
+                continue
+            own = row.slots[0]
+            source, shared = contents.best(row.request.prompt_ids, (own, held.get(own)), sources)
+            if shared:
+                if source != own:
+                    copies.append((source, own, shared))
+                row.target_len = shared
+                self.stats.reused_tokens += shared
+        self.pair.copy_prefixes(copies)
 
     def _dequeued(self, count: int) -> None:
         with self._count_lock:
@@ -487,8 +529,14 @@ class BatchedEngine:
             free = sorted([*free[1:], row.slots[0]])
         if not moves:
             return
+        left = [(row.slots[0], row.seq[: row.target_len]) for row, _ in moves]
         self.pair.move_rows(moves)
         self._free_slots = free
+        if self._contents is not None:  # a moved row's old slot still holds what it had
+            self._contents.take(dst for _, dst in moves)
+            for slot, tokens in left:
+                if slot in free:
+                    self._contents.keep(slot, tokens)
         self._decoding.sort(key=lambda h: h._row.slots[0])
         self.stats.moved += len(moves)
 
@@ -502,7 +550,10 @@ class BatchedEngine:
     def _release(self, handle: RequestHandle, error: BaseException | None = None) -> None:
         """Frees a handle's slots and ends its stream, with its followers not yet prefilled."""
         for member in (handle, *handle._followers):
-            self._free_slots.extend(member._row.slots)
+            row = member._row
+            if self._contents is not None and row.slots and error is None and row.error is None:
+                self._contents.keep(row.slots[0], row.seq[: row.target_len])
+            self._free_slots.extend(row.slots)
             member._row.slots = []
             member._close(error)
         handle._followers = []

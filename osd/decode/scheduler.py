@@ -33,6 +33,9 @@ class BatchLimits:
             default: riding saved about 2 % of a 16-client measurement, and once its steps
             stopped counting against drafting, ``auto`` at 16 sampled rows read 0.78x the
             target alone with it against 0.86x without (``docs/benchmarks.md``).
+        prefix_caching: a joining prompt that begins as a decoding row's or a free slot's last
+            row's did (8 tokens or more) gets those positions' target KV copied rather than
+            prefilled (:mod:`osd.decode.prefix_reuse`; vLLM's ``enable_prefix_caching``).
     """
 
     max_num_seqs: int = 16
@@ -42,6 +45,7 @@ class BatchLimits:
     max_waiting: int = 64
     kv_cache_memory_bytes: int = 0
     fuse_prefill: bool = False
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

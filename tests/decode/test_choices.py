@@ -22,9 +22,12 @@ def decoder(target_model, lora_draft, tokenizer):
 
 @pytest.fixture(scope="module")
 def batched(decoder):
-    # A prompt longer than a step's prefill budget: the leader prefills in chunks.
+    # A prompt longer than a step's prefill budget: the leader prefills in chunks. The tests
+    # count the prompt's tokens through the target: none is copied from an earlier test's
+    # slot (prefix caching: tests/decode/test_prefix_reuse.py).
     engine = BatchedEngine(
-        decoder, BatchLimits(max_num_seqs=8, kv_slots=12, max_num_batched_tokens=5)
+        decoder,
+        BatchLimits(max_num_seqs=8, kv_slots=12, max_num_batched_tokens=5, prefix_caching=False),
     )
     yield engine
     engine.close()

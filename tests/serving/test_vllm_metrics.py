@@ -77,3 +77,15 @@ def test_latencies_and_the_batch_under_vllm_names():
     assert (
         got[("osd_batch_rows", ())] == 5 and got[("osd_time_to_first_token_seconds_count", ())] == 1
     )
+
+
+def test_prefix_cache_queries_and_hits_follow_the_loops_totals():
+    """Read at each scrape from the decode loop's running totals (prompt tokens admitted,
+    of them copied from cached KV), counted on without double counting."""
+    metrics = ReplicaMetrics(model_name="my-model")
+    metrics.observe_prefix_cache(queried=100, hit=40)
+    metrics.observe_prefix_cache(queried=100, hit=40)  # a scrape with nothing new
+    metrics.observe_prefix_cache(queried=160, hit=70)
+    got = _samples(metrics)
+    assert got[("vllm:prefix_cache_queries_total", LABELS)] == 160
+    assert got[("vllm:prefix_cache_hits_total", LABELS)] == 70
