@@ -127,12 +127,18 @@ def measure(
     max_num_seqs: int,
     num_threads: int,
     fuse_prefill: bool = False,
+    prefix_caching: bool = True,
 ) -> dict[str, float]:
     """One variant at one concurrency on a fresh engine, with forward clocks; ``fuse_prefill``
-    as :class:`BatchLimits` takes it."""
+    and ``prefix_caching`` as :class:`BatchLimits` takes them."""
     target_clock, draft_clock = ForwardClock(), ForwardClock()
     undo = [clocked(decoder.target, target_clock), clocked(decoder.draft, draft_clock)]
-    limits = BatchLimits(max_num_seqs=max_num_seqs, max_waiting=1024, fuse_prefill=fuse_prefill)
+    limits = BatchLimits(
+        max_num_seqs=max_num_seqs,
+        max_waiting=1024,
+        fuse_prefill=fuse_prefill,
+        prefix_caching=prefix_caching,
+    )
     engine = BatchedEngine(decoder, limits, num_threads=num_threads)
     try:
         row = closed_loop(engine, decoder, prompts, concurrency, num_requests, request)
@@ -143,6 +149,7 @@ def measure(
     stats = engine.stats
     forwards = target_clock.seconds + draft_clock.seconds
     row["mean_batch"] = stats.mean_batch
+    row["prefix_hits"] = stats.reused_tokens / max(stats.prompt_tokens, 1)
     # Outside the forwards: scheduling, sampling, verification, bookkeeping (prefill excluded).
     row["overhead"] = max(0.0, 1 - forwards / max(stats.step_seconds, 1e-9))
     row["target_ms"] = 1000 * target_clock.seconds / max(target_clock.calls, 1)

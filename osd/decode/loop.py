@@ -413,6 +413,8 @@ class BatchedEngine:
         contents = self._contents
         slots = [slot for h in joiners for m in (h, *h._followers) for slot in m._row.slots]
         held = {} if contents is None else contents.take(slots)
+        if contents is not None:  # what the joiners' slots held, kept in other free slots
+            self.pair.copy_prefixes(contents.preserve(held, self._free_slots))
         sources = [
             (h._row.slots[0], h._row.seq[: h._row.target_len])
             for h in live

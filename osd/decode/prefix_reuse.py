@@ -53,16 +53,41 @@ class SlotContents:
         return len(self._held)
 
     def keep(self, slot: int, tokens: Sequence[int]) -> None:
-        """A slot just freed holds the KV of ``tokens`` (its row's first ``target_len``)."""
+        """A slot just freed holds the KV of ``tokens`` (its row's first ``target_len``); the
+        newest kept (:meth:`preserve` forgets the oldest)."""
+        self._held.pop(slot, None)
         if len(tokens) >= self.min_tokens:
             self._held[slot] = np.asarray(tokens, dtype=np.int64)
-        else:
-            self._held.pop(slot, None)
 
     def take(self, slots: Iterable[int]) -> dict[int, np.ndarray]:
         """Slots handed out (to a joiner, or as a moved row's new place): their contents are
         no longer kept, since they will be overwritten; returns what they held."""
         return {slot: held for slot in slots if (held := self._held.pop(slot, None)) is not None}
+
+    def preserve(
+        self, taken: dict[int, np.ndarray], free: Sequence[int]
+    ) -> list[tuple[int, int, int]]:
+        """Keeps what slots just handed out held (``take``'s result) in ``free`` slots nobody
+        is given this turn: an empty one first (the highest: joiners take the lowest), else
+        the one kept longest ago (its contents forgotten). Returns the copies to make (src,
+        dst, positions) before anything writes the handed-out slots. Without it the free
+        slots would keep only what the lowest ones last held: at one client, every request's
+        successor overwrote it (joiners take the lowest free slot, so that the batch's slots
+        stay consecutive)."""
+        copies: list[tuple[int, int, int]] = []
+        spare = [slot for slot in free if slot not in self._held]
+        for slot, tokens in taken.items():
+            if spare:
+                dst = spare.pop()
+            else:
+                older = [kept for kept in self._held if kept in free]  # oldest first
+                if not older:
+                    break
+                dst = older[0]
+                del self._held[dst]
+            copies.append((slot, dst, len(tokens)))
+            self._held[dst] = tokens
+        return copies
 
     def best(
         self,

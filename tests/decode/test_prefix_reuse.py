@@ -51,6 +51,41 @@ def test_the_best_source_is_the_longest_shared_beginning_short_of_the_last_token
     assert len(contents) == 0
 
 
+def test_what_a_handed_out_slot_held_moves_to_a_free_slot_the_oldest_kept_making_room():
+    contents = SlotContents(min_tokens=2)
+    contents.keep(5, [1, 1])
+    contents.keep(6, [2, 2])
+    taken = contents.take([0])  # held nothing
+    assert contents.preserve(taken, [3, 5, 6]) == []
+    contents.keep(0, [7, 7, 7])
+    taken = contents.take([0])
+    # Slot 3 is empty: the highest empty free slot takes it.
+    assert contents.preserve(taken, [3, 4, 5, 6]) == [(0, 4, 3)]
+    contents.keep(1, [8, 8])
+    taken = contents.take([1])
+    # Slot 3 is still empty; then none is: the oldest kept of the free slots (5) goes.
+    assert contents.preserve(taken, [3, 4, 5, 6]) == [(1, 3, 2)]
+    contents.keep(2, [9, 9])
+    assert contents.preserve(contents.take([2]), [3, 4, 5, 6]) == [(2, 5, 2)]
+    assert contents.best([9, 9, 9], (0, None), []) == (5, 2)
+    assert contents.best([1, 1, 1], (0, None), []) == (0, 0)  # forgotten
+
+
+def test_one_client_at_a_time_reuses_a_beginning_from_before_the_last_request(decoder):
+    """Joiners take the lowest free slot: what it held moves to another free slot first, so
+    the free slots keep several requests' beginnings, not only the last one's."""
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    try:
+        engine.submit(decoder.prepare(BASE + [5], max_tokens=4, temperature=0)).result()
+        other = [(5 * i + 1) % 60 + 2 for i in range(12)]
+        engine.submit(decoder.prepare(other, max_tokens=4, temperature=0)).result()
+        result = engine.submit(decoder.prepare(BASE + [30, 31, 32], **SUBJECT)).result()
+    finally:
+        engine.close()
+    assert engine.stats.reused_tokens == len(BASE)
+    assert_as_alone(decoder, result, BASE + [30, 31, 32])
+
+
 def finished_then_subject(decoder, limits: BatchLimits, tail: list[int]):
     """A request whose prompt is BASE, finished; then the subject, BASE + ``tail``, seeded."""
     engine = BatchedEngine(decoder, limits)
@@ -127,13 +162,11 @@ def test_a_row_moved_down_leaves_its_beginning_for_the_next_prompt(decoder):
     slot keeps what it held, and a prompt like it later copies from whichever slot holds it."""
     engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=2))
     try:
-        first = engine.submit(
-            decoder.prepare([1, 2, 3], max_tokens=8, temperature=0, method="none")
-        )
-        next(iter(first))  # in slot 0, a token a step: the second joins while it decodes
-        second = engine.submit(
-            decoder.prepare(BASE + [4], max_tokens=30, temperature=0, stop_token_ids=[])
-        )
+        # A token a step each: the second joins while the first decodes, and outlives it.
+        alike = dict(temperature=0, method="none", stop_token_ids=[])
+        first = engine.submit(decoder.prepare([1, 2, 3], max_tokens=40, **alike))
+        next(iter(first))  # in slot 0
+        second = engine.submit(decoder.prepare(BASE + [4], max_tokens=80, **alike))
         first.result(), second.result()
         moved = engine.stats.moved
         result = engine.submit(decoder.prepare(BASE + [30, 31, 32], **SUBJECT)).result()
