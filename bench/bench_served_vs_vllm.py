@@ -22,7 +22,9 @@ Workloads: ``demo`` (held-out prompts of the demo corpus: prose, code, SQL, JSON
 and ``repetitive`` (popular prompts asked again, templated requests with rotating fields,
 sessions quoting the last answer: ``bench/bench_proposers.py``) and, asked for, ``unfamiliar``
 (the ``demo`` prompts with every word spelled backwards: text neither model saw, so the draft
-is no help and speculation must cost nothing).
+is no help and speculation must cost nothing) and ``chat`` (the ``demo`` prompts after one
+system preamble of about 400 characters, as a chat template puts it before every turn: what
+prefix caching, on by default on both servers, reads once).
 
 Options: ``--vllm-spec ngram,suffix`` runs vLLM's speculation too (prompt lookup with k = 4;
 suffix decoding, which needs ``arctic-inference`` in vLLM's environment), each on the prompts of
@@ -53,6 +55,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.bench_prefix_caching import PREAMBLE
 from bench.bench_proposers import repetitive_prompts, unfamiliar
 from bench.bench_vs_vllm import vllm_python
 from bench.clients import run_clients
@@ -254,6 +257,8 @@ class Traffic:
             return repetitive_prompts(self.corpus, count, seed=100 * slot + index)
         start = slot * self.per_slot + sum(self.count(c) for c, _ in self.cells[:index])
         prompts = self.pool[start : start + count]
+        if workload == "chat":  # one system preamble before every prompt (prefix caching)
+            return [PREAMBLE + p + "\nAssistant:" for p in prompts]
         return [unfamiliar(p) for p in prompts] if workload == "unfamiliar" else prompts
 
     def warmup(self, concurrency: int) -> list[str]:
@@ -299,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument(
-        "--workloads", default="demo,repetitive", help="of demo, repetitive, unfamiliar"
+        "--workloads",
+        default="demo,repetitive",
+        help="of demo, repetitive, unfamiliar, chat (a system preamble before demo prompts)",
     )
     parser.add_argument(
         "--requests",
@@ -338,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     traffic = Traffic(paths.corpus, concurrencies, args.requests)
     workloads = args.workloads.split(",")
+    unknown = set(workloads) - {"demo", "repetitive", "unfamiliar", "chat"}
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {', '.join(sorted(unknown))}")
     args.logs.mkdir(parents=True, exist_ok=True)
     python: Path | str = "skipped (--skip-vllm)"
     if not args.skip_vllm:

@@ -42,13 +42,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from osd.decode.choices import check_group
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.goodput import GoodputController
 from osd.decode.limits import HTTP_MAX_DRAFTS, MAX_SPEC_TOKENS
-from osd.decode.prefix_reuse import SlotContents
+from osd.decode.prefix_reuse import SlotContents, common_prefix
 from osd.decode.request import DecodeRequest
 from osd.decode.request_checks import fitted_budget
 from osd.decode.rows import Row
@@ -242,11 +243,8 @@ class BatchedEngine:
         self.stats = LoopStats()
         self._free_slots = list(range(limits.num_slots))
         # What free slots' target KV still holds, for prompts that begin alike (None: off).
-        self._contents = (
-            SlotContents()
-            if limits.prefix_caching and not self.pair.target_cache.has_rings
-            else None
-        )
+        self._contents: SlotContents | None = None
+        self.reuse_prefixes(True)
         self._submitted: queue.SimpleQueue[RequestHandle] = queue.SimpleQueue()
         self._waiting: deque[RequestHandle] = deque()
         self._prefilling: list[RequestHandle] = []
@@ -314,6 +312,14 @@ class BatchedEngine:
         self._wake.set()
         return handles
 
+    def reuse_prefixes(self, on: bool) -> None:
+        """Turns prefix caching on (where ``BatchLimits.prefix_caching`` and the target's
+        cache allow it) or off; either way what free slots held is forgotten. The warm-up
+        turns it off while it runs: its rounds repeat their prompts, and their prefills must
+        run whole to warm what served prompts run. Call it while no request is in the loop."""
+        allowed = self.limits.prefix_caching and not self.pair.target_cache.has_rings
+        self._contents = SlotContents() if on and allowed else None
+
     @property
     def alive(self) -> bool:
         """Whether the decode loop runs (it stops only when closed, or on a bug)."""
@@ -338,6 +344,8 @@ class BatchedEngine:
                 log.exception("decode loop turn failed")
                 self._fail(self._prefilling + self._decoding, exc)
                 self._prefilling, self._decoding = [], []
+                if self._contents is not None:  # a copy may have stopped halfway
+                    self._contents = SlotContents()
         error = RuntimeError("the engine was closed")
         with self._count_lock:
             self._closed = True  # no submit() gets past this; all earlier ones are queued
@@ -413,8 +421,18 @@ class BatchedEngine:
         contents = self._contents
         slots = [slot for h in joiners for m in (h, *h._followers) for slot in m._row.slots]
         held = {} if contents is None else contents.take(slots)
-        if contents is not None:  # what the joiners' slots held, kept in other free slots
-            self.pair.copy_prefixes(contents.preserve(held, self._free_slots))
+        if contents is not None:  # what the joiners' slots held, kept in other free slots,
+            # unless the joiner's own prompt begins with all of it (it will hold it again)
+            lost = {
+                slot: tokens
+                for slot, tokens in held.items()
+                if not any(
+                    h._row.slots[0] == slot
+                    and common_prefix(np.asarray(h.request.prompt_ids), tokens) == len(tokens)
+                    for h in joiners
+                )
+            }
+            self.pair.copy_prefixes(contents.preserve(lost, self._free_slots))
         sources = [
             (h._row.slots[0], h._row.seq[: h._row.target_len])
             for h in live
@@ -532,10 +550,11 @@ class BatchedEngine:
         if not moves:
             return
         left = [(row.slots[0], row.seq[: row.target_len]) for row, _ in moves]
+        if self._contents is not None:  # before the copy: one that fails leaves no record
+            self._contents.take(dst for _, dst in moves)
         self.pair.move_rows(moves)
         self._free_slots = free
         if self._contents is not None:  # a moved row's old slot still holds what it had
-            self._contents.take(dst for _, dst in moves)
             for slot, tokens in left:
                 if slot in free:
                     self._contents.keep(slot, tokens)

@@ -76,16 +76,20 @@ class SlotContents:
         stay consecutive)."""
         copies: list[tuple[int, int, int]] = []
         spare = [slot for slot in free if slot not in self._held]
+        written: set[int] = set()  # one destination a call: the copies run as one
         for slot, tokens in taken.items():
+            if any(common_prefix(held, tokens) == len(tokens) for held in self._held.values()):
+                continue  # another free slot holds it already
             if spare:
                 dst = spare.pop()
             else:
-                older = [kept for kept in self._held if kept in free]  # oldest first
+                older = [kept for kept in self._held if kept in free and kept not in written]
                 if not older:
                     break
-                dst = older[0]
+                dst = older[0]  # the oldest
                 del self._held[dst]
             copies.append((slot, dst, len(tokens)))
+            written.add(dst)
             self._held[dst] = tokens
         return copies
 

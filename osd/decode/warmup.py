@@ -123,6 +123,7 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
             model.compile_graphs()
         except Exception:  # noqa: BLE001 - logged; a graph it missed compiles when first run
             log.exception("compiling a model's graphs before the warm-up's requests failed")
+    engine.reuse_prefixes(False)  # its rounds repeat their prompts: prefilled whole
     try:
         for size in sizes:
             for method, kind in _ROUNDS:
@@ -140,6 +141,7 @@ def warm_up(engine: BatchedEngine) -> WarmupReport:
                 num_requests += size
     finally:
         pair.controller, pair.proposers = kept
+        engine.reuse_prefixes(True)
     report = WarmupReport(
         sizes,
         num_requests,

@@ -71,6 +71,19 @@ def test_what_a_handed_out_slot_held_moves_to_a_free_slot_the_oldest_kept_making
     assert contents.best([1, 1, 1], (0, None), []) == (0, 0)  # forgotten
 
 
+def test_more_slots_handed_out_than_free_ones_write_each_free_slot_once():
+    """The copies of one call run as one: two into one slot would leave either's KV there."""
+    contents = SlotContents(min_tokens=2)
+    for slot, token in ((0, 1), (1, 2), (2, 3)):
+        contents.keep(slot, [token, token])
+    assert contents.preserve(contents.take([0, 1, 2]), [3]) == [(0, 3, 2)]
+    assert contents.best([1, 1, 1], (9, None), []) == (3, 2)
+    # What another free slot holds already (as its beginning) is not copied again.
+    contents.keep(4, [4, 4, 4])
+    contents.keep(7, [4, 4])
+    assert contents.preserve(contents.take([7]), [3, 4, 5]) == []
+
+
 def test_one_client_at_a_time_reuses_a_beginning_from_before_the_last_request(decoder):
     """Joiners take the lowest free slot: what it held moves to another free slot first, so
     the free slots keep several requests' beginnings, not only the last one's."""
