@@ -86,13 +86,10 @@ class ModelPair:
         (A penalty's token counts follow by themselves: :class:`TokenHistory` rebuilds a
         slot's counts when another row holds it.)"""
         assert all(len(row.slots) == 1 for row, _ in moves), "rows with scratch slots stay"
-        for cache, filled in ((self.target_cache, "target_len"), (self.draft_cache, "draft_len")):
-            copies = [
-                (row.slots[0], dst, p) for row, dst in moves for p in range(getattr(row, filled))
-            ]
-            if copies:
-                where = as_tensor(copies, self.device)  # (N, 3): src, dst, position
-                cache.copy_positions(where[:, 0], where[:, 1], where[:, 2])
+        target = [(row.slots[0], dst, row.target_len) for row, dst in moves]
+        draft = [(row.slots[0], dst, row.draft_len) for row, dst in moves]
+        _copy_prefixes(self.target_cache, target, self.device)
+        _copy_prefixes(self.draft_cache, draft, self.device)
         for row, dst in moves:
             row.slots = [dst]
 
@@ -101,10 +98,17 @@ class ModelPair:
         """Copies the target's first ``n`` cached positions of slot ``src`` into slot ``dst``,
         for each (src, dst, n), in one copy per layer (:mod:`osd.decode.prefix_reuse`; the
         draft's cache is the rows' own: it reads a prompt when it first drafts)."""
-        where = [(src, dst, p) for src, dst, n in copies for p in range(n)]
-        if where:
-            at = as_tensor(where, self.device)  # (N, 3): src, dst, position
-            self.target_cache.copy_positions(at[:, 0], at[:, 1], at[:, 2])
+        _copy_prefixes(self.target_cache, copies, self.device)
+
+
+def _copy_prefixes(
+    cache: SlotKVCache, copies: Sequence[tuple[int, int, int]], device: torch.device
+) -> None:
+    """The first ``n`` positions of slot ``src`` into slot ``dst``, for each (src, dst, n)."""
+    where = [(src, dst, p) for src, dst, n in copies for p in range(n)]
+    if where:
+        at = as_tensor(where, device)  # (N, 3): src, dst, position
+        cache.copy_positions(at[:, 0], at[:, 1], at[:, 2])
 
 
 def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -418,21 +418,21 @@ class BatchedEngine:
         batch or a free slot's last row: those positions' target KV is copied into its slot
         (:mod:`osd.decode.prefix_reuse`). Not for prompts whose logprobs are asked for (every
         position's logits come from their own prefill)."""
+        self.stats.prompt_tokens += sum(len(h.request.prompt_ids) for h in joiners)
         contents = self._contents
+        if contents is None:
+            return
         slots = [slot for h in joiners for m in (h, *h._followers) for slot in m._row.slots]
-        held = {} if contents is None else contents.take(slots)
-        if contents is not None:  # what the joiners' slots held, kept in other free slots,
-            # unless the joiner's own prompt begins with all of it (it will hold it again)
-            lost = {
-                slot: tokens
-                for slot, tokens in held.items()
-                if not any(
-                    h._row.slots[0] == slot
-                    and common_prefix(np.asarray(h.request.prompt_ids), tokens) == len(tokens)
-                    for h in joiners
-                )
-            }
-            self.pair.copy_prefixes(contents.preserve(lost, self._free_slots))
+        held = contents.take(slots)
+        # What the joiners' slots held goes to other free slots, unless the joiner's own prompt
+        # begins with all of it (its slot will hold it again).
+        prompts = {h._row.slots[0]: np.asarray(h.request.prompt_ids) for h in joiners}
+        lost = {
+            slot: tokens
+            for slot, tokens in held.items()
+            if slot not in prompts or common_prefix(prompts[slot], tokens) < len(tokens)
+        }
+        self.pair.copy_prefixes(contents.preserve(lost, self._free_slots))
         sources = [
             (h._row.slots[0], h._row.seq[: h._row.target_len])
             for h in live
@@ -441,8 +441,7 @@ class BatchedEngine:
         copies: list[tuple[int, int, int]] = []
         for handle in joiners:
             row = handle._row
-            self.stats.prompt_tokens += len(row.request.prompt_ids)
-            if contents is None or row.request.prompt_logprobs is not None:
+            if row.request.prompt_logprobs is not None:
                 continue
             own = row.slots[0]
             source, shared = contents.best(row.request.prompt_ids, (own, held.get(own)), sources)
