@@ -113,6 +113,31 @@ def test_mixed_batch_with_per_row_adapters_equals_generate(family):
     assert engine.stats.mean_batch >= 2  # rows shared steps
 
 
+def test_a_prompt_that_begins_as_an_earlier_one_reuses_its_kv_and_stays_exact(family):
+    """Prefix caching on every family: the second prompt shares the first's 20 tokens, which
+    are copied rather than prefilled where the target keeps every position (no rings)."""
+    _, target, decoder = family
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=2))
+    first = PROMPTS[1] + [41, 42]
+    runs = [("none", None, 4, first, 8), ("block", "code", 4, PROMPTS[1] + [3, 5, 7], LENGTH)]
+    try:
+        results = [
+            engine.submit(
+                decoder.prepare(
+                    prompt, max_tokens=n, temperature=0, method=method, adapter=adapter,
+                    num_spec_tokens=k, stop_token_ids=[],
+                )
+            ).result()
+            for method, adapter, k, prompt, n in runs
+        ]  # fmt: skip
+    finally:
+        engine.close()
+    reused = 0 if engine.pair.target_cache.has_rings else len(PROMPTS[1])
+    assert engine.stats.reused_tokens == reused
+    for (method, _, _, prompt, n), result in zip(runs, results, strict=True):
+        assert result.token_ids == target_greedy(target, prompt, n), method
+
+
 # Largest margin (target logit of the token alone minus that of the token with speculation)
 # at which a bf16 flip counts as a near-tie: a few bf16 steps (2^-7 relative) of the logits.
 BF16_TIE = 0.05

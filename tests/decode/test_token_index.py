@@ -79,7 +79,7 @@ def test_incremental_extension_indexes_what_a_whole_document_would():
     for _ in range(50):
         end = rng.randrange(3, len(tokens))
         gram = tokens[end - 3 : end]
-        assert whole.ends_of(gram, 1000) == pieces.ends_of(gram, 1000)
+        assert whole.places(gram, 1000).tolist() == pieces.places(gram, 1000).tolist()
 
 
 def test_the_store_forgets_its_oldest_segment_past_the_budget():
@@ -99,3 +99,78 @@ def test_the_store_forgets_its_oldest_segment_past_the_budget():
         SuffixStore(budget=-1)
     with pytest.raises(ValueError):
         TokenIndex(anchor=0)
+
+
+def reference_continuations(
+    context, indexes, max_tokens, max_match=32, max_places=64, min_prob=0.1
+):
+    """The walk as the docstring says it, one place and one depth at a time."""
+    anchor = indexes[0].anchor
+    if max_tokens <= 0 or len(context) < anchor:
+        return None
+    places = []  # (match length, tokens after), later indexes first, oldest first within
+    room = max_places
+    for index in reversed(indexes):
+        if room <= 0:
+            break
+        buffer = index.buffer.tolist()
+        found = index.places(context[-anchor:], room).tolist()
+        room -= len(found)
+        for p in found:
+            n = 0
+            while n < min(max_match, len(context)) and p - n >= 0:
+                if buffer[p - n] != context[len(context) - 1 - n]:
+                    break
+                n += 1
+            after = [buffer[min(p + i, len(buffer) - 1)] for i in range(1, max_tokens + 1)]
+            places.append((n, after))
+    if not places:
+        return None
+    alive, path, probs, cumulative = places, [], [], 1.0
+    for depth in range(max_tokens):
+        alive = [(n, f) for n, f in alive if f[depth] >= 0]
+        if not alive:
+            break
+        top = max(n for n, _ in alive)
+        votes = [f[depth] for n, f in alive if n == top]
+        token = max(dict.fromkeys(votes), key=votes.count)  # ties: the first voted
+        cumulative *= votes.count(token) / len(votes)
+        if cumulative < min_prob:
+            break
+        path.append(token)
+        probs.append(cumulative)
+        alive = [(n, f) for n, f in alive if f[depth] == token]
+    best = max(n for n, _ in places)
+    support = sum(n == best for n, _ in places)
+    return (tuple(path), tuple(probs), best, support) if path else None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_vectorised_walk_proposes_what_the_walk_one_place_at_a_time_does(seed):
+    """Small vocabularies: many places, ties, loops, documents ending mid-walk."""
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 4, 6, 12])
+    anchor = rng.choice([1, 2, 3])
+    store = SuffixStore(budget=rng.choice([60, 400, 5000]), anchor=anchor)
+    for _ in range(rng.randrange(1, 60)):
+        store.add([rng.randrange(vocab) for _ in range(rng.randrange(2, 40))])
+    compared = 0
+    for _ in range(150):
+        own = TokenIndex(anchor)
+        context = [rng.randrange(vocab) for _ in range(rng.randrange(anchor, 50))]
+        own.extend(context)
+        indexes = [*store.segments, own] if rng.random() < 0.8 else [own]
+        settings = dict(
+            max_match=rng.choice([4, 32]),
+            max_places=rng.choice([1, 5, 64]),
+            min_prob=rng.choice([0.0, 0.1, 0.5]),
+        )
+        k = rng.randrange(0, 10)
+        found = continuations(context, indexes, k, **settings)
+        expected = reference_continuations(context, indexes, k, **settings)
+        got = None if found is None else (found.tokens, found.probs, found.match, found.support)
+        assert got == (
+            None if expected is None else (*expected[:1], pytest.approx(expected[1]), *expected[2:])
+        )
+        compared += expected is not None
+    assert compared > 20

@@ -19,6 +19,7 @@ Pure: numpy and the standard library.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import numpy.typing as npt
 __all__ = ["Continuation", "SuffixStore", "TokenIndex", "continuations"]
 
 _SEPARATOR = -1  # closes a document: equal to no token, so no match runs across it
+_NO_PLACES = np.zeros(0, dtype=np.int32)
+_NEVER = -2  # matches no token and no separator
 
 
 @dataclass(frozen=True)
@@ -128,12 +131,16 @@ class TokenIndex:
         self.extend(tokens)
         self.close()
 
-    def ends_of(self, gram: Sequence[int], most: int) -> list[int]:
-        """The last ``most`` positions where ``gram`` (an anchor-gram) ends, oldest first."""
+    def places(self, gram: Sequence[int], most: int) -> npt.NDArray[np.int32]:
+        """The last ``most`` positions where ``gram`` (an anchor-gram) ends, oldest first, less
+        the index's last position (nothing follows it yet)."""
         found = self._ends.get(_key(gram))
         if found is None:
-            return []
-        return [found] if isinstance(found, int) else found[-most:].tolist()
+            return _NO_PLACES
+        if isinstance(found, int):
+            return _NO_PLACES if found + 1 >= self.size else np.array([found], dtype=np.int32)
+        where = np.frombuffer(found, dtype=np.int32)[-most:]  # positions only grow
+        return where[:-1] if where[-1] + 1 >= self.size else where
 
     def nbytes(self) -> int:
         """Approximate memory: the token array, the position lists and the dict's entries."""
@@ -233,52 +240,97 @@ def continuations(
     if len(context) < anchor:
         return None
     gram = [int(t) for t in context[-anchor:]]
-    backward = np.asarray(context[-max_match:][::-1], dtype=np.int64)  # (M,) last token first
-    steps = np.arange(len(backward))
-    ahead = np.arange(1, max_tokens + 1)
-    lengths, follow = [], []
+    # (M + 1,): the last M tokens, last first, then one that matches nothing (so the first
+    # mismatch of a place is where its match ends, found by one argmax)
+    backward = np.asarray([*context[-max_match:][::-1], _NEVER], dtype=np.int64)
+    offsets = _offsets(len(backward) - 1, max_tokens)
+    reads: list[npt.NDArray[np.int64]] = []
     room = max_places
     for index in reversed(indexes):
         if room <= 0:
             break
-        places = [p for p in index.ends_of(gram, room) if p + 1 < index.size]
-        if not places:
+        where = index.places(gram, room)
+        if not len(where):
             continue
-        room -= len(places)
-        where = np.asarray(places, dtype=np.int64)[:, None]
+        room -= len(where)
         # Position 0 holds a separator and the buffer ends in them, so clipped reads match
         # nothing and a continuation stops at the index's end.
-        buffer = index.buffer
-        seen = np.take(buffer, where - steps, mode="clip")  # (P, M)
-        lengths += np.cumprod(seen == backward, axis=1).sum(axis=1).tolist()
-        follow += np.take(buffer, where + ahead, mode="clip").tolist()  # (P, k)
-    if not lengths:
+        reads.append(np.take(index.buffer, where[:, None] + offsets, mode="clip"))
+    if not reads:
         return None
-    best = max(lengths)
-    alive = list(zip(lengths, follow, strict=True))
-    support = lengths.count(best)
+    read = reads[0] if len(reads) == 1 else np.concatenate(reads)  # (P, M + 1 + k)
+    lengths = (read[:, : len(backward)] != backward).argmax(axis=1)  # (P,) tokens matched
+    return _walk(lengths, read[:, len(backward) :], max_tokens, min_prob)
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(match: int, ahead: int) -> npt.NDArray[np.int64]:
+    """Where a lookup reads around a place: the ``match`` tokens ending there (last first),
+    the place again (compared with a token that matches nothing), then the ``ahead`` after
+    it."""
+    offsets = np.concatenate([-np.arange(match + 1), np.arange(1, ahead + 1)])
+    offsets[match] = 0
+    offsets.flags.writeable = False
+    return offsets
+
+
+def _walk(
+    lengths: npt.NDArray[np.int64], follow: npt.NDArray[np.int64], max_tokens: int, min_prob: float
+) -> Continuation | None:
+    """The continuation the places vote for: at each depth, the token most of the places
+    still agreeing with the path have next. ``lengths``: each place's match; ``follow``: the
+    tokens after it, (P, k), negative past its document's end; places in the order the
+    lookup found them.
+
+    Places whose text ends at a depth (a finished document, or the row's own end) say nothing
+    about what follows; of the others, those of the longest match vote (a shorter match
+    speaks only where every longer one has ended: a loop in the row's own output), ties to
+    the token voted first. Depths at which every voter agrees are taken together: no vote
+    there changes the probability, and the voters all stay alive, so they stay the voters."""
+    best = lengths.max()
+    longest = lengths == best
+    support = int(np.count_nonzero(longest))
+    top = follow[longest]
+    if min_prob <= 1 and top[0].min() >= 0 and (top == top[0]).all():
+        # Every place of the longest match goes on alike (a prompt asked again).
+        return Continuation(tuple(top[0].tolist()), (1.0,) * max_tokens, int(best), support)
+    alive = np.arange(len(lengths))  # places agreeing with the path so far
     path: list[int] = []
     probs: list[float] = []
     cumulative = 1.0
-    for depth in range(max_tokens):
-        # Places whose text ends here (a finished document, or the row's own end) say nothing
-        # about what follows; of the others, those of the longest match vote (a shorter match
-        # speaks only where every longer one has ended: a loop in the row's own output).
-        alive = [(n, f) for n, f in alive if f[depth] >= 0]
-        if not alive:
-            break
-        top = max(n for n, _ in alive)
+    depth = 0
+    while depth < max_tokens:
+        column = follow[alive, depth]
+        ended = column < 0
+        if ended.any():
+            alive, column = alive[~ended], column[~ended]
+            if not len(alive):
+                break
+        alive_lengths = lengths[alive]
+        voting = alive_lengths == alive_lengths.max()
+        block = follow[alive[voting], depth:]
+        first = block[0]
+        same = np.append((block == first).all(axis=0) & (first >= 0), False)
+        run = int(same.argmin())  # depths from here at which every voter agrees
+        if run:
+            if cumulative < min_prob:
+                break
+            path += first[:run].tolist()
+            probs += [cumulative] * run
+            depth += run
+            if depth < max_tokens:
+                alive = alive[(follow[alive, depth - run : depth] == first[:run]).all(axis=1)]
+            continue
+        votes = column[voting].tolist()
         counts: dict[int, int] = {}
-        for n, f in alive:
-            if n == top:
-                counts[f[depth]] = counts.get(f[depth], 0) + 1
-        token = max(counts, key=counts.__getitem__)
-        cumulative *= counts[token] / sum(counts.values())
+        for token in votes:
+            counts[token] = counts.get(token, 0) + 1
+        token = max(counts, key=counts.__getitem__)  # ties: the first voted
+        cumulative *= counts[token] / len(votes)
         if cumulative < min_prob:
             break
         path.append(token)
         probs.append(cumulative)
-        alive = [(n, f) for n, f in alive if f[depth] == token]
-    if not path:
-        return None
-    return Continuation(tuple(path), tuple(probs), best, support)
+        alive = alive[column == token]
+        depth += 1
+    return Continuation(tuple(path), tuple(probs), int(best), support) if path else None
