@@ -4,7 +4,12 @@ Completions (legacy): ``{"tokens", "token_logprobs", "top_logprobs", "text_offse
 each ``top_logprobs`` entry maps the n most likely tokens' text to their logprob and, as OpenAI
 does, always holds the sampled token too (up to n + 1 entries). Chat: ``{"content": [{"token",
 "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is its
-own decoding; a token that is part of a multi-byte character decodes to U+FFFD. The numbers
+own decoding; a token that holds only part of a multi-byte character (byte-level BPE, or a
+SentencePiece byte fallback ``<0xE6>``) shows its bytes escaped (``"\\xe6\\x97"``, as DeepSeek
+does; U+FFFD would make every such token, and every such alternative, the same), chat's
+``bytes`` are the token's own (so a client joins them into the characters it splits, as
+OpenAI documents), and completions' ``text_offset`` counts the characters of the text before
+the token (a token that continues a character starts where that character does). The numbers
 are the target's raw logprobs (:mod:`osd.decode.logprobs` says why).
 
 Completions' ``echo`` puts the prompt before the completion: in the text (the prompt as sent, or
@@ -14,6 +19,9 @@ token's logprob and alternatives ``null`` (nothing precedes it), as OpenAI and v
 
 from __future__ import annotations
 
+import codecs
+import functools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +40,39 @@ def echo_prefix(request: Any, prompt_ids: Sequence[int], tokenizer: Any) -> tupl
     return str(text), list(prompt_ids)
 
 
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's characters back to the bytes they stand for (GPT-2's table: printable
+    bytes stand for themselves, the others for the characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + shifted)] = b
+            shifted += 1
+    return table
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """The bytes token ``token_id`` stands for; ``text``: its decoding. That decoding's UTF-8
+    unless it holds U+FFFD, where the token's vocabulary entry tells: a SentencePiece byte
+    fallback (``<0xE6>``) or byte-level BPE's characters. Else the decoding's UTF-8."""
+    if "\ufffd" in text:
+        piece = tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            fallback = _BYTE_FALLBACK.fullmatch(piece)
+            if fallback:
+                return bytes([int(fallback[1], 16)])
+            table = _byte_level_table()
+            if piece and all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+    return text.encode("utf-8")
+
+
 class LogprobFormatter:
     """Formats one response's logprobs, chunk by chunk (text offsets carry on across chunks)."""
 
@@ -39,14 +80,28 @@ class LogprobFormatter:
         self._tokenizer = tokenizer
         self._chat = chat
         self._offset = 0
+        # Characters of the text so far (a character split over tokens counts once complete).
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
         # Special tokens (a prompt's BOS) are not in the returned text: they take no offset.
         self._special = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._pieces: dict[int, tuple[str, bytes]] = {}
+
+    def _piece(self, token_id: int) -> tuple[str, bytes]:
+        """(the text shown for a token, its bytes): see the module docstring."""
+        found = self._pieces.get(token_id)
+        if found is None:
+            if self._tokenizer is None:
+                text = f"token_id:{token_id}"
+                found = (text, text.encode("utf-8"))
+            else:
+                text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+                raw = token_bytes(self._tokenizer, token_id, text)
+                found = (raw.decode("utf-8", errors="backslashreplace"), raw)
+            self._pieces[token_id] = found
+        return found
 
     def _text(self, token_id: int) -> str:
-        if self._tokenizer is None:
-            return f"token_id:{token_id}"
-        text: str = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+        return self._piece(token_id)[0]
 
     def format(
         self, token_ids: list[int], entries: Sequence[TokenLogprob | None] | None
@@ -57,24 +112,23 @@ class LogprobFormatter:
         """
         if entries is None:
             return None
-        texts = [self._text(t) for t in token_ids]
         if self._chat:
             return {
                 "content": [
                     {
-                        **self._chat_token(text, entry.logprob),
-                        "top_logprobs": [
-                            self._chat_token(self._text(i), lp) for i, lp in entry.top
-                        ],
+                        **self._chat_token(token_id, entry.logprob),
+                        "top_logprobs": [self._chat_token(i, lp) for i, lp in entry.top],
                     }
-                    for text, entry in zip(texts, entries, strict=True)
+                    for token_id, entry in zip(token_ids, entries, strict=True)
                     if entry is not None
                 ]
             }
+        texts = [self._text(t) for t in token_ids]
         offsets = []
-        for token_id, text in zip(token_ids, texts, strict=True):
+        for token_id in token_ids:
             offsets.append(self._offset)
-            self._offset += 0 if token_id in self._special else len(text)
+            if token_id not in self._special:
+                self._offset += len(self._chars.decode(self._piece(token_id)[1]))
         return {
             "tokens": texts,
             "token_logprobs": [None if entry is None else entry.logprob for entry in entries],
@@ -87,6 +141,6 @@ class LogprobFormatter:
             "text_offset": offsets,
         }
 
-    @staticmethod
-    def _chat_token(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text, raw = self._piece(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}

@@ -225,3 +225,37 @@ def test_special_tokens_take_no_text_offset():
     for token, offset in zip(formatted["tokens"][1:], formatted["text_offset"][1:], strict=True):
         assert text[offset : offset + len(token)] == token
     assert formatted["text_offset"][:2] == [0, 0]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_character_split_over_tokens_keeps_its_bytes_and_its_offset(chat):
+    """Byte-level BPE splits a rare character into byte tokens: each shows its bytes escaped,
+    chat's ``bytes`` join into the text, and offsets count characters of the text."""
+    from osd.decode.generation import TokenLogprob
+    from osd.demo.recipe import TokenizerRecipe
+    from osd.demo.vocab import train_tokenizer
+    from serving.logprobs import LogprobFormatter
+
+    tokenizer = train_tokenizer(["hello world the cat"] * 20, TokenizerRecipe(vocab_size=300))
+    text = "a日本 b"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text)  # the characters are split
+    entries = [
+        TokenLogprob(-1.0, tuple((i, -2.0 - j) for j, i in enumerate(ids[1:4]))) for _ in ids
+    ]
+    formatter = LogprobFormatter(tokenizer, chat=chat)
+    halves = [formatter.format(ids[:3], entries[:3]), formatter.format(ids[3:], entries[3:])]
+    if chat:
+        content = [c for half in halves for c in half["content"]]
+        assert b"".join(bytes(c["bytes"]) for c in content).decode() == text
+        assert "\ufffd" not in "".join(c["token"] for c in content)
+        assert len({alt["token"] for alt in content[0]["top_logprobs"]}) == 3
+        assert content[1]["token"].startswith("\\x")  # the first byte of 日, escaped
+    else:
+        tokens = [t for half in halves for t in half["tokens"]]
+        offsets = [o for half in halves for o in half["text_offset"]]
+        # a, then 日 and 本 three bytes each (each byte starts where its character does)
+        assert tokens[:7] == ["a", "\\xe6", "\\x97", "\\xa5", "\\xe6", "\\x9c", "\\xac"]
+        assert offsets[:7] == [0, 1, 1, 1, 2, 2, 2]
+        assert text[offsets[7] :].startswith("".join(tokens[7:]))
+        assert len(halves[0]["top_logprobs"][0]) == 4  # three alternatives apart, and "a"
