@@ -231,6 +231,7 @@ class SpeculativeDecoder:
         max_len: int,
         controller: GoodputController | None = None,
         max_forward: int | None = None,
+        whole: bool = False,
     ) -> ModelPair:
         """The models with fresh slot caches of ``num_slots`` rows of ``max_len`` positions,
         choosing ``"auto"`` k with ``controller`` (default: this decoder's).
@@ -238,14 +239,16 @@ class SpeculativeDecoder:
         With ``max_forward`` (the most tokens one row sends the target in one forward), the
         target's windowed layers keep only their window and a forward's worth of positions
         (:class:`SlotKVCache`). The draft's cache keeps every position: after steps in which a
-        row drafts nothing, it catches up on all of them in one forward.
+        row drafts nothing, it catches up on all of them in one forward. ``whole``: both
+        caches allocate every position at first use (:class:`SlotKVCache`).
         """
-        target_cache = SlotKVCache(num_slots, max_len, self.target.attention.spans, max_forward)
+        spans = self.target.attention.spans
+        target_cache = SlotKVCache(num_slots, max_len, spans, max_forward, whole)
         return ModelPair(
             target=self.target,
             draft=self.draft,
             target_cache=target_cache,
-            draft_cache=SlotKVCache(num_slots, max_len),
+            draft_cache=SlotKVCache(num_slots, max_len, whole=whole),
             vocab_size=self.vocab_size,
             log_top_m=self.log_top_m,
             controller=controller or self.controller,

@@ -398,6 +398,10 @@ class SlotKVCache:
         spans: per layer, how far back its queries reach (None: every earlier position); empty:
             every layer full.
         max_forward: most tokens one row writes in one forward; None: ``max_len`` (no rings).
+        whole: allocate every position at first use rather than growing: for a cache sized
+            to a memory budget (that memory is the cache's anyway, as vLLM allocates its
+            blocks at start). Growing zeroes and copies every layer in the middle of a step,
+            and its last doubling holds 1.5x the cache at once.
     """
 
     is_compileable = False
@@ -408,6 +412,7 @@ class SlotKVCache:
         max_len: int,
         spans: Sequence[int | None] = (),
         max_forward: int | None = None,
+        whole: bool = False,
     ) -> None:
         if num_slots < 1 or max_len < 1:
             raise ValueError(f"need num_slots >= 1 and max_len >= 1, got {num_slots}, {max_len}")
@@ -421,7 +426,8 @@ class SlotKVCache:
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         # Storage grows per group of layers keeping the same number of positions.
-        self._capacity = {kept: min(_MIN_CAPACITY, kept) for kept in {max_len, *self.kept}}
+        least = max_len if whole else _MIN_CAPACITY
+        self._capacity = {kept: min(least, kept) for kept in {max_len, *self.kept}}
         self._plan: ForwardPlan | None = None
         # The bound plan's reads and writes as row indices of the (slot x position) flattened
         # storage, per group: index_select/index_copy_ on them cost a fifth of 2-D indexing.

@@ -228,7 +228,10 @@ class BatchedEngine:
         # The most tokens a row sends the target in one forward: a prefill chunk or a verified
         # block; the target's windowed layers keep their window and this much (kv_cache).
         max_forward = min(max(limits.max_num_batched_tokens, MAX_SPEC_TOKENS + 1), max_len)
-        if not limits.kv_slots and limits.kv_cache_memory_bytes:
+        # Slots sized to a memory budget: the caches take it whole at their first forward
+        # (the warm-up's), not by doubling while serving.
+        budgeted = not limits.kv_slots and limits.kv_cache_memory_bytes > 0
+        if budgeted:
             per_slot = decoder.target.kv_bytes_per_slot(max_len, max_forward)
             per_slot += decoder.draft.kv_bytes_per_slot(max_len)
             slots = kv_slots_for_memory(
@@ -239,7 +242,9 @@ class BatchedEngine:
             self.limits = limits = dataclasses.replace(limits, kv_slots=slots)
         # The loop's own controller: its step costs are those of this batch, not of a caller's.
         self.controller = GoodputController(max_k=decoder.max_spec_tokens)
-        self.pair = decoder.model_pair(limits.num_slots, max_len, self.controller, max_forward)
+        self.pair = decoder.model_pair(
+            limits.num_slots, max_len, self.controller, max_forward, whole=budgeted
+        )
         self.stats = LoopStats()
         self._free_slots = list(range(limits.num_slots))
         # What free slots' target KV still holds, for prompts that begin alike (None: off).

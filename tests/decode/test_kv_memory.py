@@ -69,6 +69,16 @@ def test_the_loop_takes_as_many_slots_as_the_budget_holds(target_model, lora_dra
         assert all(len(h.result().token_ids) == 20 for h in handles)
     finally:
         engine.close()
+    # The budget's caches were allocated whole at the first forward: nothing grew while serving.
+    for cache in (engine.pair.target_cache, engine.pair.draft_cache):
+        assert cache.growths == 0
+        assert cache.bytes_per_layer_position() and all(k.shape[1] == 128 for k in cache._keys)
+    unbudgeted = BatchedEngine(decoder, BatchLimits(max_num_seqs=2, max_model_len=128))
+    try:
+        unbudgeted.submit(decoder.prepare([3, 4, 5], max_tokens=4, temperature=0)).result()
+    finally:
+        unbudgeted.close()
+    assert unbudgeted.pair.target_cache._keys[0].shape[1] < 128  # grows as rows need
 
 
 def test_the_cpu_budget_is_a_share_of_the_machine_less_what_is_in_use():
