@@ -18,7 +18,6 @@ Pure: numpy and the standard library.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from array import array
 from collections.abc import Sequence
@@ -53,7 +52,7 @@ class Continuation:
 
     def cut(self, k: int) -> Continuation:
         """The first ``k`` tokens (a row's or the batch's budget)."""
-        return dataclasses.replace(self, tokens=self.tokens[:k], probs=self.probs[:k])
+        return Continuation(self.tokens[:k], self.probs[:k], self.match, self.support)
 
     @property
     def score(self) -> float:
