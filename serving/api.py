@@ -487,10 +487,7 @@ async def _job_events(
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first[index] else {}
             if text or not calls:
-                # A reply that may be calls alone opens with null content, as OpenAI's does,
-                # so a client's accumulated message has null where the whole answer has.
-                tools_only = first[index] and not text and replies[index] is not None
-                delta["content"] = None if tools_only else text
+                delta["content"] = text
             if calls:
                 delta["tool_calls"] = calls
             return {"index": number, "delta": delta, "finish_reason": finish, "logprobs": logprobs}

@@ -155,15 +155,6 @@ def test_streamed_tool_calls_equal_the_whole_answer(client, fields):
     assert finish == whole.finish_reason == ("stop" if named else "tool_calls")
     assert content == (whole.message.content or "")
     assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    # The openai client's own accumulation gives the whole answer's message.
-    with client.chat.completions.stream(
-        model="osd", messages=ASK, max_tokens=150, tools=TOOLS, seed=5, **fields
-    ) as stream:
-        message = stream.get_final_completion().choices[0].message
-    assert message.content == whole.message.content
-    assert [c.function.arguments for c in message.tool_calls] == [
-        c.function.arguments for c in whole.message.tool_calls
-    ]
 
 
 def test_auto_reads_calls_from_the_reply_and_leaves_plain_text_alone(client):
