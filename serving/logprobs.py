@@ -126,9 +126,17 @@ class LogprobFormatter:
         texts = [self._text(t) for t in token_ids]
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._offset)
-            if token_id not in self._special:
-                self._offset += len(self._chars.decode(self._piece(token_id)[1]))
+            if token_id in self._special:
+                offsets.append(self._offset)
+                continue
+            raw = self._piece(token_id)[1]
+            pending = self._chars.getstate()[0]  # bytes of a character not complete yet
+            if pending and not (raw and raw[0] & 0xC0 == 0x80):
+                # The token cannot continue it: it will read as U+FFFD, before this token.
+                offsets.append(self._offset + len(pending.decode("utf-8", errors="replace")))
+            else:
+                offsets.append(self._offset)  # (a continuation starts where its character does)
+            self._offset += len(self._chars.decode(raw))
         return {
             "tokens": texts,
             "token_logprobs": [None if entry is None else entry.logprob for entry in entries],

@@ -433,9 +433,10 @@ class SlotKVCache:
         # storage, per group: index_select/index_copy_ on them cost a fifth of 2-D indexing.
         self._read_index: dict[int, torch.Tensor] = {}
         self._write_index: dict[int, torch.Tensor] = {}
-        # Times the storage grew: a forward that grows it zeroes and copies every layer's
-        # keys and values (19 of a 38 ms verify step at 16 rows on the demo target), a cost
-        # of the rows' length, not of that step's kind (GoodputController.observe_step).
+        # Times the storage was allocated or grew: a forward that grows it zeroes and copies
+        # every layer's keys and values (19 of a 38 ms verify step at 16 rows on the demo
+        # target), a cost of the rows' length, not of that step's kind
+        # (GoodputController.observe_step).
         self.growths = 0
 
     @property
@@ -551,6 +552,7 @@ class SlotKVCache:
             shape = (self.num_slots + 1, capacity, heads, head_dim)
             self._keys.append(key_states.new_zeros(shape))
             self._values.append(value_states.new_zeros(shape))
+            self.growths += layer_idx == 0  # first allocated: that step zeroed it all
         batch = plan.read_slot.shape[0]
         # Rows in consecutive slots read their keys in place (a strided view), unless this
         # layer's ring has wrapped (positions no longer in order).

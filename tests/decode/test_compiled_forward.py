@@ -285,7 +285,7 @@ def test_stores_are_marked_dynamic_again_when_the_cache_grows(models):
         compiled.run(_plan(eager, [1, 1], [77, 6], 33), cache, num_logits=1)
     stores = (*cache._keys, *cache._values)
     assert not any(store is old for store in stores for old in before)  # the cache grew
-    assert cache.growths == 1  # once (a step it grew in is not a drafting cost: goodput)
+    assert cache.growths == 2  # allocated, then grown once (neither step a drafting cost)
     for store in stores:  # where torch.compile's maybe_mark_dynamic keeps its marks
         assert {0, 1} <= set(getattr(store, "_dynamo_weak_dynamic_indices", ()))
 

@@ -259,3 +259,8 @@ def test_a_character_split_over_tokens_keeps_its_bytes_and_its_offset(chat):
         assert offsets[:7] == [0, 1, 1, 1, 2, 2, 2]
         assert text[offsets[7] :].startswith("".join(tokens[7:]))
         assert len(halves[0]["top_logprobs"][0]) == 4  # three alternatives apart, and "a"
+        # A lead byte nothing completes reads as U+FFFD; what follows starts after it.
+        lead, a = ids[1], ids[0]
+        dangling = LogprobFormatter(tokenizer, chat=False).format([a, lead, a, a], entries[:4])
+        assert tokenizer.decode([a, lead, a, a]) == "a\ufffdaa"
+        assert dangling["text_offset"] == [0, 1, 2, 3]

@@ -138,7 +138,8 @@ class TokenIndex:
             return _NO_PLACES
         if isinstance(found, int):
             return _NO_PLACES if found + 1 >= self.size else np.array([found], dtype=np.int32)
-        where = np.frombuffer(found, dtype=np.int32)[-most:]  # positions only grow
+        # A copy: a view would keep extend() from growing the array while it is held.
+        where = np.frombuffer(found, dtype=np.int32)[-most:].copy()  # positions only grow
         return where[:-1] if where[-1] + 1 >= self.size else where
 
     def nbytes(self) -> int:
