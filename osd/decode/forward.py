@@ -104,11 +104,22 @@ class ModelPair:
 def _copy_prefixes(
     cache: SlotKVCache, copies: Sequence[tuple[int, int, int]], device: torch.device
 ) -> None:
-    """The first ``n`` positions of slot ``src`` into slot ``dst``, for each (src, dst, n)."""
-    where = [(src, dst, p) for src, dst, n in copies for p in range(n)]
-    if where:
-        at = as_tensor(where, device)  # (N, 3): src, dst, position
-        cache.copy_positions(at[:, 0], at[:, 1], at[:, 2])
+    """The first ``n`` positions of slot ``src`` into slot ``dst``, for each (src, dst, n):
+    one (src, dst, position) index per copied position, built without a Python loop over
+    them (a shared preamble is hundreds of positions a joiner, on the decode thread)."""
+    if not copies:
+        return
+    src, dst, counts = torch.tensor(copies, dtype=torch.int64).T
+    total = int(counts.sum())
+    if total == 0:
+        return
+    starts = torch.cumsum(counts, 0) - counts  # each copy's first index in the flat list
+    positions = torch.arange(total) - starts.repeat_interleave(counts)
+    at = to_device(
+        torch.stack([src.repeat_interleave(counts), dst.repeat_interleave(counts), positions]),
+        device,
+    )  # (3, N): src, dst, position
+    cache.copy_positions(at[0], at[1], at[2])
 
 
 def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:

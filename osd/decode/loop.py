@@ -415,18 +415,17 @@ class BatchedEngine:
             joiners.append(self._waiting.popleft())
         self._prefilling += joiners
         self._dequeued(len(joiners))
-        if joiners:
-            self._reuse_prefixes(joiners, live)
+        self.stats.prompt_tokens += sum(len(h.request.prompt_ids) for h in joiners)
+        if joiners and self._contents is not None:
+            self._reuse_prefixes(self._contents, joiners, live)
 
-    def _reuse_prefixes(self, joiners: list[RequestHandle], live: list[RequestHandle]) -> None:
+    def _reuse_prefixes(
+        self, contents: SlotContents, joiners: list[RequestHandle], live: list[RequestHandle]
+    ) -> None:
         """Starts each joining prompt past the beginning it shares with a row still in the
         batch or a free slot's last row: those positions' target KV is copied into its slot
         (:mod:`osd.decode.prefix_reuse`). Not for prompts whose logprobs are asked for (every
         position's logits come from their own prefill)."""
-        self.stats.prompt_tokens += sum(len(h.request.prompt_ids) for h in joiners)
-        contents = self._contents
-        if contents is None:
-            return
         slots = [slot for h in joiners for m in (h, *h._followers) for slot in m._row.slots]
         held = contents.take(slots)
         # What the joiners' slots held goes to other free slots, unless the joiner's own prompt
@@ -553,15 +552,17 @@ class BatchedEngine:
             free = sorted([*free[1:], row.slots[0]])
         if not moves:
             return
-        left = [(row.slots[0], row.seq[: row.target_len]) for row, _ in moves]
-        if self._contents is not None:  # before the copy: one that fails leaves no record
-            self._contents.take(dst for _, dst in moves)
-        self.pair.move_rows(moves)
-        self._free_slots = free
-        if self._contents is not None:  # a moved row's old slot still holds what it had
+        contents = self._contents
+        if contents is None:
+            self.pair.move_rows(moves)
+        else:  # a moved row's old slot still holds what it had
+            left = [(row.slots[0], row.seq[: row.target_len]) for row, _ in moves]
+            contents.take(dst for _, dst in moves)  # before the copy: a failed one leaves none
+            self.pair.move_rows(moves)
             for slot, tokens in left:
                 if slot in free:
-                    self._contents.keep(slot, tokens)
+                    contents.keep(slot, tokens)
+        self._free_slots = free
         self._decoding.sort(key=lambda h: h._row.slots[0])
         self.stats.moved += len(moves)
 
