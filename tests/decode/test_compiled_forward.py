@@ -25,8 +25,9 @@ SLOTS = 6
 
 @pytest.fixture(scope="module")
 def models() -> tuple[CausalLM, CausalLM]:
-    """(eager, compiled) lean forwards of one tiny Llama."""
-    model = build_family("llama3", 3)
+    """(eager, compiled) lean forwards of one tiny Llama, of two layers (each layer's cache
+    reads and writes its own; a third only costs compile time)."""
+    model = build_family("llama3", 3, num_hidden_layers=2)
     compiled = CausalLM(model, 64, compile=True)
     compiled_forward._inputs_guards = _recording(compiled_forward._inputs_guards)
     assert compiled._lean_forward() is not None and compiled._lean_forward().compiled
@@ -240,7 +241,8 @@ def test_after_compile_graphs_no_served_shape_compiles():
     # steps without it read a few tokens a row, all rows alike, a graph the warm-up's requests
     # had not reached, and it compiled on the first concurrent requests (4.5 s from inductor's
     # cache). A model of its own: the module's other models compiled their graphs already.
-    model = build_family("llama3", 5)
+    # One layer: compiling nine graphs of three took 93 s of the suite on 2 cores.
+    model = build_family("llama3", 5, num_hidden_layers=1)
     eager, compiled = CausalLM(model, 64), CausalLM(model, 64, compile=True)
     models = (eager, compiled)
     assert eager.compile_graphs() == 0
@@ -305,7 +307,7 @@ def test_merged_adapters_run_the_graphs_their_model_compiled():
     # Each adapter's merged forward (rows all of one adapter: most draft forwards) takes the
     # graphs the base forward compiled, with its own weights: an adapter swapped in while
     # serving compiles nothing, and each computes what its eager merged forward computes.
-    model = build_family("llama3", 6)
+    model = build_family("llama3", 6, num_hidden_layers=1)  # one layer: compiles faster
     draft = with_lora_adapters(model, ["code", "sql"], seed=7)
     with torch.no_grad():  # merged weights that differ from the base's visibly
         for name, param in draft.named_parameters():
