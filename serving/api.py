@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -36,6 +38,7 @@ from serving.protocol import (
     parse_request,
 )
 from serving.runtime import Job, ReplicaRuntime
+from serving.tokenize_api import detokenize, tokenize
 from serving.tool_replies import ToolReply
 
 __all__ = ["create_api"]
@@ -65,11 +68,28 @@ def bearer_key_check(keys: tuple[str, ...]) -> Any:
     return check
 
 
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("osd")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "0+unknown"
+
+
+_VERSION = _installed_version()
+
+
 def create_api(runtime: ReplicaRuntime) -> FastAPI:
     """Builds the FastAPI app serving ``runtime``."""
-    app = FastAPI(title="osd", version="0.1.0")
+    app = FastAPI(title="osd", version=_VERSION)
     serve = runtime.config.serve
     authorized = [Depends(bearer_key_check(serve.api_keys))]
+    if serve.cors_allowed_origins:  # browsers' preflights and cross-origin calls (vLLM's)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(serve.cors_allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -78,7 +98,8 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+        body = error_body(str(exc.detail))  # its headers kept: a 405's Allow
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -126,7 +147,16 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def metrics() -> Response:
         return Response(runtime.metrics_text(), media_type="text/plain; version=0.0.4")
 
-    model = {"id": serve.model_name, "object": "model", "created": now(), "owned_by": "osd"}
+    model = {
+        "id": serve.model_name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "osd",
+        # vLLM's: what clients size their prompts by, and the model it serves.
+        "root": runtime.config.model.target,
+        "parent": None,
+        "max_model_len": runtime.batch.max_len,
+    }
 
     @app.get("/v1/models", dependencies=authorized)
     async def models() -> dict[str, Any]:
@@ -139,6 +169,18 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
                 404, f"model {model_id!r} does not exist", param="model", code="model_not_found"
             )
         return model
+
+    @app.post("/tokenize", dependencies=authorized)
+    async def tokenize_route(request: Request) -> dict[str, Any]:  # vLLM's
+        return tokenize(runtime, await _read_json(request, serve.max_body_bytes))
+
+    @app.post("/detokenize", dependencies=authorized)
+    async def detokenize_route(request: Request) -> dict[str, Any]:  # vLLM's
+        return detokenize(runtime, await _read_json(request, serve.max_body_bytes))
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:  # vLLM's
+        return {"version": _VERSION}
 
     @app.post("/v1/completions", response_model=None, dependencies=authorized)
     async def completions(request: Request) -> Response:
@@ -206,9 +248,18 @@ async def _admit_each_prompt(
     """A job for each prompt of the request (a completion may list several, as OpenAI's and
     vLLM's do; a chat is one), each routed and logged on its own, admitted all or none: a
     refusal gives back those admitted before it. Choice i * n + j is prompt i's j-th."""
+    prompts = request.each_prompt() if isinstance(request, CompletionRequest) else [request]
+    most = runtime.config.serve.max_ongoing_requests
+    if len(prompts) > most:  # each prompt takes one of the replica's places: never all at once
+        raise APIError(
+            400,
+            f"prompt lists {len(prompts)} prompts; this server takes at most {most} in one "
+            "request (serve.max_ongoing_requests): send them in several requests",
+            param="prompt",
+        )
     jobs: list[Job] = []
     try:
-        for one in request.each_prompt() if isinstance(request, CompletionRequest) else [request]:
+        for one in prompts:
             tools = runtime.tool_plan(one)
             jobs.append(runtime.admit(one, await runtime.grammar_of(one, tools), tools))
     except BaseException:

@@ -96,6 +96,7 @@ HARMLESS: Mapping[str, str] = {
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache, best effort there too",
     "prompt_cache_retention": "how long OpenAI keeps a prompt cache; osd keeps none",
     "prompt_cache_options": "breakpoints and lifetimes of OpenAI's prompt cache; osd has none",
+    "request_id": "vLLM's id for the request's logs; osd gives each answer an id of its own",
 }
 
 
@@ -184,6 +185,31 @@ REFUSED: Mapping[str, Refused] = {
     "chat_template_kwargs": Refused("chat template arguments", _is_empty),
     "truncate_prompt_tokens": Refused("prompt truncation", _is_null),
     "priority": Refused("scheduling priorities", _is_int(0)),
+    "add_special_tokens": Refused(
+        "special tokens added to the prompt or not, against the endpoint's way",
+        lambda value, data: value is None or value is ("messages" not in data),
+    ),
+    "allowed_token_ids": Refused("generation restricted to given token ids", _is_null),
+    "bad_words": Refused("words banned from the text", _is_empty),
+    "return_tokens_as_token_ids": Refused("logprob tokens spelt as token ids", _is_false),
+    "return_token_ids": Refused("the prompt's and completion's token ids", _is_false),
+    "guided_whitespace_pattern": Refused("a whitespace pattern for guided JSON", _is_null),
+    "guided_decoding_backend": Refused(
+        "another guided-decoding library; osd compiles grammars with its own", _is_null
+    ),
+    "logits_processors": Refused("logits processors of the client's", _is_null),
+    # Requests with a salt must not share cached prefixes with others: osd's prefix caching
+    # knows no salt, so one is refused rather than ignored.
+    "cache_salt": Refused("a prefix cache kept apart by a salt", _is_null),
+    "kv_transfer_params": Refused("KV cache transfer between instances", _is_null),
+    "vllm_xargs": Refused("vLLM's custom sampling arguments", _is_empty),
+    "mm_processor_kwargs": Refused("multimodal processing", _is_empty),
+    "media_io_kwargs": Refused("multimodal media loading", _is_empty),
+    "prompt_embeds": Refused("prompts as embeddings", _is_null),
+    "documents": Refused("documents given to the chat template", _is_null),
+    "include_reasoning": Refused(
+        "a reasoning model's reasoning left out of the answer", _is_one_of(True)
+    ),
 }
 
 # Required fields are left for the request model to report when null.
@@ -226,6 +252,7 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
                 )
             continue
         if name in HARMLESS:
+            _check_harmless_type(name, value)
             continue
         if name not in IMPLEMENTED and name not in own:
             raise FieldRefused(
@@ -238,6 +265,30 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
             continue  # OpenAI's null: the default (osd's own fields keep theirs for the model)
         kept[name] = value
     return kept
+
+
+# The JSON types of the harmless fields (OpenAI refuses another type, even of an ignored field).
+_HARMLESS_TYPES: Mapping[str, tuple[type, str]] = {
+    "user": (str, "a string"),
+    "safety_identifier": (str, "a string"),
+    "metadata": (dict, "an object of strings"),
+    "prompt_cache_key": (str, "a string"),
+    "prompt_cache_retention": (str, "a string"),
+    "prompt_cache_options": (dict, "an object"),
+    "request_id": (str, "a string"),
+}
+
+
+def _check_harmless_type(name: str, value: Any) -> None:
+    kind = _HARMLESS_TYPES.get(name)
+    if value is None or kind is None:
+        return
+    wanted, said = kind
+    wrong = not isinstance(value, wanted)
+    if name == "metadata" and not wrong:
+        wrong = not all(isinstance(v, str) for v in value.values())
+    if wrong:
+        raise FieldRefused(name, f"{name} must be {said}, got {_short(value)}", "invalid_type")
 
 
 def _short(value: Any) -> str:
@@ -256,7 +307,7 @@ MESSAGE_HARMLESS: Mapping[str, str] = {
 MESSAGE_REFUSED: Mapping[str, Refused] = {
     "function_call": Refused("function calling (an assistant's earlier call)", _is_null),
     "audio": Refused("audio output (an assistant's earlier audio answer)", _is_null),
-    "refusal": Refused("a refusal apart from the content, which osd's models never give", _is_null),
+    "refusal": Refused("a refusal apart from the content (osd's models give none)", _is_null),
 }
 # Roles osd does not serve (the others are the request model's to check).
 ROLE_REFUSED: Mapping[str, str] = {"function": "function calling (a function's result)"}
@@ -266,7 +317,7 @@ PART_REFUSED: Mapping[str, str] = {
     "image_url": "image input",
     "input_audio": "audio input",
     "file": "file input",
-    "refusal": "a refusal apart from the content, which osd's models never give",
+    "refusal": "a refusal apart from the content (osd's models give none)",
 }
 _TEXT_PART = frozenset({"type", "text", "prompt_cache_breakpoint"})
 

@@ -136,11 +136,16 @@ class SpecOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A misspelt option is refused, as a misspelt field is (``include_usages`` ignored would
+    leave a client without the usage it asked for)."""
 
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    # Left out of a stream_options that is sent: on, as vLLM has it (OpenAI's clients send
+    # it whenever they want it); null: off.
+    include_usage: bool | None = True
     # vLLM's: every chunk carries the usage so far.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool | None = False
 
 
 class _Common(BaseModel):
@@ -175,7 +180,6 @@ class _Common(BaseModel):
     n: StrictInt = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
     draft: str | None = Field(default=None, max_length=128)
     domain: str | None = Field(default=None, max_length=128)
     spec: SpecOptions | None = None

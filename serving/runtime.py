@@ -129,7 +129,7 @@ class ReplicaRuntime:
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             return _render(tokenizer, messages, tools)
-        if tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in messages):
+        if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             raise APIError(
                 400,
                 "tools: the model has no chat template to show them to it; start the server "

@@ -228,6 +228,16 @@ def test_an_unknown_field_is_refused_by_name(replica, field, value):
         ("add_generation_prompt", True, False),
         ("use_beam_search", False, True),
         ("priority", 0, 3),
+        ("bad_words", [], ["cat"]),
+        ("allowed_token_ids", None, [5, 6]),
+        ("return_tokens_as_token_ids", False, True),
+        ("return_token_ids", None, True),
+        ("guided_decoding_backend", None, "outlines"),
+        ("logits_processors", None, ["mine"]),
+        ("cache_salt", None, "tenant-1"),
+        ("kv_transfer_params", None, {"remote": 1}),
+        ("vllm_xargs", {}, {"a": 1}),
+        ("include_reasoning", True, False),
     ],
 )
 def test_vllm_extras_are_accepted_at_their_default_and_refused_otherwise(
@@ -236,6 +246,26 @@ def test_vllm_extras_are_accepted_at_their_default_and_refused_otherwise(
     for kind in PATHS:
         assert_answered(post(replica, kind, **{field: default}), field)
         assert_refused(post(replica, kind, **{field: other}), field)
+
+
+def test_add_special_tokens_is_accepted_at_each_endpoints_own_default(replica):
+    # vLLM adds special tokens to a completion's prompt and not to a rendered chat.
+    for kind, default in (("completion", True), ("chat", False)):
+        assert_answered(post(replica, kind, add_special_tokens=default), kind)
+        assert_answered(post(replica, kind, add_special_tokens=None), kind)
+        assert_refused(post(replica, kind, add_special_tokens=not default), "add_special_tokens")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("user", 123), ("user", ["a"]), ("metadata", "x"), ("metadata", {"a": 1})],
+)
+def test_an_ignored_field_of_the_wrong_type_is_refused(replica, field, value):
+    for kind in PATHS:
+        assert_refused(post(replica, kind, **{field: value}), field, "invalid_type")
+    for kind in PATHS:  # their right types still pass, vLLM's request_id among them
+        ok = {"user": "u-1", "metadata": {"a": "b"}, "request_id": "r-1"}
+        assert_answered(post(replica, kind, **ok), kind)
 
 
 def test_osd_own_fields_are_known(replica):
