@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API of a replica (FastAPI), independent of Ray.
 
 ``/v1/completions``, ``/v1/chat/completions`` (streaming over SSE with
-``stream_options.include_usage``), ``/v1/models``, ``/health``, ``/ready`` and ``/metrics``.
-Every bad request gets an OpenAI-style 4xx body; nothing a client sends produces a 500 or a
-hang. With ``serve.api_keys`` every ``/v1/*`` route wants ``Authorization: Bearer <key>``
-(what OpenAI clients send): 401 otherwise, keys compared in constant time and never logged.
+``stream_options.include_usage``), ``/v1/models``, vLLM's ``/tokenize``, ``/detokenize`` and
+``/version`` (:mod:`serving.tokenize_api`), ``/health``, ``/ready`` and ``/metrics``; CORS
+for ``serve.cors_allowed_origins``. Every bad request gets an OpenAI-style 4xx body; nothing a
+client sends produces a 500 or a hang. With ``serve.api_keys`` every ``/v1/*`` route (and
+``/tokenize``, ``/detokenize``) wants ``Authorization: Bearer <key>`` (what OpenAI clients
+send): 401 otherwise, keys compared in constant time and never logged.
 """
 
 from __future__ import annotations
