@@ -490,7 +490,7 @@ def parse_request(
     model = CompletionRequest if kind == "completion" else ChatRequest
     try:  # what osd does not implement is refused by name, never silently ignored
         data = check_fields(data, model.model_fields)
-        if kind == "chat":  # and inside the messages, by path
+        if kind == "chat" and "messages" in data:  # and inside the messages, by path
             data = {**data, "messages": check_messages(data.get("messages"))}
     except FieldRefused as exc:
         raise APIError(400, str(exc), param=exc.param, code=exc.code) from None

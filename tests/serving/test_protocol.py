@@ -112,6 +112,11 @@ def test_a_bad_chat_field_is_refused_by_its_path(fields, param):
     assert error.param == param
 
 
+def test_a_chat_without_messages_is_told_they_are_required():
+    error = refusal("chat", {"model": "osd"})
+    assert error.param == "messages" and "Field required" in str(error)
+
+
 @pytest.mark.parametrize(
     ("field", "code"),
     [
