@@ -70,7 +70,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "min_p",
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "ignore_eos",  # vLLM's: end-of-sequence does not end generation
-        "logprobs",  # completions: 0..5 alternatives; chat: true, with top_logprobs 0..20
+        "logprobs",  # completions: 0..20 alternatives (vLLM's bound); chat: a flag
         "top_logprobs",  # chat only (completions refuse it by name)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name
         # Structured output (serving.structured_output), OpenAI's and vLLM's spellings.

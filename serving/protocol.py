@@ -343,7 +343,8 @@ class CompletionRequest(_Common):
         return None
 
     # OpenAI's legacy completions: the sampled token's logprob and this many alternatives.
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    # 0..20: vLLM's bound (its max_logprobs), beyond OpenAI's 5, so a vLLM client's 10 works.
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     top_logprobs: None = None  # chat's field; refused here rather than ignored
     # The prompt before the completion, and with logprobs its tokens' logprobs too.
     echo: StrictBool = False
@@ -359,7 +360,7 @@ class CompletionRequest(_Common):
     @classmethod
     def _no_top_logprobs(cls, top_logprobs: Any) -> None:
         if top_logprobs not in (None, 0):
-            raise ValueError("is a chat field; completions take logprobs: n (0..5)")
+            raise ValueError("is a chat field; completions take logprobs: n (0..20)")
         return None
 
     @property

@@ -73,6 +73,13 @@ def test_completion_logprobs_equal_the_target_alone_streamed_and_not(replica, cl
     )
 
 
+def test_completions_take_up_to_vllms_twenty_alternatives(client):
+    # OpenAI stops at 5; a client written for vLLM asks for more.
+    out = client.completions.create(model="osd", prompt=PROMPT, max_tokens=3, logprobs=10)
+    # The chosen token is listed beside them where it is not among them (OpenAI's n + 1).
+    assert all(10 <= len(top) <= 11 for top in out.choices[0].logprobs.top_logprobs)
+
+
 def test_chat_logprobs_shapes_streamed_and_not(client):
     kwargs = dict(model="osd", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True)
     out = client.chat.completions.create(top_logprobs=3, **kwargs)
@@ -117,7 +124,7 @@ def test_a_request_without_logprobs_gets_null(replica):
 @pytest.mark.parametrize(
     ("path", "fields", "param"),
     [
-        ("/v1/completions", {"prompt": PROMPT, "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "logprobs": True}, "logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/completions", {"prompt": PROMPT, "echo": 1}, "echo"),
