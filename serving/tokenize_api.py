@@ -20,7 +20,16 @@ from serving.runtime import ReplicaRuntime
 __all__ = ["detokenize", "tokenize"]
 
 _PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
-_CHAT_FIELDS = frozenset({"model", "messages", "tools", "return_token_strs"})
+_CHAT_FIELDS = frozenset(
+    {"model", "messages", "tools", "return_token_strs", "add_special_tokens"}
+    | {"add_generation_prompt", "continue_final_message"}
+)
+# vLLM's rendering switches, at the values the chat endpoint renders with (others refused).
+_CHAT_DEFAULTS = {
+    "add_special_tokens": False,
+    "add_generation_prompt": True,
+    "continue_final_message": False,
+}
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -32,14 +41,16 @@ def tokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
     strs = data.get("return_token_strs", False)
     if not isinstance(strs, bool):
         raise APIError(400, "return_token_strs must be a boolean", param="return_token_strs")
-    if data.get("add_special_tokens", True) is not True:
-        raise APIError(
-            400,
-            "add_special_tokens: false is not supported: prompts are read as /v1/completions "
-            "reads them",
-            param="add_special_tokens",
-            code="unsupported_parameter",
-        )
+    defaults = _CHAT_DEFAULTS if chat else {"add_special_tokens": True}
+    for name, default in defaults.items():
+        if data.get(name, default) not in (None, default):
+            endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+            raise APIError(
+                400,
+                f"{name}: {data[name]!r} is not supported: the text is read as {endpoint} reads it",
+                param=name,
+                code="unsupported_parameter",
+            )
     if chat:
         fields = {"model": model, "messages": data["messages"], "tools": data.get("tools")}
         request = parse_request("chat", {k: v for k, v in fields.items() if v is not None})

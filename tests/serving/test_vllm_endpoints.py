@@ -37,9 +37,8 @@ def test_tokenize_counts_a_prompt_as_completions_read_it(replica):
 
 
 def test_tokenize_renders_a_chat_as_chat_completions_do(replica):
-    tokenized = replica.client.post(
-        "/tokenize", json={"messages": CHAT, "return_token_strs": True}
-    ).json()
+    body = {"messages": CHAT, "return_token_strs": True, "add_generation_prompt": True}
+    tokenized = replica.client.post("/tokenize", json=body).json()
     assert len(tokenized["token_strs"]) == tokenized["count"]
     answer = replica.client.post(
         "/v1/chat/completions", json={"model": "osd", "messages": CHAT, "max_tokens": 1}
@@ -56,6 +55,12 @@ def test_tokenize_renders_a_chat_as_chat_completions_do(replica):
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "add_special_tokens"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages[0].role"),
+        (
+            "/tokenize",
+            {"messages": CHAT, "add_generation_prompt": False},
+            400,
+            "add_generation_prompt",
+        ),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
         ("/detokenize", {"prompt": "a"}, 400, "prompt"),
