@@ -146,6 +146,9 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = True
     # vLLM's: every chunk carries the usage so far.
     continuous_usage_stats: bool | None = False
+    # OpenAI's padding of stream events against size side channels: osd pads none (what
+    # false asks for); true is accepted as OpenAI's default, without the padding.
+    include_obfuscation: bool | None = None
 
 
 class _Common(BaseModel):

@@ -141,6 +141,7 @@ def test_stream_options_follow_vllm(replica):
     assert len(_usage_events(replica, {"include_usage": True})) == 1
     assert _usage_events(replica, {"include_usage": None}) == []
     assert _usage_events(replica, {"include_usage": False}) == []
+    assert len(_usage_events(replica, {"include_usage": True, "include_obfuscation": False})) == 1
     misspelt = replica.client.post(
         "/v1/completions",
         json={
