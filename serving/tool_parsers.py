@@ -88,14 +88,79 @@ class ToolCallFormat:
         return "\n".join(rules) + "\n"
 
     def _call_schema(self, function: Mapping[str, Any]) -> dict[str, Any]:
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        """The schema of one call of ``function``: its name, and its parameters' schema under
+        the arguments key. The parameters' definitions (``$defs``, ``definitions``) move to
+        the call's root, where their references (``#/$defs/...``) point; a reference to
+        another place of the parameters gets their new path. No parameters: no arguments
+        (``{}``), as OpenAI reads a function without them."""
+        parameters = dict(function.get("parameters") or {"properties": {}})
+        if not function.get("parameters"):
+            parameters["additionalProperties"] = False
+        parameters.setdefault("type", "object")
+        lifted = {key: parameters.pop(key) for key in _DEFINITIONS if key in parameters}
+        nested = _rerooted(parameters, f"#/properties/{self.arguments_key}")
         return {
             "type": "object",
-            "properties": {"name": {"const": function["name"]}, self.arguments_key: parameters},
+            "properties": {"name": {"const": function["name"]}, self.arguments_key: nested},
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
             "x-guidance": _COMPACT,
+            **{
+                key: _rerooted(value, f"#/properties/{self.arguments_key}")
+                for key, value in lifted.items()
+            },
         }
+
+
+_DEFINITIONS = ("$defs", "definitions")
+
+
+class _Number:
+    """A JSON number with a fraction or exponent, as the model wrote it: a float would make
+    ``3e9999`` ``Infinity`` (not JSON: strict parsers refuse the call) and round long
+    decimals. (Integers are exact as ints.)"""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# Calls are read with numbers kept as written, and NaN / Infinity refused (Python's json takes
+# them; a call that holds one stays text).
+_JSON = json.JSONDecoder(parse_float=_Number, parse_constant=_not_json)
+
+
+def _dumps(value: Any) -> str:
+    """``value`` (as :data:`_JSON` reads it) as JSON text, numbers as they were written."""
+    if isinstance(value, _Number):
+        return value.text
+    if isinstance(value, dict):
+        items = (f"{json.dumps(k, ensure_ascii=False)}: {_dumps(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_dumps(item) for item in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _rerooted(schema: Any, root: str) -> Any:
+    """``schema`` with every local ``$ref`` that points into the parameters (not at their
+    definitions, which move to the call's root) prefixed by ``root``, their new place."""
+    if isinstance(schema, list):
+        return [_rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _rerooted(value, root) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+        return out
+    if not ref.startswith(tuple(f"#/{key}/" for key in _DEFINITIONS)):
+        out["$ref"] = root + ref[1:]
+    return out
 
 
 _FORMATS = {
@@ -145,6 +210,7 @@ class ToolCallScanner:
         self._parallel = parallel
         self._pending = ""  # text not yet given out
         self._in_call = False  # hermes: inside <tool_call> ... </tool_call>
+        self._gap = ""  # hermes: the whitespace before the open call (its text if no call)
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
         self.calls: list[ParsedCall] = []
 
@@ -173,8 +239,8 @@ class ToolCallScanner:
 
     def _read_call(self, text: str, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
+            value = _JSON.decode(text)
+        except ValueError:
             return None
         return self._call_of(value, arguments_keys)
 
@@ -185,12 +251,12 @@ class ToolCallScanner:
         arguments = {} if key is None else value[key]
         if isinstance(arguments, str):  # some models write the arguments as JSON text
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = _JSON.decode(arguments)
+            except ValueError:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        return ParsedCall(value["name"], _dumps(arguments))
 
     def _hermes(self, final: bool) -> tuple[str, list[ParsedCall]]:
         content, calls = "", list[ParsedCall]()
@@ -199,7 +265,7 @@ class ToolCallScanner:
                 end = self._pending.find(_HERMES_CLOSE)
                 if end < 0:
                     if final:  # an unfinished call: the client gets its text
-                        content += _HERMES_OPEN + self._pending
+                        content += self._gap + _HERMES_OPEN + self._pending
                         self._pending, self._in_call = "", False
                     return content, calls
                 body = self._pending[:end]
@@ -207,14 +273,16 @@ class ToolCallScanner:
                 self._in_call = False
                 parsed = self._read_call(body.strip(), ("arguments", "parameters"))
                 if parsed is None:
-                    content += _HERMES_OPEN + body + _HERMES_CLOSE
+                    content += self._gap + _HERMES_OPEN + body + _HERMES_CLOSE
                 else:
                     calls += self._accept(parsed)
                 continue
             start = self._pending.find(_HERMES_OPEN)
             if start >= 0:
                 # Whitespace between content and a call (or between calls) is the format's.
-                content += self._pending[:start].rstrip()
+                before = self._pending[:start]
+                content += before.rstrip()
+                self._gap = before[len(before.rstrip()) :]
                 self._pending = self._pending[start + len(_HERMES_OPEN) :]
                 self._in_call = True
                 continue
@@ -256,11 +324,11 @@ class ToolCallScanner:
         return "", [call for p in parsed for call in self._accept(p)]
 
     def _llama_calls(self, text: str) -> list[ParsedCall] | None:
-        decoder, calls, at = json.JSONDecoder(), list[ParsedCall](), 0
+        decoder, calls, at = _JSON, list[ParsedCall](), 0
         while at < len(text):
             try:
                 value, at = decoder.raw_decode(text, at)
-            except json.JSONDecodeError:
+            except ValueError:  # not JSON, or NaN / Infinity
                 return None
             call = self._call_of(value, ("parameters", "arguments"))
             if call is None:

@@ -58,6 +58,15 @@ class FunctionSpec(BaseModel):
             raise ValueError("must be 1-64 letters, digits, underscores, dots or dashes")
         return name
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object_schema(cls, parameters: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Arguments are a JSON object (OpenAI refuses another type; a call whose arguments
+        # were an array would never parse as one). A schema without a type is an object's.
+        if parameters is not None and parameters.get("type", "object") != "object":
+            raise ValueError("must be a JSON Schema of type object (the call's arguments)")
+        return parameters
+
 
 class FunctionTool(BaseModel):
     """One entry of ``tools``."""

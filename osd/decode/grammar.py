@@ -157,7 +157,13 @@ def _check_size(text: str, kind: str) -> None:
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """The error's first line; where it only announces what follows (a regex error's
+    "regex parse error:", then the pattern, a caret and "error: ..."), with its "error" line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    said = [line for line in lines[1:] if line.lower().startswith("error")]
+    return f"{lines[0]} {said[0]}" if lines[0].endswith(":") and said else lines[0]
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:

@@ -139,7 +139,7 @@ class GrammarMasks:
                     branch.ended = True
                     break
                 if not branch.matcher.consume_token(token):
-                    _broken(branch, f"it refused token {token}")
+                    _broken(branch, f"refused token {token}")
                     break
                 branch.consumed += 1
             branch.at = target
@@ -187,7 +187,7 @@ class GrammarMasks:
                 if token in branch.row.request.stop_token_ids:
                     break
                 if not matcher.consume_token(token):
-                    _broken(branch, f"it refused token {token}")
+                    _broken(branch, f"refused token {token}")
                     break
 
     def _fill(self, fills: list[tuple[_Branch, int]]) -> None:

@@ -49,6 +49,17 @@ HERMES_CASES = [
     ('<tool_call>\n{"name": "calc", "arguments": [1]}\n</tool_call>', None),
     ('<tool_call>\n{"name": "calc", "argu', None),
     ("a < b and <tool is not a call", None),
+    ('<tool_call>{"name": "calc", "arguments": {"x": NaN}}</tool_call>', None),  # not JSON
+    # Text before a call that is not one keeps its whitespace.
+    ('x  <tool_call>\n{"name": "calc"', None),
+    ('x \n<tool_call>{"name": "rm", "arguments": {}}</tool_call>', None),
+    # Numbers as the model wrote them: a float would make 3e999 Infinity (not JSON) and
+    # round 0.2959151845551666368.
+    (
+        '<tool_call>{"name": "calc", "arguments": {"x": 3e999, "y": 0.2959151845551666368, '
+        '"z": [1, 2.50]}}</tool_call>',
+        ("", [ParsedCall("calc", '{"x": 3e999, "y": 0.2959151845551666368, "z": [1, 2.50]}')]),
+    ),
     # Arguments written as JSON text are read as the object they hold.
     (
         '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2\\"}"}</tool_call>',
@@ -161,6 +172,39 @@ def test_grammars_accept_exactly_calls_of_the_offered_functions(compiler, parser
     content, calls = scan(parser, two)
     assert content == "" and [c.name for c in calls] == ["get_weather", "calc"]
     assert json.loads(calls[0].arguments) == {"city": "oslo", "unit": "c"}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+def test_parameters_with_definitions_and_references_compile_and_bind(compiler, parser):
+    # openai.pydantic_function_tool writes nested models as $defs and $ref: under the call's
+    # arguments key those pointers would not resolve, so the definitions move to its root.
+    form = tool_call_format(parser)
+    key = form.arguments_key
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    parameters = {
+        "$defs": {"Place": place},
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/Place"}, "again": {"$ref": "#/properties/at"}},
+        "required": ["at"],
+        "additionalProperties": False,
+    }
+    source = form.grammar([{"name": "go", "parameters": parameters}], parallel=False)
+
+    def call(arguments: str) -> str:
+        return f'{form.start}{{"name":"go","{key}":{arguments}}}{form.end}'
+
+    assert _accepts(compiler, source, call('{"at":{"city":"oslo"},"again":{"city":"x"}}'))
+    assert not _accepts(compiler, source, call('{"at":{"town":"oslo"}}'))
+    assert not _accepts(compiler, source, call('{"at":{"city":"oslo"},"again":{}}'))
+
+
+def test_a_function_without_parameters_takes_no_arguments(compiler):
+    form = tool_call_format("hermes")
+    source = form.grammar([{"name": "now"}], parallel=False)
+    assert _accepts(compiler, source, '<tool_call>\n{"name":"now","arguments":{}}\n</tool_call>')
+    assert not _accepts(
+        compiler, source, '<tool_call>\n{"name":"now","arguments":{"a":1}}\n</tool_call>'
+    )
 
 
 def test_an_unknown_parser_is_refused():

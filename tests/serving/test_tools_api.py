@@ -217,6 +217,13 @@ def test_a_conversation_with_calls_and_results_is_rendered_for_the_model(client,
             "tools[0].function.name",
         ),
         ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        *(  # arguments are an object: OpenAI refuses another type
+            (
+                {"tools": [{"type": "function", "function": {"name": "f", "parameters": p}}]},
+                "tools[0].function.parameters",
+            )
+            for p in ({"type": "array", "items": {"type": "integer"}}, {"type": "string"})
+        ),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
