@@ -137,7 +137,9 @@ class Row:
         token_ids, finish = _truncate(
             [*drafted[:num_accepted], next_token], self.remaining, self.request.stop_token_ids
         )
-        text, num_kept = self.assembler.add(token_ids)
+        # A stop token's text is not the answer's (vLLM leaves it out too; end-of-sequence
+        # decodes to nothing anyway): its id stays, counted in the usage, with its logprob.
+        text, num_kept = self.assembler.add(token_ids[:-1] if finish == "stop" else token_ids)
         if self.assembler.stopped:
             # Tokens past a stop string leave the answer, its usage and the record alike.
             token_ids, finish = token_ids[:num_kept], "stop"

@@ -300,7 +300,8 @@ def test_the_official_client_sees_the_refused_field(replica):
 
 def test_stop_token_ids_end_generation_at_the_first_of_them(replica):
     """vLLM's stop_token_ids, besides end-of-sequence: generation stops at the first one
-    generated, which is kept (and counted) like an end-of-sequence token."""
+    generated, which is kept (and counted) like an end-of-sequence token, its text left out
+    of the answer as vLLM leaves it."""
     prompt, tokens = "the cat", 8  # the toy config allows 8
     alone = replica.runtime.engine.generate(prompt, max_tokens=tokens, temperature=0, method="none")
     ids = alone.token_ids
@@ -309,6 +310,8 @@ def test_stop_token_ids_end_generation_at_the_first_of_them(replica):
     answer = replica.client.post(PATHS["completion"], json={**body, "stop_token_ids": [ids[cut]]})
     assert answer.json()["usage"]["completion_tokens"] == cut + 1
     assert answer.json()["choices"][0]["finish_reason"] == "stop"
+    tokenizer = replica.runtime.tokenizer
+    assert answer.json()["choices"][0]["text"] == tokenizer.decode(ids[:cut])
     assert_answered(post(replica, "chat", stop_token_ids=[ids[cut]]), "stop_token_ids")
     bad = post(replica, "completion", stop_token_ids=[-1])
     assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("stop_token_ids")
