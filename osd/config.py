@@ -250,9 +250,10 @@ class ServeConfig:
     # Serving without keys on an address other than loopback must be asked for explicitly.
     allow_unauthenticated: bool = False
     # Origins whose web pages may call the API from a browser (CORS; vLLM's --allowed-origins,
-    # whose default this is). Credentials (cookies) are never allowed: a page still needs a
-    # key. Empty: no CORS headers, so browsers refuse cross-origin calls.
-    cors_allowed_origins: tuple[str, ...] = ("*",)
+    # ["*"] for any). Credentials (cookies) are never allowed. Empty (the default, where vLLM
+    # allows any): browsers refuse cross-origin calls, so a web page the operator visits
+    # cannot use a keyless local server (its answers, its training log).
+    cors_allowed_origins: tuple[str, ...] = ()
     # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), none (tools refused), or auto: from the
     # chat template's text (<tool_call>: hermes; <|python_tag|>: llama3_json; else none).

@@ -250,15 +250,16 @@ async def _admit_each_prompt(
     """A job for each prompt of the request (a completion may list several, as OpenAI's and
     vLLM's do; a chat is one), each routed and logged on its own, admitted all or none: a
     refusal gives back those admitted before it. Choice i * n + j is prompt i's j-th."""
-    prompts = request.each_prompt() if isinstance(request, CompletionRequest) else [request]
+    count = len(request.prompts) if isinstance(request, CompletionRequest) else 1
     most = runtime.config.serve.max_ongoing_requests
-    if len(prompts) > most:  # each prompt takes one of the replica's places: never all at once
+    if count > most:  # each prompt takes one of the replica's places: never all at once
         raise APIError(
             400,
-            f"prompt lists {len(prompts)} prompts; this server takes at most {most} in one "
+            f"prompt lists {count} prompts; this server takes at most {most} in one "
             "request (serve.max_ongoing_requests): send them in several requests",
             param="prompt",
         )
+    prompts = request.each_prompt() if isinstance(request, CompletionRequest) else [request]
     jobs: list[Job] = []
     try:
         for one in prompts:

@@ -257,7 +257,8 @@ class _Common(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         """Every chunk of the stream carries the usage so far (vLLM's)."""
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        options = self.stream_options  # vLLM's: only with the usage asked for at all
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     @property
     def num_prompt_logprobs(self) -> int | None:

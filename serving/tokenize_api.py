@@ -38,7 +38,7 @@ def tokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
     chat = isinstance(data, dict) and "messages" in data
     _check_body(data, _CHAT_FIELDS if chat else _PROMPT_FIELDS, "messages" if chat else "prompt")
     model = data.get("model") or runtime.config.serve.model_name
-    strs = data.get("return_token_strs", False)
+    strs = data.get("return_token_strs") or False
     if not isinstance(strs, bool):
         raise APIError(400, "return_token_strs must be a boolean", param="return_token_strs")
     defaults = _CHAT_DEFAULTS if chat else {"add_special_tokens": True}

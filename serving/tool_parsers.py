@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,28 +92,34 @@ class ToolCallFormat:
         """The schema of one call of ``function``: its name, and its parameters' schema under
         the arguments key. The parameters' definitions (``$defs``, ``definitions``) move to
         the call's root, where their references (``#/$defs/...``) point; a reference to
-        another place of the parameters gets their new path. No parameters: no arguments
-        (``{}``), as OpenAI reads a function without them."""
+        another place of the parameters gets their new path. Parameters with an ``$id`` are
+        a resource of their own, whose references resolve inside them: left as they are. No
+        parameters: no arguments (``{}``), as OpenAI reads a function without them."""
         parameters = dict(function.get("parameters") or {"properties": {}})
         if not function.get("parameters"):
             parameters["additionalProperties"] = False
         parameters.setdefault("type", "object")
-        lifted = {key: parameters.pop(key) for key in _DEFINITIONS if key in parameters}
-        nested = _rerooted(parameters, f"#/properties/{self.arguments_key}")
+        own_resource = "$id" in parameters
+        lifted = {
+            key: parameters.pop(key)
+            for key in _DEFINITIONS
+            if key in parameters and not own_resource
+        }
+        root = f"#/properties/{self.arguments_key}"
+        nested = parameters if own_resource else _rerooted(parameters, root)
         return {
             "type": "object",
             "properties": {"name": {"const": function["name"]}, self.arguments_key: nested},
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
             "x-guidance": _COMPACT,
-            **{
-                key: _rerooted(value, f"#/properties/{self.arguments_key}")
-                for key, value in lifted.items()
-            },
+            **{key: _rerooted(value, root) for key, value in lifted.items()},
         }
 
 
 _DEFINITIONS = ("$defs", "definitions")
+# Keywords whose values are data, not schemas: a "$ref" inside one is a value to match.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 
 class _Number:
@@ -154,11 +161,15 @@ def _rerooted(schema: Any, root: str) -> Any:
         return [_rerooted(item, root) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _rerooted(value, root) for key, value in schema.items()}
+    out = {
+        key: value if key in _DATA_KEYWORDS else _rerooted(value, root)
+        for key, value in schema.items()
+    }
     ref = schema.get("$ref")
     if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
         return out
-    if not ref.startswith(tuple(f"#/{key}/" for key in _DEFINITIONS)):
+    # A JSON pointer may escape its characters (%24defs is $defs).
+    if not urllib.parse.unquote(ref).startswith(tuple(f"#/{key}/" for key in _DEFINITIONS)):
         out["$ref"] = root + ref[1:]
     return out
 
@@ -256,7 +267,12 @@ class ToolCallScanner:
                 return None
         if not isinstance(arguments, dict):
             return None
-        return ParsedCall(value["name"], _dumps(arguments))
+        text = _dumps(arguments)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\\ud800"): the UTF-8 answer cannot hold it
+            return None
+        return ParsedCall(value["name"], text)
 
     def _hermes(self, final: bool) -> tuple[str, list[ParsedCall]]:
         content, calls = "", list[ParsedCall]()

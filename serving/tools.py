@@ -194,7 +194,7 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
 def _object_of(text: str, param: str) -> dict[str, Any]:
     try:
         value = json.loads(text or "{}")
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or an integer longer than Python reads
         value = None
     if not isinstance(value, dict):
         raise ParamError(param, "an earlier call's arguments must be a JSON object's text")

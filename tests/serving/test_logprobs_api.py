@@ -76,8 +76,9 @@ def test_completion_logprobs_equal_the_target_alone_streamed_and_not(replica, cl
 def test_completions_take_up_to_vllms_twenty_alternatives(client):
     # OpenAI stops at 5; a client written for vLLM asks for more.
     out = client.completions.create(model="osd", prompt=PROMPT, max_tokens=3, logprobs=10)
-    # The chosen token is listed beside them where it is not among them (OpenAI's n + 1).
-    assert all(10 <= len(top) <= 11 for top in out.choices[0].logprobs.top_logprobs)
+    # The chosen token is listed beside them where it is not among them (OpenAI's n + 1);
+    # alternatives whose texts are alike share a key.
+    assert all(5 < len(top) <= 11 for top in out.choices[0].logprobs.top_logprobs)
 
 
 def test_chat_logprobs_shapes_streamed_and_not(client):

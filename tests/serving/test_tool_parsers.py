@@ -198,6 +198,31 @@ def test_parameters_with_definitions_and_references_compile_and_bind(compiler, p
     assert not _accepts(compiler, source, call('{"at":{"city":"oslo"},"again":{}}'))
 
 
+def test_references_resolve_where_the_parameters_say_and_data_is_left_alone(compiler):
+    form = tool_call_format("hermes")
+    # Parameters with an $id are a resource of their own: their references resolve in them.
+    own = {
+        "$id": "https://example.com/p",
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/A"}},
+        "$defs": {"A": {"type": "string"}},
+    }
+    source = form.grammar([{"name": "f", "parameters": own}], parallel=False)
+    assert _accepts(
+        compiler, source, '<tool_call>\n{"name":"f","arguments":{"a":"x"}}\n</tool_call>'
+    )
+    # A "$ref" inside const is a value to write, not a reference to follow.
+    data = {"type": "object", "properties": {"a": {"const": {"$ref": "#/x"}}}}
+    schema = form._call_schema({"name": "g", "parameters": data})
+    assert schema["properties"]["arguments"]["properties"]["a"] == {"const": {"$ref": "#/x"}}
+
+
+def test_a_call_whose_arguments_hold_a_lone_surrogate_stays_text():
+    # JSON's "\ud800" parses to a character UTF-8 cannot carry: the answer could not be sent.
+    text = '<tool_call>{"name": "calc", "arguments": {"x": "\\ud800"}}</tool_call>'
+    assert scan("hermes", text) == (text, [])
+
+
 def test_a_function_without_parameters_takes_no_arguments(compiler):
     form = tool_call_format("hermes")
     source = form.grammar([{"name": "now"}], parallel=False)

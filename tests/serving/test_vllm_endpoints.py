@@ -53,6 +53,7 @@ def test_tokenize_renders_a_chat_as_chat_completions_do(replica):
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
+        ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, 400, "return_token_strs"),
         ("/tokenize", {"prompt": "a", "add_special_tokens": False}, 400, "add_special_tokens"),
         ("/tokenize", {"messages": [{"role": "robot", "content": "a"}]}, 400, "messages[0].role"),
         (
@@ -60,6 +61,22 @@ def test_tokenize_renders_a_chat_as_chat_completions_do(replica):
             {"messages": CHAT, "add_generation_prompt": False},
             400,
             "add_generation_prompt",
+        ),
+        (  # an earlier call's arguments with an integer longer than Python reads
+            "/tokenize",
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"function": {"name": "f", "arguments": '{"x": ' + "1" * 5000 + "}"}}
+                        ],
+                    }
+                ]
+            },
+            400,
+            "messages[0].tool_calls[0].function.arguments",
         ),
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
@@ -79,7 +96,14 @@ def test_version_and_models_say_what_vllm_clients_read(replica):
     assert model["root"] == replica.runtime.config.model.target
 
 
-def test_browser_pages_may_call_the_api_as_vllms_default_allows(replica):
+def test_browser_pages_may_call_the_api_where_their_origin_is_allowed():
+    config = toy_config("serve.cors_allowed_origins=['*']", "serve.api_keys=[k1]")
+    with running_replica(config) as replica:
+        _assert_cors(replica)
+
+
+def _assert_cors(replica: Replica) -> None:
+    # The preflight carries no key (browsers send none): it is answered all the same.
     preflight = replica.client.options(
         "/v1/chat/completions",
         headers={
@@ -90,25 +114,30 @@ def test_browser_pages_may_call_the_api_as_vllms_default_allows(replica):
     )
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == "*"
-    answer = replica.complete(prompt="a", max_tokens=1)
+    body = {"model": "osd", "prompt": "a", "max_tokens": 1}
+    keyed = {"Authorization": "Bearer k1"}
+    answer = replica.client.post("/v1/completions", json=body, headers=keyed)
     assert "access-control-allow-origin" not in answer.headers  # no Origin: no CORS headers
+    cross = replica.client.post(
+        "/v1/completions", json=body, headers={**keyed, "Origin": "http://page.example"}
+    )
+    assert cross.status_code == 200 and cross.headers["access-control-allow-origin"] == "*"
+    # Without the key the page is refused, and can read that it was.
+    refused = replica.client.post(
+        "/v1/completions", json=body, headers={"Origin": "http://page.example"}
+    )
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+
+
+def test_no_cors_headers_by_default(replica):
+    # A web page the operator visits must not use a keyless local server.
     cross = replica.client.post(
         "/v1/completions",
         json={"model": "osd", "prompt": "a", "max_tokens": 1},
         headers={"Origin": "http://page.example"},
     )
-    assert cross.headers["access-control-allow-origin"] == "*"
-
-
-def test_no_cors_headers_when_no_origin_is_allowed():
-    with running_replica(toy_config("serve.cors_allowed_origins=[]")) as replica:
-        cross = replica.client.post(
-            "/v1/completions",
-            json={"model": "osd", "prompt": "a", "max_tokens": 1},
-            headers={"Origin": "http://page.example"},
-        )
-        assert cross.status_code == 200
-        assert "access-control-allow-origin" not in cross.headers
+    assert cross.status_code == 200
+    assert "access-control-allow-origin" not in cross.headers
 
 
 def test_a_wrong_method_says_which_are_allowed(replica):
@@ -142,6 +171,10 @@ def test_stream_options_follow_vllm(replica):
     assert _usage_events(replica, {"include_usage": None}) == []
     assert _usage_events(replica, {"include_usage": False}) == []
     assert len(_usage_events(replica, {"include_usage": True, "include_obfuscation": False})) == 1
+    # vLLM's continuous usage comes only with the usage asked for.
+    continuous = {"include_usage": False, "continuous_usage_stats": True}
+    assert _usage_events(replica, continuous) == []
+    assert len(_usage_events(replica, {"continuous_usage_stats": True})) > 1
     misspelt = replica.client.post(
         "/v1/completions",
         json={
