@@ -34,7 +34,7 @@ class JSONSchemaFormat(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    name: str = Field(max_length=64)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None  # osd always follows the schema exactly
@@ -65,6 +65,9 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(default=None, max_length=256)
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's: JSON without optional whitespace, which osd's JSON never has (true is its way;
+    # false asks for whitespace it does not write).
+    disable_any_whitespace: Literal[True] | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> StructuredOutputs:

@@ -87,6 +87,14 @@ def test_a_minimal_request_gets_the_documented_defaults():
         ({"spec": {"k": 17}}, "spec.k"),  # the union's arm is not part of the name
         ({"spec": {"K": 9}}, "spec.K"),
         ({"spec": {"depth": 2}}, "spec.depth"),  # osd's own options forbid unknown keys
+        (  # OpenAI's names: letters, digits, underscores and dashes
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!"}}},
+            "response_format.json_schema.name",
+        ),
+        (  # vLLM's switch, true being what osd's JSON always is
+            {"structured_outputs": {"json_object": True, "disable_any_whitespace": False}},
+            "structured_outputs.disable_any_whitespace",
+        ),
     ],
 )
 def test_a_bad_completion_field_is_refused_by_its_path(fields, param):
@@ -110,6 +118,11 @@ def test_a_bad_completion_field_is_refused_by_its_path(fields, param):
 def test_a_bad_chat_field_is_refused_by_its_path(fields, param):
     error = refusal("chat", {**CHAT, **fields})
     assert error.param == param
+
+
+def test_vllms_compact_json_switch_is_taken():
+    body = {"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}
+    assert parse_request("completion", {**COMPLETION, **body}).structured_outputs is not None
 
 
 def test_a_chat_without_messages_is_told_they_are_required():
