@@ -234,7 +234,7 @@ async def _handle(
 ) -> Response:
     data = await _read_json(http, runtime.config.serve.max_body_bytes)
     request = parse_request(kind, data)
-    runtime.check_model(request)  # before any grammar is compiled for it
+    runtime.check_model(request.model)  # before any grammar is compiled for it
     jobs = await _admit_each_prompt(runtime, request)
     if request.stream:
         return _JobStream(runtime, jobs, _sse(runtime, jobs, kind))

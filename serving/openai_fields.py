@@ -34,6 +34,7 @@ from typing import Any
 
 __all__ = [
     "HARMLESS",
+    "Harmless",
     "IMPLEMENTED",
     "MESSAGE_HARMLESS",
     "MESSAGE_IMPLEMENTED",
@@ -88,15 +89,47 @@ IMPLEMENTED: frozenset[str] = frozenset(
     }
 )
 
-# Accepted whatever their value, because ignoring them changes nothing in the answer.
-HARMLESS: Mapping[str, str] = {
-    "user": "an end-user label for the provider's abuse monitoring; the text does not depend on it",
-    "safety_identifier": "the same as user, under its newer name",
-    "metadata": "tags for stored completions; osd stores none, and refuses store: true",
-    "prompt_cache_key": "a routing hint for OpenAI's prompt cache, best effort there too",
-    "prompt_cache_retention": "how long OpenAI keeps a prompt cache; osd keeps none",
-    "prompt_cache_options": "breakpoints and lifetimes of OpenAI's prompt cache; osd has none",
-    "request_id": "vLLM's id for the request's logs; osd gives each answer an id of its own",
+
+@dataclass(frozen=True)
+class Harmless:
+    """A field accepted and ignored, because ignoring it changes nothing in the answer.
+
+    Attributes:
+        why: why ignoring it is harmless.
+        fits: whether a value has its JSON type (OpenAI refuses another, even of a field it
+            ignores).
+        said: the type in an error message.
+    """
+
+    why: str
+    fits: Callable[[Any], bool] = lambda value: isinstance(value, str)
+    said: str = "a string"
+
+
+def _strings_object(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+HARMLESS: Mapping[str, Harmless] = {
+    "user": Harmless(
+        "an end-user label for the provider's abuse monitoring; the text does not depend on it"
+    ),
+    "safety_identifier": Harmless("the same as user, under its newer name"),
+    "metadata": Harmless(
+        "tags for stored completions; osd stores none, and refuses store: true",
+        _strings_object,
+        "an object of strings",
+    ),
+    "prompt_cache_key": Harmless("a routing hint for OpenAI's prompt cache, best effort there"),
+    "prompt_cache_retention": Harmless("how long OpenAI keeps a prompt cache; osd keeps none"),
+    "prompt_cache_options": Harmless(
+        "breakpoints and lifetimes of OpenAI's prompt cache; osd has none",
+        lambda value: isinstance(value, dict),
+        "an object",
+    ),
+    "request_id": Harmless(
+        "vLLM's id for the request's logs; osd gives each answer an id of its own"
+    ),
 }
 
 
@@ -251,8 +284,9 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
                     "unsupported_parameter",
                 )
             continue
-        if name in HARMLESS:
-            _check_harmless_type(name, value)
+        harmless = HARMLESS.get(name)
+        if harmless is not None:
+            _check_harmless_type(name, value, harmless)
             continue
         if name not in IMPLEMENTED and name not in own:
             raise FieldRefused(
@@ -267,28 +301,10 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
     return kept
 
 
-# The JSON types of the harmless fields (OpenAI refuses another type, even of an ignored field).
-_HARMLESS_TYPES: Mapping[str, tuple[type, str]] = {
-    "user": (str, "a string"),
-    "safety_identifier": (str, "a string"),
-    "metadata": (dict, "an object of strings"),
-    "prompt_cache_key": (str, "a string"),
-    "prompt_cache_retention": (str, "a string"),
-    "prompt_cache_options": (dict, "an object"),
-    "request_id": (str, "a string"),
-}
-
-
-def _check_harmless_type(name: str, value: Any) -> None:
-    kind = _HARMLESS_TYPES.get(name)
-    if value is None or kind is None:
-        return
-    wanted, said = kind
-    wrong = not isinstance(value, wanted)
-    if name == "metadata" and not wrong:
-        wrong = not all(isinstance(v, str) for v in value.values())
-    if wrong:
-        raise FieldRefused(name, f"{name} must be {said}, got {_short(value)}", "invalid_type")
+def _check_harmless_type(name: str, value: Any, harmless: Harmless) -> None:
+    if value is not None and not harmless.fits(value):
+        message = f"{name} must be {harmless.said}, got {_short(value)}"
+        raise FieldRefused(name, message, "invalid_type")
 
 
 def _short(value: Any) -> str:

@@ -140,13 +140,13 @@ class ReplicaRuntime:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
 
-    def check_model(self, request: CompletionRequest | ChatRequest) -> None:
-        """Raises the 404 of a request for a model this replica does not serve."""
+    def check_model(self, model: str) -> None:
+        """Raises the 404 of a request for a ``model`` this replica does not serve."""
         name = self.config.serve.model_name
-        if request.model != name:
+        if model != name:
             raise APIError(
                 404,
-                f"model {request.model!r} does not exist; this server serves {name!r}",
+                f"model {model!r} does not exist; this server serves {name!r}",
                 param="model",
                 code="model_not_found",
             )
@@ -195,7 +195,7 @@ class ReplicaRuntime:
     ) -> Job:
         """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
         serve = self.config.serve
-        self.check_model(request)
+        self.check_model(request.model)
         max_tokens = request.requested_tokens(serve.max_tokens_limit)
         # The budget's field as the request spells it.
         budget = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"

@@ -54,11 +54,11 @@ def tokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
     if chat:
         fields = {"model": model, "messages": data["messages"], "tools": data.get("tools")}
         request = parse_request("chat", {k: v for k, v in fields.items() if v is not None})
-        runtime.check_model(request)
+        runtime.check_model(request.model)
         assert isinstance(request, ChatRequest)
         prompt = runtime.prompt_of(request, runtime.tool_plan(request))
     else:
-        _check_model_name(runtime, model)
+        runtime.check_model(model)
         prompt = data["prompt"]
         if not isinstance(prompt, str) and not _is_ids(prompt):
             raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
@@ -78,7 +78,7 @@ def tokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
 def detokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
     """The text of ``data``'s token ids; raises :class:`APIError` (4xx)."""
     _check_body(data, _DETOKENIZE_FIELDS, "tokens")
-    _check_model_name(runtime, data.get("model") or runtime.config.serve.model_name)
+    runtime.check_model(data.get("model") or runtime.config.serve.model_name)
     tokens, vocab = data["tokens"], runtime.engine.vocab_size
     if not _is_ids(tokens):
         raise APIError(400, "tokens must be a list of token ids", param="tokens")
@@ -103,17 +103,6 @@ def _check_body(data: Any, known: frozenset[str], required: str) -> None:
         )
     if data.get(required) is None:
         raise APIError(400, f"{required} is required", param=required)
-
-
-def _check_model_name(runtime: ReplicaRuntime, model: Any) -> None:
-    name = runtime.config.serve.model_name
-    if model != name:
-        raise APIError(
-            404,
-            f"model {model!r} does not exist; this server serves {name!r}",
-            param="model",
-            code="model_not_found",
-        )
 
 
 def _is_ids(value: Any) -> bool:
