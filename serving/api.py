@@ -104,10 +104,19 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette answers this outside every middleware, CORS's included: a browser would
+        # see a network error instead of the 500's body, so its header is set here.
         logger.exception("internal error: %s", exc)
         body = error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
-        return JSONResponse(body, status_code=500)
+        origin = request.headers.get("origin")
+        allowed = serve.cors_allowed_origins
+        headers = None
+        if origin and ("*" in allowed or origin in allowed):
+            headers = {"Access-Control-Allow-Origin": "*" if "*" in allowed else origin}
+            if "*" not in allowed:
+                headers["Vary"] = "Origin"
+        return JSONResponse(body, status_code=500, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -428,7 +437,7 @@ def _choice(
         return {
             "index": index,
             "finish_reason": finish,
-            "message": message,
+            "message": {**message, "refusal": None},  # OpenAI's and vLLM's: nothing refused
             "logprobs": logprobs.format(result.token_ids, result.logprobs),
         }
     # echo: the prompt's text and tokens (with their logprobs) before the completion's.
@@ -547,12 +556,15 @@ async def _job_events(
             return {"index": number, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"index": number, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
-    # vLLM's continuous_usage_stats: each event says the tokens so far (all choices').
+    # vLLM's continuous_usage_stats: each event says the tokens so far (all choices'). Without
+    # it, a stream that asked for usage says ``"usage": null`` until its last event, as
+    # OpenAI's does.
     generated, continuous = 0, job.request.continuous_usage
+    asked = job.request.include_usage
 
     def usage() -> dict[str, Any]:
         if not continuous:
-            return {}
+            return {"usage": None} if asked else {}
         total = len(prompt_ids) + generated
         used = {"prompt_tokens": len(prompt_ids), "completion_tokens": generated}
         return {"usage": {**used, "total_tokens": total}}

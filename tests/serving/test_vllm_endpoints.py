@@ -127,6 +127,21 @@ def _assert_cors(replica: Replica) -> None:
         "/v1/completions", json=body, headers={"Origin": "http://page.example"}
     )
     assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    # A fault inside the replica: Starlette answers it outside the CORS middleware.
+    runtime = replica.runtime
+
+    def broken(model: str) -> None:
+        raise RuntimeError("a fault")
+
+    runtime.check_model = broken  # type: ignore[method-assign]
+    try:
+        failed = replica.client.post(
+            "/v1/completions", json=body, headers={**keyed, "Origin": "http://page.example"}
+        )
+    finally:
+        del runtime.check_model
+    assert failed.status_code == 500 and failed.headers["access-control-allow-origin"] == "*"
+    assert "a fault" in failed.json()["error"]["message"]
 
 
 def test_no_cors_headers_by_default(replica):
@@ -185,6 +200,26 @@ def test_stream_options_follow_vllm(replica):
         },
     )
     assert misspelt.status_code == 400 and "include_usages" in misspelt.json()["error"]["param"]
+
+
+def test_a_stream_that_asked_for_usage_says_null_until_its_end_as_openai(replica):
+    def events(options: object) -> list[dict]:
+        body = {"model": "osd", "prompt": "a", "max_tokens": 3, "stream": True, "ignore_eos": True}
+        response = replica.client.post("/v1/completions", json={**body, **options})
+        assert response.status_code == 200, response.text
+        return [json.loads(e[6:]) for e in response.text.split("\n\n") if e.startswith("data: {")]
+
+    asked = events({"stream_options": {"include_usage": True}})
+    assert [e["usage"] for e in asked[:-1]] == [None] * (len(asked) - 1)
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] == 3
+    assert all("usage" not in e for e in events({}))
+
+
+def test_a_chat_answer_says_nothing_was_refused(replica):
+    body = {"model": "osd", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    answer = replica.client.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["refusal"] is None
 
 
 def test_an_empty_list_of_earlier_calls_needs_no_chat_template(replica):
