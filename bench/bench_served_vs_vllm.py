@@ -27,7 +27,8 @@ system preamble of about 400 characters, as a chat template puts it before every
 prefix caching, on by default on both servers, reads once).
 
 Options: ``--vllm-spec ngram,suffix`` runs vLLM's speculation too (prompt lookup with k = 4;
-suffix decoding, which needs ``arctic-inference`` in vLLM's environment), each on the prompts of
+suffix decoding, which needs ``arctic-inference`` in vLLM's environment: installed there when
+missing, the variant skipped with the reason where it cannot be), each on the prompts of
 osd's default, and the table gives every cell's ratio to vLLM's best there; ``--temperature``
 samples instead of greedy (speculation that cannot help must still cost nothing); ``--rounds``
 repeats everything, and osd's default is compared with its target alone round by round; the
@@ -64,6 +65,8 @@ from osd.demo import build_demo_models, heldout_prompts
 
 DOMAINS = ("prose", "code", "sql", "json")
 MODEL = "demo-target"
+# What vLLM's suffix decoding imports (Snowflake's ArcticInference), installed beside it on demand.
+ARCTIC_PACKAGE = "arctic-inference==0.3.0"
 Sample = tuple[float, float, int]  # (time to first token, latency, completion tokens)
 
 
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm-spec",
         default="",
         help="vLLM's speculation to run too, of ngram (prompt lookup, k = 4) and suffix "
-        "(suffix decoding, needs arctic-inference in vLLM's environment)",
+        "(suffix decoding: arctic-inference, installed into vLLM's environment if missing)",
     )
     parser.add_argument(
         "--osd-set",
@@ -350,10 +353,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--workloads: unknown {', '.join(sorted(unknown))}")
     args.logs.mkdir(parents=True, exist_ok=True)
     python: Path | str = "skipped (--skip-vllm)"
+    spec = args.vllm_spec
+    vllm_variants(spec)  # an unknown name fails here, before any server starts
     if not args.skip_vllm:
         python = vllm_python(args.venv)
         if isinstance(python, str):
             print(f"vLLM skipped: {python}", flush=True)
+        elif "suffix" in spec.split(","):
+            missing = suffix_decoding_ready(python)
+            if missing:
+                print(f"vLLM's suffix decoding skipped: {missing}", flush=True)
+                spec = ",".join(name for name in spec.split(",") if name != "suffix")
     rows: list[dict[str, Any]] = []
     # In the request's extra body, which the client merges over its own fields.
     sampling = {"temperature": args.temperature} if args.temperature else {}
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         swap = round_index % 2
 
         if not isinstance(python, str):
-            for variant, (base_slot, flags) in vllm_variants(args.vllm_spec).items():
+            for variant, (base_slot, flags) in vllm_variants(spec).items():
                 slot = base_slot ^ swap
                 port = free_port()
                 tag = variant.split()[0]
@@ -432,6 +442,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def suffix_decoding_ready(python: Path) -> str:
+    """Installs ``ARCTIC_PACKAGE`` (what vLLM's suffix decoding imports) into vLLM's
+    environment where it is missing; the reason it cannot be had, or "" when it imports."""
+    check = [str(python), "-c", "import arctic_inference"]
+    if subprocess.run(check, capture_output=True).returncode == 0:
+        return ""
+    print(f"installing {ARCTIC_PACKAGE} into vLLM's environment (once)", flush=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", ARCTIC_PACKAGE], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return f"`pip install {ARCTIC_PACKAGE}` failed: {(done.stderr or done.stdout)[-400:]}"
+    if subprocess.run(check, capture_output=True).returncode != 0:
+        return f"{ARCTIC_PACKAGE} installed but does not import"
+    return ""
 
 
 def vllm_variants(spec: str) -> dict[str, tuple[int, list[str]]]:
