@@ -25,6 +25,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd.decode.generation import GenerationResult, TokenLogprob
@@ -70,6 +71,18 @@ def bearer_key_check(keys: tuple[str, ...]) -> Any:
     return check
 
 
+async def _cors_headers(policy: CORSMiddleware, request: Request) -> dict[str, str]:
+    """The CORS headers ``policy`` puts on a response to ``request`` (its own rules, run on
+    an empty response's start)."""
+    start: dict[str, Any] = {"type": "http.response.start", "status": 500, "headers": []}
+
+    async def kept(_: Any) -> None:
+        return None
+
+    await policy.send(start, kept, request.headers)
+    return dict(MutableHeaders(scope=start))
+
+
 def _installed_version() -> str:
     try:
         return importlib.metadata.version("osd")
@@ -85,13 +98,15 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     app = FastAPI(title="osd", version=_VERSION)
     serve = runtime.config.serve
     authorized = [Depends(bearer_key_check(serve.api_keys))]
+    cors: dict[str, Any] = {
+        "allow_origins": list(serve.cors_allowed_origins),
+        "allow_methods": ["*"],
+        "allow_headers": ["*"],
+    }
+    cors_policy = None
     if serve.cors_allowed_origins:  # browsers' preflights and cross-origin calls (vLLM's)
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(serve.cors_allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
+        app.add_middleware(CORSMiddleware, **cors)
+        cors_policy = CORSMiddleware(app, **cors)  # for a 500, answered outside the middleware
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -109,13 +124,7 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
         # see a network error instead of the 500's body, so its header is set here.
         logger.exception("internal error: %s", exc)
         body = error_body(f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
-        origin = request.headers.get("origin")
-        allowed = serve.cors_allowed_origins
-        headers = None
-        if origin and ("*" in allowed or origin in allowed):
-            headers = {"Access-Control-Allow-Origin": "*" if "*" in allowed else origin}
-            if "*" not in allowed:
-                headers["Vary"] = "Origin"
+        headers = None if cors_policy is None else await _cors_headers(cors_policy, request)
         return JSONResponse(body, status_code=500, headers=headers)
 
     @app.exception_handler(RequestValidationError)
