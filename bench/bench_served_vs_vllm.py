@@ -58,7 +58,7 @@ from typing import Any
 
 from bench.bench_prefix_caching import PREAMBLE
 from bench.bench_proposers import repetitive_prompts, unfamiliar
-from bench.bench_vs_vllm import vllm_python
+from bench.bench_vs_vllm import pip_installed, vllm_python
 from bench.clients import run_clients
 from bench.tables import print_table
 from osd.demo import build_demo_models, heldout_prompts
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(python, str):
             print(f"vLLM skipped: {python}", flush=True)
         elif "suffix" in spec.split(","):
-            missing = suffix_decoding_ready(python)
+            missing = pip_installed(python, "arctic_inference", ARCTIC_PACKAGE)
             if missing:
                 print(f"vLLM's suffix decoding skipped: {missing}", flush=True)
                 spec = ",".join(name for name in spec.split(",") if name != "suffix")
@@ -442,23 +442,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
-
-
-def suffix_decoding_ready(python: Path) -> str:
-    """Installs ``ARCTIC_PACKAGE`` (what vLLM's suffix decoding imports) into vLLM's
-    environment where it is missing; the reason it cannot be had, or "" when it imports."""
-    check = [str(python), "-c", "import arctic_inference"]
-    if subprocess.run(check, capture_output=True).returncode == 0:
-        return ""
-    print(f"installing {ARCTIC_PACKAGE} into vLLM's environment (once)", flush=True)
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", ARCTIC_PACKAGE], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        return f"`pip install {ARCTIC_PACKAGE}` failed: {(done.stderr or done.stdout)[-400:]}"
-    if subprocess.run(check, capture_output=True).returncode != 0:
-        return f"{ARCTIC_PACKAGE} installed but does not import"
-    return ""
 
 
 def vllm_variants(spec: str) -> dict[str, tuple[int, list[str]]]:

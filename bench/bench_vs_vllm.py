@@ -64,22 +64,33 @@ def vllm_python(venv: Path) -> Path | str:
     """The venv's python with vLLM importable, installing it on first use; or the reason it
     cannot be had (a string)."""
     python = venv / "bin" / "python"
-    check = [str(python), "-c", "import vllm"]
-    if python.exists() and subprocess.run(check, capture_output=True).returncode == 0:
-        return python
-    print(f"installing {VLLM_PACKAGE} into {venv} (once; a few minutes)", flush=True)
-    steps = [
-        [sys.executable, "-m", "venv", str(venv)],
-        [str(python), "-m", "pip", "install", "-q", VLLM_PACKAGE],
-        [str(python), "-m", "pip", "uninstall", "-y", "-q", *_BROKEN_EXTRAS],
-    ]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0 and "uninstall" not in step:
-            return f"`{' '.join(step[-3:])}` failed: {(done.stderr or done.stdout)[-400:]}"
+    if not python.exists():
+        done = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
+        if done.returncode != 0:
+            return f"`python -m venv {venv}` failed: {done.stderr.decode()[-400:]}"
+    broken = [str(python), "-m", "pip", "uninstall", "-y", "-q", *_BROKEN_EXTRAS]
+    missing = pip_installed(python, "vllm", VLLM_PACKAGE, then=broken)
+    return missing or python
+
+
+def pip_installed(python: Path, module: str, package: str, then: list[str] | None = None) -> str:
+    """Installs ``package`` into ``python``'s environment where ``module`` does not import
+    (``then``: a command run after the install, whose failure does not count); the reason it
+    cannot be had, or "" once it imports."""
+    check = [str(python), "-c", f"import {module}"]
+    if subprocess.run(check, capture_output=True).returncode == 0:
+        return ""
+    print(f"installing {package} into {python.parent.parent} (once; a few minutes)", flush=True)
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", package], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return f"`pip install {package}` failed: {(done.stderr or done.stdout)[-400:]}"
+    if then:
+        subprocess.run(then, capture_output=True)
     if subprocess.run(check, capture_output=True).returncode != 0:
-        return "vLLM installed but does not import"
-    return python
+        return f"{package} installed but {module} does not import"
+    return ""
 
 
 class VllmSide:
