@@ -3,20 +3,22 @@
 A job holds one :class:`osd.decode.loop.RequestHandle` per choice (OpenAI's ``n``,
 :mod:`osd.decode.choices`). Each handle hands its chunks to the job straight from the decoding
 thread (:meth:`RequestHandle.deliver_to`), which posts them to the event loop: two hand-offs from
-the decode thread to the SSE writer (``call_soon_threadsafe``, then the stream's asyncio queue),
-and no thread waiting per choice. The job ends itself once: when every choice ended (or one
-failed, or it was given back before it started) it calls its ``on_finish`` with the results (or
-None), on the event loop, whether or not anyone still reads it. A streamed choice's steps are
-gathered over the stream interval where they reach the event loop (a step held back is not
-queued), and steps that queued up while the consumer was busy go out as one chunk.
+the decode thread to the SSE writer (the loop's mailbox, then the stream's asyncio queue), and no
+thread waiting per choice. What one step hands the loop for every stream arrives in one
+callback. The job ends itself once: when every choice ended (or one failed, or it was given back
+before it started) it calls its ``on_finish`` with the results (or None), on the event loop,
+whether or not anyone still reads it. A streamed choice's steps are gathered over the stream
+interval in the decoding thread (a step held back neither wakes the loop nor is queued), and
+steps that queued up while the consumer was busy go out as one chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
+import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,11 +60,8 @@ class Job:
     _queue: asyncio.Queue[_Event] | None = field(default=None, repr=False)
     _results: dict[int, GenerationResult] = field(default_factory=dict, repr=False)
     _done: asyncio.Future[list[GenerationResult]] | None = field(default=None, repr=False)
-    # Streamed: the gathering interval (seconds; a callable: read at each step), each
-    # choice's steps held back, and the time of each choice's last event.
+    # Streamed: the gathering interval (seconds; a callable: read at each step).
     _interval: Interval = field(default=0.0, repr=False)
-    _held: dict[int, list[StreamChunk]] = field(default_factory=dict, repr=False)
-    _sent: dict[int, float] = field(default_factory=dict, repr=False)
 
     @property
     def stream(self) -> RequestHandle:
@@ -122,25 +121,43 @@ class Job:
     def _sink(
         self, loop: asyncio.AbstractEventLoop, index: int, handle: RequestHandle, stream: bool
     ) -> Callable[[StreamChunk | None], None]:
-        first = [True]
+        """The choice's sink, called in the decoding thread (one choice's calls never overlap).
+        A streamed step within the interval of its choice's last event is held here: it
+        reaches the event loop with a later step, so it wakes nothing (a step's chunks for
+        every row once woke the loop once each)."""
+        mailbox = _Mailbox.of(loop)
+        held: list[StreamChunk] = []
+        sent = [-math.inf]  # when the choice's last event (or, not streamed, chunk) left
 
-        def sink(chunk: StreamChunk | None) -> None:  # in the decoding thread
-            if chunk is not None and not stream and not first[0]:
-                return
-            first[0] = False
+        def sink(chunk: StreamChunk | None) -> None:
             item: Any = chunk
             if chunk is None:
                 try:
                     item = handle.result()  # ended: answers at once
                 except BaseException as exc:  # noqa: BLE001 - handed to the event loop
                     item = exc
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the replica is too
-                loop.call_soon_threadsafe(self._arrive, index, item)
+                if held and isinstance(item, GenerationResult):  # what waited, then the end
+                    mailbox.post(self._arrive, index, merge_chunks(held))
+                held.clear()
+            elif not stream:
+                if sent[0] > -math.inf:
+                    return  # a whole answer's loop hears of its first chunk and its end only
+                sent[0] = time.perf_counter()
+            else:
+                held.append(chunk)
+                now = time.perf_counter()
+                interval = self._interval() if callable(self._interval) else self._interval
+                if chunk.finish_reason is None and now - sent[0] < interval:
+                    return
+                sent[0] = now
+                item = merge_chunks(held)
+                held.clear()
+            mailbox.post(self._arrive, index, item)
 
         return sink
 
     def _arrive(self, index: int, item: Any) -> None:
-        """On the event loop: a choice's chunk, result or error."""
+        """On the event loop: a choice's chunk (its held steps merged), result or error."""
         if isinstance(item, StreamChunk):
             self.first_token_at = self.first_token_at or time.perf_counter()
         elif isinstance(item, GenerationResult):
@@ -149,31 +166,9 @@ class Job:
             self.cancel()  # the other choices stop at their next step
             self._end(None, item)
         if self._queue is not None:
-            self._queue_item(index, item)
+            self._queue.put_nowait((index, item))
         if len(self._results) == len(self.streams):
             self._end([self._results[i] for i in range(len(self.streams))], None)
-
-    def _queue_item(self, index: int, item: Any) -> None:
-        """Queues a choice's chunk for :meth:`chunks`, or holds it back (the interval); a
-        result goes after what its choice held. Held here, a gathered step wakes nobody:
-        the reader runs for events only (at 16 streams of ~20 ms steps, every step woke
-        each stream's reader)."""
-        assert self._queue is not None
-        if not isinstance(item, StreamChunk):
-            held = self._held.pop(index, None)
-            if held and isinstance(item, GenerationResult):
-                self._queue.put_nowait((index, merge_chunks(held)))
-            self._queue.put_nowait((index, item))
-            return
-        held = self._held.setdefault(index, [])
-        held.append(item)
-        now = time.perf_counter()
-        interval = self._interval() if callable(self._interval) else self._interval
-        if item.finish_reason is None and now - self._sent.get(index, -math.inf) < interval:
-            return
-        self._sent[index] = now
-        del self._held[index]
-        self._queue.put_nowait((index, merge_chunks(held)))
 
     def _end(self, results: list[GenerationResult] | None, error: BaseException | None) -> None:
         assert self._done is not None
@@ -216,3 +211,50 @@ class Job:
                 yield index, merge_chunks(steps)
         finally:
             self.cancel()  # frees its rows at the next step (a no-op once they ended)
+
+
+class _Mailbox:
+    """What the decoding thread hands one event loop, delivered in order by one callback per
+    batch: a step's chunks for many streams wake the loop once, not once a row (each wake-up
+    is a write to the loop's socket and a turn of the GIL between the decoding thread and
+    the loop's)."""
+
+    _of: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox] = (
+        weakref.WeakKeyDictionary()
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Mailbox:
+        """The loop's mailbox (made on its first use, on the loop's thread)."""
+        mailbox = cls._of.get(loop)
+        if mailbox is None:
+            mailbox = cls._of[loop] = cls(loop)
+        return mailbox
+
+    def post(self, callback: Callable[..., None], *args: Any) -> None:
+        """From any thread: ``callback(*args)`` on the loop, after what was posted before."""
+        with self._lock:
+            self._items.append((callback, args))
+            wake = len(self._items) == 1  # else a delivery is already on its way
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed: so is the replica
+                with self._lock:
+                    self._items.clear()
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for callback, args in items:
+            try:
+                callback(*args)
+            except Exception as exc:  # noqa: BLE001 - one callback's fault spares the rest
+                self._loop.call_exception_handler(
+                    {"message": "a delivery to the event loop failed", "exception": exc}
+                )

@@ -231,3 +231,44 @@ def test_a_negative_or_unset_events_budget_is_refused(per_s: float) -> None:
 
     with pytest.raises(ValueError, match="serve.stream_events_per_s"):
         ServeConfig(stream_events_per_s=per_s)
+
+
+def test_a_steps_chunks_for_many_streams_wake_the_event_loop_once(
+    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoding thread hands a step's chunks for every stream to the loop's mailbox: one
+    callback brings them all, in order; a step held back by the interval posts nothing. (The
+    step runs on the loop's thread here, so no delivery can run amid it: in a decoding thread
+    one could, whenever the GIL changed hands mid-step.)"""
+    wakes: list[int] = []
+    deliver = jobs._Mailbox._deliver
+
+    def counted(self: jobs._Mailbox) -> None:
+        wakes.append(len(self._items))
+        deliver(self)
+
+    monkeypatch.setattr(jobs._Mailbox, "_deliver", counted)
+
+    async def main() -> list[list[Event]]:
+        handles = [_Handle() for _ in range(8)]
+        streams = [_Stream([handle], interval=0.05) for handle in handles]
+        for stream in streams:
+            await stream.__aenter__()
+
+        for token, at in enumerate([0.0, 0.01, 0.06]):
+            clock.now = at
+            for handle in handles:  # a step of the decoding thread
+                handle.step(token, final=token == 2)
+            await _settle()
+        for handle in handles:
+            handle.end()
+        for stream in streams:
+            await stream.__aexit__(None, None, None)
+        return [stream.events for stream in streams]
+
+    every = asyncio.run(main())
+    # Step 0 goes at once, step 1 is held (posts nothing), step 2 ends: two wake-ups of 8
+    # chunks each, then the ends posted from the loop's own thread.
+    assert wakes[:2] == [8, 8]
+    for events in every:
+        assert _tokens(events) == [[0], [1, 2]]
