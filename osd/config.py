@@ -236,6 +236,13 @@ class ServeConfig:
     kv_cache_memory_bytes: int = 0
     # torch intra-op threads of the decode loop; 0: every core the replica may use.
     torch_threads: int = 0
+    # The replica process's GIL switch interval (Python's sys.setswitchinterval; its own
+    # default is 5 ms). The decode thread shares the GIL with the HTTP event loop: each time
+    # a kernel lets the GIL go, the loop may take it, and the decode thread then waited up to
+    # the whole interval for it back. At 16 streamed clients on 2 cores, target alone: 0.5 ms
+    # streamed 1,257 tok/s (mean of 6 cells) against 1,094 at 5 ms; whole answers unchanged
+    # (docs/benchmarks.md, twentieth session). 0: leave Python's.
+    gil_switch_interval_ms: float = 0.5
     # Run each batch size's steps once before the replica reports ready (osd.decode.warmup):
     # the first forwards of a shape are slow; without it the first clients pay for them.
     warmup: bool = True
@@ -326,6 +333,12 @@ class ServeConfig:
             ">= 0",
         )
         _require(self.torch_threads >= 0, "serve.torch_threads", self.torch_threads, ">= 0")
+        _require(
+            0.0 <= self.gil_switch_interval_ms <= 100.0,
+            "serve.gil_switch_interval_ms",
+            self.gil_switch_interval_ms,
+            "in [0, 100]",
+        )
         _require(
             self.tool_call_parser in ("auto", "hermes", "llama3_json", "none"),
             "serve.tool_call_parser",

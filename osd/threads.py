@@ -19,6 +19,10 @@ Hence:
   ``docs/benchmarks.md``);
 - a long CPU training loop (the demo build) measures whether fewer threads would be faster
   now and switches (:class:`ThreadTuner`), since a busy neighbour comes and goes;
+- a replica's GIL switch interval is short (``serve.gil_switch_interval_ms``, 0.5 ms against
+  Python's 5; :func:`set_switch_interval`): its decode thread shares the GIL with the HTTP
+  event loop, and waited up to the whole interval for it whenever the loop took it during a
+  kernel;
 - the wait policy stays OpenMP's default: ``OMP_WAIT_POLICY=PASSIVE`` avoided the worst case
   beside a busy process but cost 25 % per training step alone and made a decode step 3-4x
   slower (4.7 -> 12.3 ms; 3.3 -> 13.1 ms). A user's own ``OMP_WAIT_POLICY`` is passed on to
@@ -35,6 +39,7 @@ import contextlib
 import math
 import os
 import statistics
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -50,6 +55,7 @@ __all__ = [
     "child_env",
     "choose_threads",
     "quota_cores",
+    "set_switch_interval",
     "threads_applied",
     "threads_for",
     "single_threaded_torch",
@@ -263,6 +269,15 @@ def torch_single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def set_switch_interval(milliseconds: float) -> float:
+    """Sets this process's GIL switch interval (``sys.setswitchinterval``) to ``milliseconds``
+    (0: leaves it); returns the interval in effect, in seconds. Process-wide: call it where a
+    process is the replica's own (its Ray Serve actor), not in a library."""
+    if milliseconds > 0:
+        sys.setswitchinterval(milliseconds / 1000)
+    return sys.getswitchinterval()
 
 
 def child_env(num_processes: int, env: Mapping[str, str] | None = None) -> dict[str, str]:

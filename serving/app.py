@@ -16,6 +16,7 @@ from ray import serve
 from osd.adapters import adapter_store_location, open_adapter_store
 from osd.config import OSDConfig, config_from_dict, load_config
 from osd.heap import freeze_startup_heap
+from osd.threads import set_switch_interval
 from serving.api import create_api
 from serving.replica import wire_replica
 
@@ -30,6 +31,8 @@ class OSDReplica:
 
     def __init__(self, config: dict[str, Any], redis_url: str = "") -> None:
         self.config: OSDConfig = config_from_dict(OSDConfig, config)
+        # This process is the replica's: its decode thread and event loop share one GIL.
+        set_switch_interval(self.config.serve.gil_switch_interval_ms)
         writer, store = None, None
         url = redis_url or self.config.log.redis_url
         if self.config.log.enabled and url:

@@ -199,3 +199,26 @@ def test_tuner_ignores_single_slow_steps():
         machine.busy = False
         used += run(tuner, machine, 10)
     assert set(used) == {2}
+
+
+@pytest.mark.parametrize(("milliseconds", "expected"), [(0.5, 0.0005), (2.0, 0.002), (0.0, None)])
+def test_switch_interval_is_set_in_milliseconds_and_zero_leaves_pythons(milliseconds, expected):
+    import sys
+
+    from osd.threads import set_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        in_effect = set_switch_interval(milliseconds)
+        assert in_effect == pytest.approx(expected if expected is not None else before)
+        assert sys.getswitchinterval() == pytest.approx(in_effect)
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("milliseconds", [-1.0, 101.0, float("nan")])
+def test_a_switch_interval_out_of_range_is_refused(milliseconds):
+    from osd.config import ServeConfig
+
+    with pytest.raises(ValueError, match="serve.gil_switch_interval_ms"):
+        ServeConfig(gil_switch_interval_ms=milliseconds)
