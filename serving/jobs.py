@@ -15,7 +15,6 @@ steps that queued up while the consumer was busy go out as one chunk.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 import weakref
@@ -127,9 +126,10 @@ class Job:
         every row once woke the loop once each)."""
         mailbox = _Mailbox.of(loop)
         held: list[StreamChunk] = []
-        sent = [-math.inf]  # when the choice's last event (or, not streamed, chunk) left
+        sent: float | None = None  # when the choice's last chunk went to the loop
 
         def sink(chunk: StreamChunk | None) -> None:
+            nonlocal sent
             item: Any = chunk
             if chunk is None:
                 try:
@@ -140,16 +140,16 @@ class Job:
                     mailbox.post(self._arrive, index, merge_chunks(held))
                 held.clear()
             elif not stream:
-                if sent[0] > -math.inf:
+                if sent is not None:
                     return  # a whole answer's loop hears of its first chunk and its end only
-                sent[0] = time.perf_counter()
+                sent = time.perf_counter()
             else:
                 held.append(chunk)
                 now = time.perf_counter()
                 interval = self._interval() if callable(self._interval) else self._interval
-                if chunk.finish_reason is None and now - sent[0] < interval:
+                if chunk.finish_reason is None and sent is not None and now - sent < interval:
                     return
-                sent[0] = now
+                sent = now
                 item = merge_chunks(held)
                 held.clear()
             mailbox.post(self._arrive, index, item)
@@ -224,7 +224,8 @@ class _Mailbox:
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        # Weak: the registry's value must not keep its key (the loop) alive.
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[Callable[..., None], tuple[Any, ...]]] = []
 
@@ -243,10 +244,16 @@ class _Mailbox:
             wake = len(self._items) == 1  # else a delivery is already on its way
         if wake:
             try:
-                self._loop.call_soon_threadsafe(self._deliver)
-            except RuntimeError:  # the loop is closed: so is the replica
+                self._running_loop().call_soon_threadsafe(self._deliver)
+            except RuntimeError:  # the loop is closed or gone: so is the replica
                 with self._lock:
                     self._items.clear()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop()
+        if loop is None:
+            raise RuntimeError("the event loop is gone")
+        return loop
 
     def _deliver(self) -> None:
         with self._lock:
@@ -255,6 +262,6 @@ class _Mailbox:
             try:
                 callback(*args)
             except Exception as exc:  # noqa: BLE001 - one callback's fault spares the rest
-                self._loop.call_exception_handler(
+                self._running_loop().call_exception_handler(
                     {"message": "a delivery to the event loop failed", "exception": exc}
                 )

@@ -272,3 +272,26 @@ def test_a_steps_chunks_for_many_streams_wake_the_event_loop_once(
     assert wakes[:2] == [8, 8]
     for events in every:
         assert _tokens(events) == [[0], [1, 2]]
+
+
+def test_a_closed_event_loop_leaves_no_mailbox_behind(
+    clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry of mailboxes is keyed weakly by loop: a mailbox must not keep its loop
+    (and itself) alive once the loop is gone."""
+    import gc
+    import weakref
+
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+    mailbox_of = jobs._Mailbox.of
+
+    def recorded(loop: asyncio.AbstractEventLoop) -> jobs._Mailbox:
+        loops.append(weakref.ref(loop))
+        return mailbox_of(loop)
+
+    monkeypatch.setattr(jobs._Mailbox, "of", recorded)
+    for _ in range(3):
+        _one_choice(clock, 0.0, [0.0, 0.01])
+    gc.collect()
+    assert len(loops) == 3
+    assert all(loop() is None for loop in loops)
