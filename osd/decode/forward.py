@@ -16,6 +16,7 @@ from osd.decode.compiled_forward import FEW_TOKENS
 from osd.decode.goodput import GoodputController
 from osd.decode.history import TokenHistory
 from osd.decode.kv_cache import SlotKVCache, packing, plan_forward, worth_packing
+from osd.decode.log_top_m import LogTopM
 from osd.decode.models import CausalLM
 from osd.decode.prefix_history import History
 from osd.decode.proposers import Proposers
@@ -31,7 +32,6 @@ __all__ = [
     "left_padded",
     "right_aligned",
     "run_model",
-    "top_m_distribution",
 ]
 
 
@@ -49,6 +49,8 @@ class ModelPair:
     # Who drafts each row (osd.decode.proposers); the default: the draft model alone.
     proposers: Proposers = field(default_factory=Proposers)
     history: TokenHistory = field(init=False)  # token counts of rows with a penalty
+    # Starts each step's top-m for the log (beside the decoding thread on a CPU).
+    log_distribution: LogTopM = field(init=False)
     # The models' device and the target's dtype, read once: a step asks for them, and asking
     # a model walks its parameters (the models do not move or change dtype while a pair serves;
     # the dtype read every step was 1 % of a batch-1 step on the CPU).
@@ -63,6 +65,7 @@ class ModelPair:
         self.device = self.target.device
         self.dtype = next(self.target.model.parameters()).dtype
         self.history = TokenHistory(self.target_cache.num_slots, self.vocab_size, self.device)
+        self.log_distribution = LogTopM(self.log_top_m, self.device)
 
     def sampling(self, rows: list[Row]) -> tuple[RowSampling, History | None]:
         """The rows' sampling parameters (the last step's tensors where its rows were these,
@@ -120,13 +123,6 @@ def _copy_prefixes(
         device,
     )  # (3, N): src, dst, position
     cache.copy_positions(at[0], at[1], at[2])
-
-
-def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target's top-m at temperature 1: (..., V) logits -> (..., m) ids and probs."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = torch.topk(probs, m, dim=-1)
-    return top.indices, top.values
 
 
 def as_tensor(

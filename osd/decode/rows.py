@@ -26,6 +26,7 @@ from osd.decode.generation import (
     TokenLogprob,
 )
 from osd.decode.goodput import GoodputController
+from osd.decode.log_top_m import LoggedPositions
 from osd.decode.logprobs import PromptLogprobs
 from osd.decode.request import DecodeRequest
 
@@ -56,9 +57,10 @@ class Row:
     step: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
     # The log's data, a host slice a step (osd.devices.on_host): drafted tokens' q, and the
-    # target's top ids and probabilities at each position the step emitted.
+    # target's top ids and probabilities at each position the step emitted (read when the
+    # log is built: osd.decode.log_top_m).
     draft_token_probs: list[np.ndarray] = field(default_factory=list)
-    log_rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    log_rows: list[LoggedPositions] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -201,8 +203,9 @@ class Row:
         """
         request, num_generated = self.request, self.stats.num_generated
         top_m = self.request.log_top_m or 1
-        ids = [i for i, _ in self.log_rows] or [np.zeros((0, top_m), dtype=np.int64)]
-        probs = [p for _, p in self.log_rows] or [np.zeros((0, top_m), dtype=np.float32)]
+        steps = [positions.arrays() for positions in self.log_rows]
+        ids = [i for i, _ in steps] or [np.zeros((0, top_m), dtype=np.int64)]
+        probs = [p for _, p in steps] or [np.zeros((0, top_m), dtype=np.float32)]
         draft_probs = self.draft_token_probs or [np.zeros(0, dtype=np.float32)]
         return GenerationLog(
             request=request,

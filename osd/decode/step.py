@@ -29,10 +29,10 @@ from osd.decode.forward import (
     history_rows,
     left_padded,
     run_model,
-    top_m_distribution,
 )
 from osd.decode.generation import StreamChunk
 from osd.decode.grammar_masks import GrammarMasks
+from osd.decode.log_top_m import LoggedPositions
 from osd.decode.logprobs import PendingLogprobs, gather_logprobs
 from osd.decode.prefix_history import block_history
 from osd.decode.prompt_logprobs import prefill_target
@@ -121,7 +121,7 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
     probs = rows_to_probs(logits, *pair.sampling(rows), allowed)
     tokens = sample_from_probs(probs, _verify_draws(rows, device)[0])
     if any(row.request.log_top_m for row in rows):  # read after the sync below (on_host)
-        top_ids, top_probs = on_host(*top_m_distribution(logits.unsqueeze(1), pair.log_top_m))
+        top = pair.log_distribution.now(logits.unsqueeze(1))
     zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
     on_way = _start_logprobs(  # no drafts: the first token is position 0
         rows,
@@ -138,7 +138,7 @@ def _first_tokens(pair: ModelPair, rows: list[Row], logits: torch.Tensor) -> lis
     chunks = []
     for i, (row, token) in enumerate(zip(rows, token_list, strict=True)):
         if row.request.log_top_m:
-            row.log_rows.append((top_ids[i], top_probs[i]))
+            row.log_rows.append(LoggedPositions(top, i, 1))
         chunks.append(row.emit([], 0, token, 0, logprobs.get(i)))
     return chunks
 
@@ -328,12 +328,18 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
 
     everyone = torch.arange(num_rows, device=device)
     chosen_ids = drafts.ids[everyone, verified.draft_index, :width]  # (B, k)
-    if any(row.request.log_top_m for row in rows):
-        top = top_m_distribution(logits[first_row + verified.draft_index], pair.log_top_m)
-        chosen_q = drafts.probs[everyone, verified.draft_index, :width]  # (B, k, V)
-        draft_q = chosen_q.gather(-1, chosen_ids.unsqueeze(-1))[..., 0]  # (B, k)
+    logged = any(row.request.log_top_m for row in rows)
+    if logged:
+        # The rows' chosen branches' logits (the step's own tensor, which nothing writes
+        # afterwards: the worker may read it later); without branches, the logits themselves.
+        chosen = logits if len(fan_out) == num_rows else logits[first_row + verified.draft_index]
+        top = pair.log_distribution.before_sync(chosen)
+        positions = torch.arange(width, device=device)
+        draft_q = drafts.probs[  # (B, k): each drafted token's q, no (B, k, V) copy
+            everyone[:, None], verified.draft_index[:, None], positions[None, :], chosen_ids
+        ]
         # Read after the step's sync; each row's share is a host slice, not a tensor op.
-        top_ids, top_probs, draft_token_probs = on_host(*top, draft_q)
+        (draft_token_probs,) = on_host(draft_q)
     on_way = _start_logprobs(
         rows,
         logits,
@@ -359,6 +365,9 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         dim=1,
     ).tolist()
     logprobs = {} if on_way is None else on_way.rows()
+    if logged:  # on a CPU: each row's kept positions, computed beside this thread
+        kept = [row[0] + 1 for row in packed]
+        step_top = top if top is not None else pair.log_distribution.after_sync(chosen, kept)
     if masks is not None:
         masks.commit([row[4 : 4 + row[0]] + [row[1]] for row in packed])
     copies: dict[str, list[tuple[int, int, int]]] = {"target": [], "draft": []}
@@ -378,7 +387,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
         if plan.model_k[b] > 0:  # the draft's cache moved; looked-up rows catch it up later
             row.draft_len = draft_len
         if row.request.log_top_m:
-            row.log_rows.append((top_ids[b, : num_accepted + 1], top_probs[b, : num_accepted + 1]))
+            row.log_rows.append(LoggedPositions(step_top, b, num_accepted + 1))
             row.draft_token_probs.append(draft_token_probs[b, :num_drafted])
         looked_up = plan.lookups.get(b)
         if pair.controller is not None:
