@@ -120,7 +120,8 @@ class Job:
     def _sink(
         self, loop: asyncio.AbstractEventLoop, index: int, handle: RequestHandle, stream: bool
     ) -> Callable[[StreamChunk | None], None]:
-        """The choice's sink, called in the decoding thread (one choice's calls never overlap).
+        """The choice's sink, called in the decoding thread (the end may come from the log's
+        top-m worker: osd.decode.loop.RequestHandle.deliver_to; one choice's calls never overlap).
         A streamed step within the interval of its choice's last event is held here: it
         reaches the event loop with a later step, so it wakes nothing (a step's chunks for
         every row once woke the loop once each)."""

@@ -14,11 +14,15 @@ computes those alone (a row verifies k + 1 positions and keeps the accepted ones
 with a draft the target rejects, one of five). A pair keeps at most one step's top-m in flight
 (it waits for the last one before it hands over the next), so what waits is one step's logits,
 never a backlog. A row keeps its share of each step (:class:`LoggedPositions`) and reads it
-when its log is built, after it finished: off the decoding thread too.
+when its log is built, after it finished. A request handle whose row ended while its last
+step's top-m was still on its way hands the end to its sink from the worker's thread, once it
+landed (:meth:`osd.decode.loop.RequestHandle.deliver_to`): building the log never waits in the
+decoding thread. The worker is one thread for the process, shared by its pairs.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -44,6 +48,13 @@ def _on_host_top_m(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The top-m of (R, T, V) ``logits`` as host arrays: (R, T, m), or with ``kept`` (each
     row's first positions) (sum(kept), m), the rows' positions one after another."""
+    with torch.inference_mode():
+        return _top_m_arrays(logits, m, kept)
+
+
+def _top_m_arrays(
+    logits: torch.Tensor, m: int, kept: list[int] | None
+) -> tuple[np.ndarray, np.ndarray]:
     if kept is not None:
         counts = torch.tensor(kept, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(kept)), counts)
@@ -64,6 +75,12 @@ class StepTopM:
     ) -> None:
         self._result = result
         self._offsets = None if kept is None else np.cumsum([0, *kept[:-1]]).tolist()
+
+    def pending(self) -> Future | None:
+        """The worker's future while it has not landed; None once it has (or where there is
+        none)."""
+        result = self._result
+        return result if isinstance(result, Future) and not result.done() else None
 
     def arrays(self, row: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Row ``row``'s first ``count`` positions, (count, m) ids and probabilities (waits
@@ -95,6 +112,15 @@ class LoggedPositions:
 
 _worker: ThreadPoolExecutor | None = None
 _worker_lock = threading.Lock()
+
+
+def _forget_worker() -> None:
+    """In a forked child: the parent's worker thread is not there, so a new one is made."""
+    global _worker, _worker_lock
+    _worker, _worker_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_worker)
 
 
 def _shared_worker() -> ThreadPoolExecutor:
@@ -130,7 +156,10 @@ class LogTopM:
         the decoding thread goes on)."""
         if self._last is not None:
             wait([self._last])  # at most one step's logits waiting
-        self._last = _shared_worker().submit(_on_host_top_m, logits, self.m, kept)
+        try:
+            self._last = _shared_worker().submit(_on_host_top_m, logits, self.m, kept)
+        except RuntimeError:  # the interpreter is shutting down: no new threads' work
+            return StepTopM(_on_host_top_m(logits, self.m, kept), kept)
         return StepTopM(self._last, kept)
 
     def now(self, logits: torch.Tensor) -> StepTopM:

@@ -109,7 +109,10 @@ class RequestHandle:
         """Hands each step's chunk to ``sink`` from the decoding thread, then ``None`` once the
         request ended (:meth:`result` then answers at once), instead of queueing them for an
         iterating thread: a consumer on an event loop needs no thread waiting on the queue.
-        Chunks already queued are handed first, in order. Call it once, and do not iterate."""
+        Where the log's last step is still with the top-m worker (on a CPU,
+        :mod:`osd.decode.log_top_m`), ``None`` comes from that worker's thread once it landed,
+        so the decoding thread never waits for it. Chunks already queued are handed first, in
+        order. Call it once, and do not iterate."""
         with self._sink_lock:
             if self._sink is not None:
                 raise RuntimeError("the handle already delivers to a sink")
@@ -128,7 +131,11 @@ class RequestHandle:
     def _hand(self, sink: Callable[[StreamChunk | None], None], item: object) -> None:
         if item is _END:
             self._ended = True
-            sink(None)
+            pending = self._row.log_pending()
+            if pending is None:
+                sink(None)
+            else:  # the log's last step is with the top-m worker: the end goes from there
+                pending.add_done_callback(lambda _: sink(None))
         else:
             assert isinstance(item, StreamChunk)
             sink(item)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -56,9 +57,9 @@ class Row:
     draft_len: int = 0
     step: int = 0
     stats: GenerationStats = field(default_factory=GenerationStats)
-    # The log's data, a host slice a step (osd.devices.on_host): drafted tokens' q, and the
-    # target's top ids and probabilities at each position the step emitted (read when the
-    # log is built: osd.decode.log_top_m).
+    # The log's data a step: drafted tokens' q (a host slice, osd.devices.on_host), and the
+    # target's top ids and probabilities at each position the step emitted (its share of the
+    # step's top-m, read when the log is built: osd.decode.log_top_m).
     draft_token_probs: list[np.ndarray] = field(default_factory=list)
     log_rows: list[LoggedPositions] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -179,7 +180,8 @@ class Row:
         return self.finish_reason is not None or self.cancelled.is_set()
 
     def result(self) -> GenerationResult:
-        """The generation so far (all of it once :attr:`done`)."""
+        """The generation so far (all of it once :attr:`done`; waits for its log's last step
+        where the top-m worker has not finished it: :meth:`log_pending`)."""
         return GenerationResult(
             token_ids=list(self.token_ids),
             text="".join(self.text),
@@ -190,8 +192,15 @@ class Row:
             prompt_logprobs=None if self.prompt_logprobs is None else self.prompt_logprobs.entries,
         )
 
+    def log_pending(self) -> Future | None:
+        """The step whose top-m this row's log still waits for, if any (the worker takes a
+        pair's steps one at a time, so only the row's last can be)."""
+        return self.log_rows[-1].step.pending() if self.log_rows else None
+
     def _log(self) -> GenerationLog:
-        """The log of the steps so far (their data came to the host with each step's sync).
+        """The log of the steps so far (their data came to the host with each step's sync,
+        the target's top-m on a CPU from the worker of :mod:`osd.decode.log_top_m`: this waits
+        for its last step where it has not landed).
 
         The record holds the answer's tokens and one target distribution per token: what a
         step verified past a stop string, a stop token or the budget is left out of both, so

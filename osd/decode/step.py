@@ -366,7 +366,7 @@ def run_step(pair: ModelPair, rows: list[Row]) -> list[StreamChunk]:
     ).tolist()
     logprobs = {} if on_way is None else on_way.rows()
     if logged:  # on a CPU: each row's kept positions, computed beside this thread
-        kept = [row[0] + 1 for row in packed]
+        kept = [p[0] + 1 if r.request.log_top_m else 0 for p, r in zip(packed, rows, strict=True)]
         step_top = top if top is not None else pair.log_distribution.after_sync(chosen, kept)
     if masks is not None:
         masks.commit([row[4 : 4 + row[0]] + [row[1]] for row in packed])

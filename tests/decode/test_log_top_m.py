@@ -94,8 +94,10 @@ def test_a_pair_keeps_one_steps_top_m_in_flight(monkeypatch):
 
     thread = threading.Thread(target=second)
     thread.start()
-    assert not second_started.wait(0.2)  # held until the first step's has landed
-    release.set()
+    try:
+        assert not second_started.wait(0.2)  # held until the first step's has landed
+    finally:
+        release.set()  # the shared worker must not stay held for later tests
     thread.join(30)
     assert second_started.is_set()
     assert first.arrays(0, 1)[0].shape == (1, 2)
@@ -123,3 +125,40 @@ def test_a_failed_top_m_surfaces_where_the_log_is_read_or_in_the_step(monkeypatc
     starter.after_sync(torch.randn(1, 1, 8), [1])  # waits for the failed one without raising
     with pytest.raises(RuntimeError, match="top-m failed"):
         step.arrays(0, 1)
+
+
+def test_an_ended_rows_sink_hears_of_its_end_once_its_log_landed_and_the_loop_goes_on(
+    target_model, lora_draft, tokenizer, monkeypatch
+):
+    """Where a row ends while its last step's top-m is with the worker, its sink gets the end
+    from the worker once it landed; the decoding thread meanwhile serves other requests."""
+    release = threading.Event()
+    real = log_top_m._on_host_top_m
+
+    def held(logits, m, kept=None):
+        if kept is not None:  # a decode step's (a prefill's first tokens are computed at once)
+            assert release.wait(30)
+        return real(logits, m, kept)
+
+    monkeypatch.setattr(log_top_m, "_on_host_top_m", held)
+    decoder = SpeculativeDecoder(target_model, lora_draft, tokenizer)
+    engine = BatchedEngine(decoder, BatchLimits(max_num_seqs=4))
+    ended = threading.Event()
+    try:
+        logged = engine.submit(
+            decoder.prepare(PROMPTS[0], max_tokens=2, method="none", stop_token_ids=[])
+        )
+        logged.deliver_to(lambda chunk: ended.set() if chunk is None else None)
+        try:
+            unlogged = engine.submit(
+                decoder.prepare(PROMPTS[1], max_tokens=3, log=False, stop_token_ids=[])
+            )
+            assert len(unlogged.result().token_ids) == 3  # decoded while the log is held
+            assert not ended.is_set()
+        finally:
+            release.set()
+        assert ended.wait(30)
+        log = logged.result().log
+        assert log is not None and log.target_top_ids.shape[0] == 2
+    finally:
+        engine.close()
