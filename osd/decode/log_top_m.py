@@ -43,18 +43,12 @@ def top_m_distribution(logits: torch.Tensor, m: int) -> tuple[torch.Tensor, torc
     return top.indices, top.values
 
 
+@torch.inference_mode()
 def _on_host_top_m(
     logits: torch.Tensor, m: int, kept: list[int] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """The top-m of (R, T, V) ``logits`` as host arrays: (R, T, m), or with ``kept`` (each
     row's first positions) (sum(kept), m), the rows' positions one after another."""
-    with torch.inference_mode():
-        return _top_m_arrays(logits, m, kept)
-
-
-def _top_m_arrays(
-    logits: torch.Tensor, m: int, kept: list[int] | None
-) -> tuple[np.ndarray, np.ndarray]:
     if kept is not None:
         counts = torch.tensor(kept, dtype=torch.int64)
         rows = torch.repeat_interleave(torch.arange(len(kept)), counts)
