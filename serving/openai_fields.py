@@ -206,7 +206,6 @@ REFUSED: Mapping[str, Refused] = {
     "moderation": Refused("moderation of the input and output", _is_null),
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)
     "min_tokens": Refused("a minimum completion length", _is_int(0)),
-    "skip_special_tokens": Refused("special tokens in the text", _is_one_of(True)),
     "spaces_between_special_tokens": Refused("special-token spacing in the text", _is_one_of(True)),
     "include_stop_str_in_output": Refused("the stop string in the text", _is_false),
     "add_generation_prompt": Refused("chat prompts without a generation prompt", _is_one_of(True)),

@@ -177,6 +177,9 @@ class _Common(BaseModel):
     # vLLM's: the end-of-sequence token does not end generation (stop strings and
     # stop_token_ids still do); what benchmarks send to generate exactly max_tokens.
     ignore_eos: StrictBool = False
+    # vLLM's: false writes the tokenizer's special tokens in the text (the tokens that ended
+    # generation never); with tools, a parser whose marker is a special token turns it off.
+    skip_special_tokens: StrictBool = True
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64 in the record
     # Choices, each its own sample with a seed derived from (seed, index) (osd.decode.choices).

@@ -207,9 +207,11 @@ class TextAssembler:
     _WINDOW = 32
     _KEEP = 6  # tokens before the read point a restarted window keeps as context
 
-    def __init__(self, tokenizer: Any, stop: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str], skip_special_tokens: bool = True
+    ) -> None:
         self._tokenizer = tokenizer
-        self._decode_ids = text_decoder(tokenizer)
+        self._decode_ids = text_decoder(tokenizer, skip_special_tokens)
         self._stop = [s for s in stop if s]
         self._token_ids: list[int] = []
         self._emitted = 0
@@ -301,10 +303,11 @@ class TextAssembler:
         return partial + longest
 
 
-def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``, as one call into the Rust backend
+def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``, as one call into the Rust backend
     where that is all a fast tokenizer's decode does (a third of its cost: transformers' wrapper
     checks and converts its arguments on every call, and a row decodes every step)."""
+    skip = skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is None
@@ -312,8 +315,8 @@ def text_decoder(tokenizer: Any) -> Callable[[list[int]], str]:
         or type(tokenizer).decode is not PreTrainedTokenizerBase.decode
         or type(tokenizer)._decode is not TokenizersBackend._decode
     ):
-        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
-    return lambda ids: str(backend.decode(ids, skip_special_tokens=True))
+        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip))
+    return lambda ids: str(backend.decode(ids, skip_special_tokens=skip))
 
 
 def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:

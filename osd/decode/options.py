@@ -56,6 +56,9 @@ class RequestOptions:
         grammar: structured output (:mod:`osd.decode.grammar`); None: free text.
         proposer: who drafts (:mod:`osd.decode.proposers`): ``"auto"``, ``"draft"``,
             ``"suffix"`` or ``"ngram"``.
+        skip_special_tokens: the text leaves the tokenizer's special tokens out (vLLM's
+            default); false writes them (a tool-call marker that is a special token, e.g.
+            Mistral's ``[TOOL_CALLS]``). The tokens that ended generation are never written.
     """
 
     max_tokens: int = 128
@@ -74,6 +77,7 @@ class RequestOptions:
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
     proposer: ProposerChoice = "auto"
+    skip_special_tokens: bool = True
 
     @classmethod
     def of(cls, base: RequestOptions | None = None, **keywords: Any) -> RequestOptions:

@@ -76,6 +76,11 @@ class DecodeRequest:
         return self.options.stop
 
     @property
+    def skip_special_tokens(self) -> bool:
+        """The text leaves special tokens out."""
+        return self.options.skip_special_tokens
+
+    @property
     def route(self) -> str:
         """The statistics key beside the adapter (e.g. the request's domain)."""
         return self.options.route

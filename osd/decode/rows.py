@@ -81,7 +81,9 @@ class Row:
 
     def __post_init__(self) -> None:
         self.seq = list(self.request.prompt_ids)
-        self.assembler = TextAssembler(self.tokenizer, self.request.stop)
+        self.assembler = TextAssembler(
+            self.tokenizer, self.request.stop, self.request.skip_special_tokens
+        )
         self.draft_key = rng.stream_key(self.request.seed, rng.DRAFT_STREAM)
         self.verify_key = rng.stream_key(self.request.seed, rng.VERIFY_STREAM)
         # The grammar's parser state after the tokens emitted so far (osd.decode.grammar_masks).

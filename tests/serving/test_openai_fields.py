@@ -223,7 +223,6 @@ def test_an_unknown_field_is_refused_by_name(replica, field, value):
     ("field", "default", "other"),
     [
         ("min_tokens", 0, 2),
-        ("skip_special_tokens", True, False),
         ("include_stop_str_in_output", False, True),
         ("add_generation_prompt", True, False),
         ("use_beam_search", False, True),
