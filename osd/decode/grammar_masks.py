@@ -8,9 +8,11 @@ draft's forward for position i is queued, each branch's matcher consumes its dra
 i - 1 and fills the mask of position i; after the last drafted token it fills position k, the
 target's bonus position, while the target's forward is queued. On a GPU the drafted tokens
 reach the host by a copy started before that forward (:meth:`GrammarMasks.prefetch`), so the
-masks are computed while it runs. The same masks then go to the target in one copy. Once the
-step's tokens are known, each row's matcher is rolled back to the step's start and advances by
-what the row emitted.
+masks are computed while it runs. The same masks then go to the target in one copy. Branches
+draft on copies of the row's matcher (a copy costs about a microsecond): once the step's tokens
+are known, the row's own matcher, still at the step's start, advances by what the row emitted.
+(No rollback: llguidance 1.9's rollback over a special token, such as Mistral's ``[TOOL_CALLS]``,
+says it succeeded and leaves the parser in the wrong place once masks were computed.)
 
 A stop token (end-of-sequence or the request's stop ids) is never consumed: the row ends there,
 and positions after it are left unmasked (what is drafted after a stop is never emitted).
@@ -61,13 +63,12 @@ class _Branch:
     """One branch of a constrained row during the step."""
 
     row: Row
-    matcher: Any  # the row's own (branch 0) or a copy (SpecTr branches 1..K-1)
+    matcher: Any  # a copy of the row's, which stays at the step's start
     index: int  # its row in the step's fan-out (row b's branch j: sum(branches[:b]) + j)
     batch_row: int  # b
     branch: int  # j
     k: int  # tokens it drafts this step
     at: int = 0  # drafted tokens it has reached
-    consumed: int = 0  # tokens its matcher consumed (stops excluded)
     ended: bool = False  # a stop token was drafted
 
 
@@ -102,7 +103,7 @@ class GrammarMasks:
             if row.matcher is None:
                 continue
             for j in range(branches[b]):
-                matcher = row.matcher if j == 0 else row.matcher.deep_copy()
+                matcher = row.matcher.deep_copy()
                 self.branches.append(_Branch(row, matcher, self.first[b] + j, b, j, spec_k[b]))
         self._fill([(branch, 0) for branch in self.branches])
 
@@ -141,7 +142,6 @@ class GrammarMasks:
                 if not branch.matcher.consume_token(token):
                     _broken(branch, f"refused token {token}")
                     break
-                branch.consumed += 1
             branch.at = target
             if not branch.ended:
                 fills.append((branch, target))
@@ -171,22 +171,19 @@ class GrammarMasks:
         return self._on_device(self.bits[:, :num_positions])
 
     def commit(self, emitted: Sequence[Sequence[int]]) -> None:
-        """Moves each row's matcher from the step's start to after what it emitted.
+        """Advances each row's matcher, at the step's start, by what the row emitted.
 
         Args:
             emitted: per batch row, the tokens it emitted this step, in order.
         """
         for branch in self.branches:
             if branch.branch != 0 or branch.row.error is not None:
-                continue  # SpecTr copies are dropped; a failed row ends
-            matcher = branch.matcher
-            if branch.consumed and not matcher.rollback(branch.consumed):
-                _broken(branch, "its rollback failed")
-                continue
+                continue  # one matcher a row; a failed row ends
+            branch.matcher = branch.row.matcher
             for token in emitted[branch.batch_row]:
                 if token in branch.row.request.stop_token_ids:
                     break
-                if not matcher.consume_token(token):
+                if not branch.matcher.consume_token(token):
                     _broken(branch, f"refused token {token}")
                     break
 

@@ -26,7 +26,7 @@ from osd.decode import step as step_module
 from osd.decode.loop import BatchedEngine
 from osd.decode.sampling import SamplingParams, logits_to_probs
 from osd.decode.scheduler import BatchLimits
-from osd.testing import char_tokenizer, tiny_llama
+from osd.testing import char_tokenizer, noisy_copy, tiny_llama
 from tests.decode.test_monte_carlo import chi_square
 
 PATTERN = "[ab](ca|b)*"
@@ -292,3 +292,33 @@ def test_a_grammar_failing_mid_decode_fails_its_request_alone(char_decoder):
         engine.close()
     with pytest.raises(RuntimeError, match="structured output failed"):
         char_decoder.generate("q", max_tokens=12, seed=3, grammar=grammar)
+
+
+@pytest.mark.parametrize("method", ["token", "block", "spectr"])
+def test_special_tokens_in_a_grammar_decode_under_speculation(method):
+    """A grammar that names special tokens (Mistral's tool-call markers) decodes speculatively
+    as without speculation. llguidance 1.9's rollback over a special token reports success and
+    leaves the parser elsewhere once masks were computed; the masks draft on copies instead.
+    Greedy: the constrained target's own argmax path; written with its special tokens."""
+    from tokenizers import AddedToken
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens(
+        [AddedToken("[TOOL_CALLS]", special=True), AddedToken("[ARGS]", special=True)],
+        special_tokens=True,
+    )
+    target = tiny_llama(vocab_size=66, hidden_size=32, num_layers=1, seed=3, logit_scale=2.0)
+    # A draft close to the target: its blocks run past a marker, and are cut back after it.
+    decoder = SpeculativeDecoder(target, noisy_copy(target, 0.1, seed=4), tokenizer)
+    source = 'start: (<[64]> ("get_weather" | "calc") <[65]> %json {"type": "object"})+'
+    grammar = decoder.grammars.compile("lark", source)
+    options = {"max_tokens": 60, "temperature": 0.0, "grammar": grammar, "log": False}
+    reference = decoder.generate("go", method="none", skip_special_tokens=False, **options)
+    result = decoder.generate(
+        "go", method=method, num_spec_tokens=4, skip_special_tokens=False, **options
+    )
+    assert result.token_ids == reference.token_ids
+    assert re.fullmatch(r"(\[TOOL_CALLS\](get_weather|calc)\[ARGS\]\{.*?\})+.*", result.text)
+    assert decoder.generate("go", method=method, num_spec_tokens=4, **options).text == (
+        result.text.replace("[TOOL_CALLS]", "").replace("[ARGS]", "")
+    )
