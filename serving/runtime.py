@@ -88,10 +88,15 @@ class ReplicaRuntime:
         self._compiles = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
         parser = config.serve.tool_call_parser
         template = getattr(engine.tokenizer, "chat_template", None)
-        # How replies are read for tool calls (None: tools are refused).
+        # How replies are read for tool calls (None: tools are refused), and written.
         self.tool_parser = detect_parser(template) if parser == "auto" else parser
         if self.tool_parser == "none":
             self.tool_parser = None
+        self.tool_format = (
+            None
+            if self.tool_parser is None
+            else tool_call_format(self.tool_parser, template, engine.tokenizer)
+        )
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
@@ -110,8 +115,8 @@ class ReplicaRuntime:
             raise APIError(
                 400,
                 "tools: this server reads no tool calls for its model (its chat template shows "
-                "no known tool-call format); start it with serve.tool_call_parser set to hermes "
-                "or llama3_json",
+                "no known tool-call format); start it with serve.tool_call_parser set to hermes, "
+                "llama3_json or mistral",
                 param="tools",
                 code="unsupported_parameter",
             )
@@ -126,6 +131,8 @@ class ReplicaRuntime:
             messages = template_messages(request.messages)
         except ParamError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
+        if self.tool_format is not None:
+            messages = self.tool_format.template_messages(messages)
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
             return _render(tokenizer, messages, tools)
@@ -173,8 +180,8 @@ class ReplicaRuntime:
                     "ask for one of them",
                     param="tool_choice",
                 )
-            assert self.tool_parser is not None  # tool_plan refused tools without a parser
-            source = tool_call_format(self.tool_parser).grammar(tools.forced, tools.parallel)
+            assert self.tool_format is not None  # tool_plan refused tools without a parser
+            source = self.tool_format.grammar(tools.forced, tools.parallel)
             ask = ("tools", "lark", source)
         if ask is None:
             return None
@@ -257,6 +264,9 @@ class ReplicaRuntime:
             log=self.log_writer is not None and request.log,
             grammar=grammar,
         )
+        if tools is not None and self.tool_format is not None and self.tool_format.special_ids:
+            # The calls' markers are special tokens: the parser reads them in the text.
+            options = dataclasses.replace(options, skip_special_tokens=False)
         return self.engine.prepare(self.prompt_of(request, tools), options)
 
     def _stop_token_ids(self, extra: list[int], ignore_eos: bool) -> list[int] | None:

@@ -1,13 +1,20 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Two formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Three formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
 * ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole reply is one JSON object
   ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is read too), several separated by
   ``;``, optionally after ``<|python_tag|>``.
+* ``mistral``: text, then ``[TOOL_CALLS]`` and the calls: before v11 (Mistral 7B v0.3,
+  Mixtral, Nemo) a JSON list ``[{"name": ..., "arguments": {...}}, ...]``; from v11 (Small 3.2,
+  Magistral, Devstral) ``[TOOL_CALLS]name[ARGS]{...}`` for each call. Both are read; the
+  grammar writes the one the chat template shows. Mistral's templates take 9-character
+  alphanumeric call ids only: the calls get such ids, and a history's other ids are mapped.
+  ``[TOOL_CALLS]`` is a special token of Mistral's tokenizers: requests with tools keep special
+  tokens in their text (``skip_special_tokens`` off, as vLLM's mistral parser asks).
 
 A :class:`ToolCallScanner` reads a reply as it streams, one piece of text at a time, and says
 what can go out: content text, or a whole tool call once its JSON is complete; the non-streamed
@@ -17,16 +24,22 @@ content, never a call the client cannot run. Text that may start a call is held 
 is clear whether it does.
 
 The grammars are Lark grammars for llguidance (:mod:`osd.decode.grammar`): the call's marker
-text, then the function's name as a constant and its arguments following the tool's JSON schema
+(text, or the special token by its id, ``<[5]>``: text cannot spell a special token), then
+the function's name as a constant and its arguments following the tool's JSON schema
 (``%json``), compact, as the demo corpus writes them. Arguments therefore always parse and
 validate. The grammar masks the draft and the target alike, so speculation stays exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import re
+import secrets
+import string
 import urllib.parse
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +53,7 @@ __all__ = [
     "tool_call_format",
 ]
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
 _COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options, as x-guidance
 
 
@@ -56,12 +69,23 @@ class ParsedCall:
 class ToolCallFormat:
     """How one family writes tool calls.
 
+    The calls are ``opening``, then each call as ``start`` + body + ``end`` with ``separator``
+    between two, then ``closing``. A body is the call's JSON object (``name`` and the
+    arguments under ``arguments_key``) or, with ``arguments_marker``, the function's name as
+    text, the marker and the arguments' JSON object (Mistral's v11 format).
+
     Attributes:
         name: the parser's name (``PARSERS``).
-        start: the text that opens a call (hermes) or ``""``: the reply itself is the calls.
-        end: the text that closes a call (hermes).
+        start: the text that opens each call (hermes) or ``""``.
+        end: the text that closes each call (hermes) or ``""``.
         arguments_key: the key the model writes the arguments under.
-        separator: between two calls (in the grammar; the scanner accepts any whitespace).
+        separator: between two calls (in the grammar; the scanners accept any whitespace).
+        opening: pieces of text before the first call (Mistral's ``[TOOL_CALLS] [``).
+        closing: pieces of text after the last call.
+        arguments_marker: between a call's name and its arguments; None: JSON calls.
+        special_ids: the pieces that are one special token of the tokenizer, with its id: the
+            grammar names the token (text cannot spell a special token).
+        short_ids: the chat template takes 9-character alphanumeric call ids (Mistral's).
     """
 
     name: str
@@ -69,6 +93,17 @@ class ToolCallFormat:
     end: str
     arguments_key: str
     separator: str
+    opening: tuple[str, ...] = ()
+    closing: tuple[str, ...] = ()
+    arguments_marker: str | None = None
+    special_ids: tuple[tuple[str, int], ...] = ()
+    short_ids: bool = False
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The pieces of text that may be one special token of a tokenizer."""
+        pieces = (*self.opening, self.start, self.end, self.arguments_marker or "")
+        return tuple(p for p in pieces if p.startswith(("[", "<")) and p.endswith(("]", ">")))
 
     def grammar(self, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose outputs are one call (or, with ``parallel``, one or more) of
@@ -76,29 +111,39 @@ class ToolCallFormat:
         if not functions:
             raise ValueError("a tool-call grammar needs at least one function")
         bodies = [f"fn_{i}" for i in range(len(functions))]
+        between = f"{self._text(self.separator)} " if self.separator else ""
+        more = f" ({between}call)*" if parallel else ""
+        closing = self._sequence("", *self.closing)
         rules = [
             "%llguidance {}",
-            "start: call" + (f" ({json.dumps(self.separator)} call)*" if parallel else ""),
-            f"call: {json.dumps(self.start)} body {json.dumps(self.end)}"
-            if self.start
-            else "call: body",
+            f"{self._sequence('start:', *self.opening)} call{more}{closing}",
+            f"{self._sequence('call:', self.start)} body{self._sequence('', self.end)}",
             "body: " + " | ".join(bodies),
         ]
         for rule, function in zip(bodies, functions, strict=True):
-            rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
+            if self.arguments_marker is None:
+                rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
+            else:
+                schema = {**_parameters(function), "x-guidance": _COMPACT}
+                name = self._sequence("", function["name"], self.arguments_marker)
+                rules.append(f"{rule}:{name} %json {json.dumps(schema)}")
         return "\n".join(rules) + "\n"
+
+    def _text(self, piece: str) -> str:
+        """``piece`` in the grammar: its special token, or the text."""
+        special = dict(self.special_ids)
+        return f"<[{special[piece]}]>" if piece in special else json.dumps(piece)
+
+    def _sequence(self, head: str, *pieces: str) -> str:
+        return head + "".join(f" {self._text(p)}" for p in pieces if p)
 
     def _call_schema(self, function: Mapping[str, Any]) -> dict[str, Any]:
         """The schema of one call of ``function``: its name, and its parameters' schema under
         the arguments key. The parameters' definitions (``$defs``, ``definitions``) move to
         the call's root, where their references (``#/$defs/...``) point; a reference to
         another place of the parameters gets their new path. Parameters with an ``$id`` are
-        a resource of their own, whose references resolve inside them: left as they are. No
-        parameters: no arguments (``{}``), as OpenAI reads a function without them."""
-        parameters = dict(function.get("parameters") or {"properties": {}})
-        if not function.get("parameters"):
-            parameters["additionalProperties"] = False
-        parameters.setdefault("type", "object")
+        a resource of their own, whose references resolve inside them: left as they are."""
+        parameters = _parameters(function)
         own_resource = "$id" in parameters
         lifted = {
             key: parameters.pop(key)
@@ -115,6 +160,53 @@ class ToolCallFormat:
             "x-guidance": _COMPACT,
             **{key: _rerooted(value, root) for key, value in lifted.items()},
         }
+
+    def new_call_id(self) -> str:
+        """A new call's id: OpenAI's shape, or 9 letters and digits where the template
+        takes no other (Mistral's, as vLLM's mistral parser makes them)."""
+        if self.short_ids:
+            return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` as this format's chat template takes them: with ``short_ids``, every
+        call id of the history (an assistant's ``tool_calls[].id``, a tool's
+        ``tool_call_id``) that is not 9 letters and digits becomes 9 that are, the same
+        id always the same (a client may send OpenAI's ids, or another server's)."""
+        if not self.short_ids:
+            return messages
+        for message in messages:
+            for call in message.get("tool_calls") or []:
+                if isinstance(call.get("id"), str):
+                    call["id"] = _short_id(call["id"])
+            if isinstance(message.get("tool_call_id"), str):
+                message["tool_call_id"] = _short_id(message["tool_call_id"])
+        return messages
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def _short_id(call_id: str) -> str:
+    """``call_id`` if it is 9 letters and digits, else 9 of them derived from it."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    digits = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ALPHANUMERIC))
+        digits.append(_ALPHANUMERIC[digit])
+    return "".join(digits)
+
+
+def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    """A function's parameters' schema, of an object. No parameters: no arguments (``{}``),
+    as OpenAI reads a function without them."""
+    parameters = dict(function.get("parameters") or {"properties": {}})
+    if not function.get("parameters"):
+        parameters["additionalProperties"] = False
+    parameters.setdefault("type", "object")
+    return parameters
 
 
 _DEFINITIONS = ("$defs", "definitions")
@@ -174,21 +266,42 @@ def _rerooted(schema: Any, root: str) -> Any:
     return out
 
 
+_MISTRAL = "[TOOL_CALLS]"
 _FORMATS = {
     "hermes": ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n"),
     "llama3_json": ToolCallFormat("llama3_json", "", "", "parameters", "; "),
+    # Mistral 7B v0.3, Mixtral 8x22B, Nemo, Small up to 3.1 (tokenizers before v11).
+    "mistral": ToolCallFormat(
+        "mistral", "", "", "arguments", ", ", (_MISTRAL, " ["), ("]",), short_ids=True
+    ),
 }
+# Mistral Small 3.2, Magistral, Devstral (v11 on): each call its own marker, then the name.
+_MISTRAL_V11 = ToolCallFormat(
+    "mistral", _MISTRAL, "", "arguments", "", arguments_marker="[ARGS]", short_ids=True
+)
 
 
-def tool_call_format(name: str) -> ToolCallFormat:
-    """The format of parser ``name``.
+def tool_call_format(
+    name: str, chat_template: str | None = None, tokenizer: Any = None
+) -> ToolCallFormat:
+    """The format of parser ``name``; for ``mistral``, the one its ``chat_template`` writes
+    (``[ARGS]``: v11's). With the ``tokenizer``, the format's markers that are one special
+    token of it are named by their ids in the grammar.
 
     Raises:
         ValueError: an unknown parser.
     """
     if name not in _FORMATS:
         raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got {name!r}")
-    return _FORMATS[name]
+    form = _FORMATS[name]
+    if name == "mistral" and chat_template and "[ARGS]" in chat_template:
+        form = _MISTRAL_V11
+    if tokenizer is None:
+        return form
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = {token.content: i for i, token in added.items() if getattr(token, "special", False)}
+    ids = tuple((piece, special[piece]) for piece in form.markers if piece in special)
+    return dataclasses.replace(form, special_ids=ids)
 
 
 def detect_parser(chat_template: str | None) -> str | None:
@@ -197,6 +310,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
+    if _MISTRAL in chat_template:
+        return "mistral"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
     return None
@@ -210,7 +325,7 @@ class ToolCallScanner:
     """Reads one reply as it streams; :meth:`feed` and :meth:`finish` say what can go out.
 
     Args:
-        parser: ``hermes`` or ``llama3_json``.
+        parser: ``hermes``, ``llama3_json`` or ``mistral``.
         functions: the offered functions' names (a call of another name stays content).
         parallel: false keeps the first call only (OpenAI's ``parallel_tool_calls: false``).
     """
@@ -232,15 +347,18 @@ class ToolCallScanner:
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Takes the next piece of the reply; returns (content to send, calls completed)."""
         self._pending += text
-        if self._format.name == "hermes":
-            return self._hermes(final=False)
-        return self._llama(final=False)
+        return self._read(final=False)
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The reply ended: everything held back goes out (an unfinished call as content)."""
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
         if self._format.name == "hermes":
-            return self._hermes(final=True)
-        return self._llama(final=True)
+            return self._hermes(final)
+        if self._format.name == "mistral":
+            return self._mistral(final)
+        return self._llama(final)
 
     def _accept(self, call: ParsedCall | None) -> list[ParsedCall]:
         if call is None or (self.calls and not self._parallel):
@@ -339,20 +457,82 @@ class ToolCallScanner:
             return text, []
         return "", [call for p in parsed for call in self._accept(p)]
 
-    def _llama_calls(self, text: str) -> list[ParsedCall] | None:
-        decoder, calls, at = _JSON, list[ParsedCall](), 0
-        while at < len(text):
-            try:
-                value, at = decoder.raw_decode(text, at)
-            except ValueError:  # not JSON, or NaN / Infinity
+    def _mistral(self, final: bool) -> tuple[str, list[ParsedCall]]:
+        """Content streams until the first ``[TOOL_CALLS]``; what follows is calls, read when
+        the reply is complete (all of them, or it goes out as content)."""
+        content = ""
+        if not self._in_call:
+            start = self._pending.find(_MISTRAL)
+            if start < 0:
+                keep = 0 if final else _held_back(self._pending, _MISTRAL)
+                out = self._pending[: len(self._pending) - keep]
+                content = out if final else out.rstrip()  # whitespace waits for what follows
+                self._pending = self._pending[len(content) :]
+                return content, []
+            before = self._pending[:start]
+            content = before.rstrip()
+            self._gap = before[len(content) :]
+            self._pending, self._in_call = self._pending[start:], True
+        if not final:
+            return content, []
+        text, self._pending, self._in_call = self._pending, "", False
+        parsed = self._mistral_calls(text)
+        if parsed is None:
+            return content + self._gap + text, []
+        return content, [call for p in parsed for call in self._accept(p)]
+
+    def _mistral_calls(self, text: str) -> list[ParsedCall] | None:
+        """Every call after each marker: a JSON list or object of calls (before v11), or the
+        name, an optional ``[CALL_ID]`` and ``[ARGS]``, and the arguments' object (v11)."""
+        calls = list[ParsedCall]()
+        for part in text.split(_MISTRAL)[1:]:
+            part = part.strip()
+            named = _MISTRAL_NAMED.match(part)
+            if named is None:
+                values = _json_values(part)
+                if values is None:
+                    return None
+                for value in values:
+                    for item in value if isinstance(value, list) else [value]:
+                        call = self._call_of(item, ("arguments", "parameters"))
+                        if call is None:
+                            return None
+                        calls.append(call)
+                continue
+            values = _json_values(part[named.end() :])
+            if values is None or len(values) != 1:
                 return None
-            call = self._call_of(value, ("parameters", "arguments"))
+            call = self._call_of({"name": named["name"], "arguments": values[0]}, ("arguments",))
             if call is None:
                 return None
             calls.append(call)
-            rest = re.match(r"\s*;?\s*", text[at:])
-            at += rest.end() if rest else 0
         return calls or None
+
+    def _llama_calls(self, text: str) -> list[ParsedCall] | None:
+        values = _json_values(text)
+        calls = [self._call_of(value, ("parameters", "arguments")) for value in values or []]
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+
+
+# A v11 call after its marker: the name, an optional call id, the arguments' marker.
+_MISTRAL_NAMED = re.compile(
+    r"(?P<name>[A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(?=\{)"
+)
+
+
+def _json_values(text: str) -> list[Any] | None:
+    """The JSON values ``text`` is, one after another (apart by whitespace, commas or
+    semicolons); None: not that, or empty."""
+    values, at = [], 0
+    while at < len(text):
+        try:
+            value, at = _JSON.raw_decode(text, at)
+        except ValueError:  # not JSON, or NaN / Infinity
+            return None
+        values.append(value)
+        rest = re.match(r"[\s,;]*", text[at:])
+        at += rest.end() if rest else 0
+    return values or None
 
 
 def _held_back(text: str, marker: str) -> int:

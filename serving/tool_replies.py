@@ -13,10 +13,9 @@ as content.
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
-from serving.tool_parsers import ParsedCall, ToolCallScanner
+from serving.tool_parsers import ParsedCall, ToolCallScanner, tool_call_format
 from serving.tools import ToolPlan
 
 __all__ = ["ToolReply"]
@@ -26,12 +25,13 @@ class ToolReply:
     """One choice's reply, read for tool calls as its text arrives.
 
     Args:
-        parser: the replica's tool-call parser (``hermes``, ``llama3_json``).
+        parser: the replica's tool-call parser (``hermes``, ``llama3_json``, ``mistral``).
         plan: the request's tools.
     """
 
     def __init__(self, parser: str, plan: ToolPlan) -> None:
         self._scanner = ToolCallScanner(parser, plan.names, plan.parallel)
+        self._format = tool_call_format(parser)
         self._count = 0
         self._named = plan.named
 
@@ -67,7 +67,7 @@ class ToolReply:
             deltas.append(
                 {
                     "index": self._count,
-                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "id": self._format.new_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }

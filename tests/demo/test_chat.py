@@ -230,7 +230,8 @@ def test_serving_renders_a_chat_request_with_the_template(tokenizer):
     from serving.runtime import ReplicaRuntime
 
     request = ChatRequest(model="osd", messages=CONVERSATIONS[1])
-    prompt = ReplicaRuntime.prompt_of(SimpleNamespace(tokenizer=tokenizer), request)  # type: ignore[arg-type]
+    runtime = SimpleNamespace(tokenizer=tokenizer, tool_format=None)
+    prompt = ReplicaRuntime.prompt_of(runtime, request)  # type: ignore[arg-type]
     assert prompt == render_chat(CONVERSATIONS[1], add_generation_prompt=True)
 
 

@@ -94,6 +94,39 @@ def test_llama3_json_replies_read_alike_whole_and_in_pieces(text, expected, piec
     assert scan("llama3_json", text, pieces) == (expected or (text, []))
 
 
+MISTRAL_CALLS = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "calc", ' + (
+    '"arguments": {"expression": "1 + 2"}}]'
+)
+MISTRAL_CASES = [
+    ("plain text", ("plain text", [])),
+    ("a [1, 2] list, [ok]", ("a [1, 2] list, [ok]", [])),
+    # Before v11: one marker, a JSON list of calls (or one call's object).
+    (f"[TOOL_CALLS] {MISTRAL_CALLS}", ("", [OSLO, ONE_PLUS_TWO])),
+    (f"Let me look. [TOOL_CALLS] {MISTRAL_CALLS}", ("Let me look.", [OSLO, ONE_PLUS_TWO])),
+    ('[TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Oslo"}}', ("", [OSLO])),
+    # v11: a marker, the name, an optional call id and [ARGS] before each call's arguments.
+    (
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+        '[TOOL_CALLS]calc[ARGS]{"expression": "1 + 2"}',
+        ("", [OSLO, ONE_PLUS_TWO]),
+    ),
+    ('ok [TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}', ("ok", [OSLO])),
+    ('[TOOL_CALLS]get_weather{"city": "Oslo"}', ("", [OSLO])),
+    # Not calls: an unknown function, broken JSON, one bad call among good ones, no call.
+    ("[TOOL_CALLS]rm[ARGS]{}", None),
+    ('[TOOL_CALLS] [{"name": "calc", "arguments": {"expression"', None),
+    ("[TOOL_CALLS]calc[ARGS]{}[TOOL_CALLS]rm[ARGS]{}", None),
+    ("[TOOL_CALLS]", None),
+    ("x [TOOL_CALL", None),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), MISTRAL_CASES)
+@pytest.mark.parametrize("pieces", [0, 1, 5])
+def test_mistral_replies_read_alike_whole_and_in_pieces(text, expected, pieces):
+    assert scan("mistral", text, pieces) == (expected or (text, []))
+
+
 def test_content_streams_before_a_call_and_held_back_text_only_as_long_as_needed():
     scanner = ToolCallScanner("hermes", NAMES)
     assert scanner.feed("Sure") == ("Sure", [])
@@ -114,6 +147,7 @@ def test_parallel_false_keeps_the_first_call():
     [
         ("{% for m in messages %}<tool_call>{% endfor %}", "hermes"),
         ("{{- '<|python_tag|>' }}", "llama3_json"),
+        ("{{- '[TOOL_CALLS] [' }}", "mistral"),
         ("{{ messages }}", None),
         (None, None),
     ],
@@ -234,4 +268,66 @@ def test_a_function_without_parameters_takes_no_arguments(compiler):
 
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        tool_call_format("mistral")
+        tool_call_format("pythonic")
+
+
+@pytest.fixture(scope="module")
+def marked():
+    """The toy tokenizer with Mistral's markers as special tokens (ids 64, 65), as Mistral's."""
+    from tokenizers import AddedToken
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens(
+        [AddedToken("[TOOL_CALLS]", special=True), AddedToken("[ARGS]", special=True)],
+        special_tokens=True,
+    )
+    return tokenizer, GrammarCompiler(tokenizer, len(tokenizer))
+
+
+@pytest.mark.parametrize("template", ["[TOOL_CALLS] [", "[TOOL_CALLS]name[ARGS]"])
+def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(marked, template):
+    tokenizer, compiler = marked
+    form = tool_call_format("mistral", template, tokenizer)
+    assert dict(form.special_ids) == (
+        {"[TOOL_CALLS]": 64}
+        if form.arguments_marker is None
+        else {"[TOOL_CALLS]": 64, "[ARGS]": 65}
+    )
+    if form.arguments_marker is None:  # before v11
+        one = '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"oslo"}}]'
+        two = one[:-1] + ', {"name":"calc","arguments":{}}]'
+    else:
+        one = '[TOOL_CALLS]get_weather[ARGS]{"city":"oslo"}'
+        two = one + "[TOOL_CALLS]calc[ARGS]{}"
+
+    def accepts(source: str, text: str) -> bool:
+        matcher = compiler.compile("lark", source).matcher()
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return bool(matcher.consume_tokens(ids)) and bool(matcher.is_accepting())
+
+    parallel = form.grammar(FUNCTIONS, parallel=True)
+    single = form.grammar(FUNCTIONS, parallel=False)
+    assert accepts(parallel, one) and accepts(parallel, two)
+    assert accepts(single, one) and not accepts(single, two)
+    # The marker is the special token: text cannot begin to spell it.
+    matcher = compiler.compile("lark", parallel).matcher()
+    assert not matcher.consume_token(tokenizer.convert_tokens_to_ids("["))
+    assert not accepts(parallel, one.replace("get_weather", "rm"))
+    content, calls = scan("mistral", two)
+    assert content == "" and [c.name for c in calls] == ["get_weather", "calc"]
+
+
+def test_mistral_ids_are_nine_letters_and_digits_and_the_history_is_mapped_alike():
+    form = tool_call_format("mistral")
+    ids = {form.new_call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    history = [
+        {"role": "assistant", "tool_calls": [{"id": "call_abc-1"}, {"id": "Ab3dE6gH9"}]},
+        {"role": "tool", "tool_call_id": "call_abc-1"},
+        {"role": "tool", "tool_call_id": "Ab3dE6gH9"},
+    ]
+    mapped = form.template_messages(history)
+    first, kept = (call["id"] for call in mapped[0]["tool_calls"])
+    assert len(first) == 9 and first.isalnum() and kept == "Ab3dE6gH9"
+    assert [m["tool_call_id"] for m in mapped[1:]] == [first, kept]
+    assert tool_call_format("hermes").new_call_id().startswith("call_")
