@@ -29,6 +29,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd.decode.generation import GenerationResult, TokenLogprob
+from osd.decode.grammar import GrammarFailed
 from serving.logprobs import LogprobFormatter, echo_prefix
 from serving.protocol import (
     MAX_JSON_DEPTH,
@@ -40,7 +41,7 @@ from serving.protocol import (
     now,
     parse_request,
 )
-from serving.runtime import Job, ReplicaRuntime
+from serving.runtime import Job, ReplicaRuntime, grammar_failure
 from serving.tokenize_api import detokenize, tokenize
 from serving.tool_replies import ToolReply
 
@@ -599,6 +600,9 @@ async def _job_events(
                     yield _event(head, [choice(i, echo[i] + text, finish, calls)], **usage())
                     echo[i], first[i] = "", False
                     held_ids[i], held[i] = [], None if held[i] is None else []
+    except GrammarFailed as exc:  # the request's grammar, not the server: its 400, in-band
+        failed.append(str(exc))
+        yield f"data: {json.dumps(grammar_failure(job, exc).body())}\n\n".encode()
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in-band
         logger.exception("stream failed after its first byte: %s", exc)
         failed.append(str(exc))

@@ -28,7 +28,7 @@ from osd.config import OSDConfig
 from osd.decode.choices import choice_requests
 from osd.decode.engine import SpeculativeDecoder
 from osd.decode.generation import GenerationResult, StreamChunk
-from osd.decode.grammar import Grammar
+from osd.decode.grammar import Grammar, GrammarFailed
 from osd.decode.loop import BatchedEngine, EngineFull
 from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
@@ -288,6 +288,8 @@ class ReplicaRuntime:
         except asyncio.CancelledError:
             job.cancel()
             raise
+        except GrammarFailed as exc:
+            raise grammar_failure(job, exc) from None
 
     def stream(self, job: Job) -> AsyncGenerator[tuple[int, StreamChunk]]:
         """Yields (choice index, chunk) as the rows verify them; cancels the job if the
@@ -399,6 +401,16 @@ class ReplicaRuntime:
         self._compiles.shutdown(wait=False, cancel_futures=True)
         if self.log_writer is not None:
             self.log_writer.close()
+
+
+def grammar_failure(job: Job, exc: GrammarFailed) -> APIError:
+    """The 400 of a request whose grammar gave up while it decoded (text the model's vocabulary
+    cannot write, or a limit of the grammar engine), naming the field that asked for it: the
+    request, not the server, is what cannot be served."""
+    forced = job.tools is not None and job.tools.forced
+    ask = None if forced else grammar_ask(job.request)
+    field = "tool_choice" if ask is None else ask[0]
+    return APIError(400, f"{field}: {exc}", param=field)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolPlan | None) -> str:

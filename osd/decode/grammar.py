@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "unpack_bitmask"]
+__all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarFailed", "unpack_bitmask"]
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "lark", "choice"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "lark", "choice")
@@ -35,6 +35,13 @@ _CACHE_SIZE = 64
 # JSON is generated compactly: flexible whitespace would let a weak model spend its whole
 # budget on spaces and newlines inside a valid object.
 _JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions
+
+
+class GrammarFailed(RuntimeError):
+    """A request's grammar gave up while it decoded: it asks for text the models' vocabulary
+    cannot write (a toy vocabulary without capitals asked for ``[A-Z]``), or llguidance met
+    one of its resource limits. Compiling cannot always foresee either; the request fails, the
+    batch goes on."""
 
 
 @dataclass(frozen=True, eq=False)

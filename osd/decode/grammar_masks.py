@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from osd.decode.grammar import unpack_bitmask
+from osd.decode.grammar import GrammarFailed, unpack_bitmask
 from osd.decode.rows import Row
 from osd.devices import to_device
 
@@ -221,7 +221,7 @@ def _broken(branch: _Branch, what: str) -> None:
     branch.ended = True
     if branch.row.error is None:
         detail = branch.matcher.get_error().strip().splitlines()
-        branch.row.error = RuntimeError(
+        branch.row.error = GrammarFailed(
             f"structured output failed: the grammar's parser {what}"
             + (f" ({detail[0]})" if detail else "")
         )

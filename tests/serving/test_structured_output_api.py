@@ -117,3 +117,27 @@ def test_bad_structured_output_is_a_400_naming_the_field(client, fields, param):
     with pytest.raises(openai.BadRequestError) as caught:
         create(client, "completion", max_tokens=5, extra_body=fields)
     assert caught.value.body["param"] == param, caught.value.body
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"regex": "ab[A-Z]+"}}, "structured_outputs.regex"),
+        ({"guided_regex": "a[A-Z]b"}, "guided_regex"),
+    ],
+)
+def test_a_grammar_the_vocabulary_cannot_write_is_a_400_naming_the_field(
+    client, replica, fields, param
+):
+    # The toy vocabulary has no capitals: the grammar compiles, then gives up while decoding.
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, "completion", max_tokens=5, extra_body=fields)
+    body = caught.value.body
+    assert body["param"] == param and "structured output failed" in body["message"], body
+    # Streamed, the status line has gone: the same error comes in-band, and no [DONE].
+    streamed = replica.complete(prompt="go", max_tokens=5, stream=True, **fields)
+    events = [line for line in streamed.text.splitlines() if line.startswith("data: ")]
+    error = json.loads(events[-1].removeprefix("data: "))["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert "data: [DONE]" not in streamed.text
+    assert replica.complete(prompt="go", max_tokens=5).status_code == 200  # the replica serves
