@@ -7,7 +7,8 @@ Three spellings, one per request at most:
   {"name": ..., "schema": {...}, "strict": ...}}`` (a JSON value following the schema; without a
   ``schema``, any JSON object). Served on both endpoints, as vLLM does.
 * vLLM's ``structured_outputs``: exactly one of ``json`` (a schema), ``regex``, ``choice`` (a
-  list of strings), ``grammar`` (a Lark grammar, llguidance's dialect) or ``json_object: true``.
+  list of strings), ``grammar`` (a Lark grammar, llguidance's dialect, or llama.cpp's GBNF as
+  vLLM's xgrammar backend takes it) or ``json_object: true``.
 * vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``, the
   same four.
 

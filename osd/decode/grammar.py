@@ -88,7 +88,8 @@ class GrammarCompiler:
             kind: ``json_object`` (any JSON object; ``spec`` unused), ``json_schema`` (``spec``:
                 the schema, a dict or its JSON text), ``regex`` (``spec``: the pattern the
                 whole output matches), ``lark`` (``spec``: a Lark grammar with a ``start``
-                rule) or ``choice`` (``spec``: the strings the output must be one of).
+                rule, or a GBNF grammar with a ``root`` rule, converted) or ``choice``
+                (``spec``: the strings the output must be one of).
 
         Raises:
             ValueError: an unknown kind, or a spec that does not compile (the message says
@@ -132,7 +133,7 @@ def _grammar_source(kind: str, spec: Any) -> str:
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(_text(spec, kind))
     if kind == "lark":
-        return llguidance.LLMatcher.grammar_from_lark(_text(spec, kind))
+        return llguidance.LLMatcher.grammar_from_lark(_lark(_text(spec, kind)))
     if kind == "choice":
         if not isinstance(spec, Sequence) or isinstance(spec, str) or not spec:
             raise ValueError("choice must be a non-empty list of strings")
@@ -142,6 +143,17 @@ def _grammar_source(kind: str, spec: Any) -> str:
             "start: " + " | ".join(json.dumps(c) for c in choices)
         )
     raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {kind!r}")
+
+
+def _lark(text: str) -> str:
+    """``text`` in Lark syntax: a GBNF grammar (llama.cpp's ``root ::= ...``, which vLLM's
+    xgrammar backend takes) is converted by llguidance's converter; Lark is left alone."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the converter raises its own and others
+        raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from None
 
 
 def _json_text(text: str) -> Any:

@@ -37,6 +37,14 @@ def test_masks_follow_the_grammar(compiler):
     assert allowed_after(compiler, choice, "") == {"y", "n"}
 
 
+def test_gbnf_grammars_are_read_as_vllm_reads_them(compiler):
+    # llama.cpp's GBNF, which vLLM's default (xgrammar) backend takes, beside Lark.
+    grammar = compiler.compile("lark", 'root ::= "yes" | "no" | item+\nitem ::= [a-c] "!"')
+    assert allowed_after(compiler, grammar, "") == {"y", "n", "a", "b", "c"}
+    assert allowed_after(compiler, grammar, "b") == {"!"}
+    assert allowed_after(compiler, grammar, "b!") == {"a", "b", "c", "<eos>"}
+
+
 def test_matchers_are_independent_and_grammars_cached(compiler):
     grammar = compiler.compile("json_object")
     assert compiler.compile("json_object") is grammar
@@ -51,6 +59,7 @@ def test_matchers_are_independent_and_grammars_cached(compiler):
     [
         ("regex", "[ab", "does not compile"),
         ("lark", "start: missing", "does not compile"),
+        ("lark", 'root ::= "a" (', "neither Lark nor GBNF"),
         ("json_schema", "{not json", "not valid JSON"),
         ("json_schema", ["a list"], "JSON object"),
         ("choice", [], "non-empty list"),

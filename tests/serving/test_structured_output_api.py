@@ -87,6 +87,8 @@ def test_json_object_is_a_json_object_or_an_unfinished_one(client):
         ({"structured_outputs": {"choice": ["red", "green", "blue"]}}, r"red|green|blue"),
         ({"guided_choice": ["up", "down"]}, r"up|down"),
         ({"structured_outputs": {"grammar": 'start: "x" NUM\nNUM: /[0-9]{1,3}/'}}, r"x[0-9]{1,3}"),
+        # GBNF, as vLLM's xgrammar backend takes it.
+        ({"guided_grammar": 'root ::= "x" [0-9] [0-9]? "."'}, r"x[0-9]{1,2}\."),
         ({"structured_outputs": {"json": SCHEMA}}, None),
         ({"guided_json": json.dumps(SCHEMA)}, None),
     ],
