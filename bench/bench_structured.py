@@ -85,7 +85,7 @@ def mask_milliseconds(decoder: SpeculativeDecoder, grammar: Grammar, repeats: in
         for position in range(1, K + 1):
             masks.advance(position, drafted)
         masks.target_allowed(K + 1)
-        masks.commit([prefix[-K:-1]] * BATCH)  # k - 1 kept: roll back k, consume k - 1
+        masks.commit([prefix[-K:-1]] * BATCH)  # k - 1 kept: the row's matcher consumes them
         times.append(time.perf_counter() - started)
         for row in rows:
             row.matcher.rollback(K - 1)

@@ -292,8 +292,15 @@ async def _admit_each_prompt(
 
 
 async def _results_of(runtime: ReplicaRuntime, jobs: list[Job]) -> list[list[GenerationResult]]:
-    """Every job's results, in the jobs' order (cancelled together)."""
-    return list(await asyncio.gather(*(runtime.complete(job) for job in jobs)))
+    """Every job's results, in the jobs' order (cancelled together; one that fails cancels
+    the others, whose answers would never be read)."""
+    waits = [asyncio.ensure_future(runtime.complete(job)) for job in jobs]
+    try:
+        return list(await asyncio.gather(*waits))
+    except BaseException:
+        for wait in waits:
+            wait.cancel()
+        raise
 
 
 def _summed_usage(jobs: list[Job], every: list[list[GenerationResult]]) -> dict[str, Any]:

@@ -71,6 +71,7 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "min_p",
         "stop_token_ids",  # vLLM's: token ids that end generation besides end-of-sequence
         "ignore_eos",  # vLLM's: end-of-sequence does not end generation
+        "skip_special_tokens",  # vLLM's: false writes special tokens in the text
         "logprobs",  # completions: 0..20 alternatives (vLLM's bound); chat: a flag
         "top_logprobs",  # chat only (completions refuse it by name)
         "echo",  # completions: the prompt (and its logprobs) first; chat refuses it by name

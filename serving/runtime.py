@@ -406,7 +406,9 @@ class ReplicaRuntime:
 def grammar_failure(job: Job, exc: GrammarFailed) -> APIError:
     """The 400 of a request whose grammar gave up while it decoded (text the model's vocabulary
     cannot write, or a limit of the grammar engine), naming the field that asked for it: the
-    request, not the server, is what cannot be served."""
+    request, not the server, is what cannot be served. Logged too: the parser's reason is the
+    operator's to see if a grammar the model should follow fails."""
+    logger.warning("request %s: %s", job.request_id, exc)
     forced = job.tools is not None and job.tools.forced
     ask = None if forced else grammar_ask(job.request)
     field = "tool_choice" if ask is None else ask[0]

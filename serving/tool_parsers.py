@@ -54,7 +54,10 @@ __all__ = [
 ]
 
 PARSERS = ("hermes", "llama3_json", "mistral")
-_COMPACT = {"whitespace_flexible": False}  # llguidance's JSON options, as x-guidance
+# llguidance's JSON options (as x-guidance): compact, or spaced as Python's json.dumps and
+# Jinja's tojson write it (", " and ": ", what Mistral's templates show the model).
+_COMPACT = {"whitespace_flexible": False}
+_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class ToolCallFormat:
         special_ids: the pieces that are one special token of the tokenizer, with its id: the
             grammar names the token (text cannot spell a special token).
         short_ids: the chat template takes 9-character alphanumeric call ids (Mistral's).
+        spaced: the grammar writes JSON with ``", "`` and ``": "`` (else compact).
     """
 
     name: str
@@ -98,6 +102,7 @@ class ToolCallFormat:
     arguments_marker: str | None = None
     special_ids: tuple[tuple[str, int], ...] = ()
     short_ids: bool = False
+    spaced: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -124,10 +129,14 @@ class ToolCallFormat:
             if self.arguments_marker is None:
                 rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
             else:
-                schema = {**_parameters(function), "x-guidance": _COMPACT}
+                schema = {**_parameters(function), "x-guidance": self._json_options}
                 name = self._sequence("", function["name"], self.arguments_marker)
                 rules.append(f"{rule}:{name} %json {json.dumps(schema)}")
         return "\n".join(rules) + "\n"
+
+    @property
+    def _json_options(self) -> dict[str, Any]:
+        return _SPACED if self.spaced else _COMPACT
 
     def _text(self, piece: str) -> str:
         """``piece`` in the grammar: its special token, or the text."""
@@ -157,7 +166,7 @@ class ToolCallFormat:
             "properties": {"name": {"const": function["name"]}, self.arguments_key: nested},
             "required": ["name", self.arguments_key],
             "additionalProperties": False,
-            "x-guidance": _COMPACT,
+            "x-guidance": self._json_options,
             **{key: _rerooted(value, root) for key, value in lifted.items()},
         }
 
@@ -270,14 +279,22 @@ _MISTRAL = "[TOOL_CALLS]"
 _FORMATS = {
     "hermes": ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n"),
     "llama3_json": ToolCallFormat("llama3_json", "", "", "parameters", "; "),
-    # Mistral 7B v0.3, Mixtral 8x22B, Nemo, Small up to 3.1 (tokenizers before v11).
+    # Mistral 7B v0.3 and Mixtral 8x22B write "[TOOL_CALLS] ["; the Tekken ones (Nemo, Small 3
+    # and 3.1, Large 2411) "[TOOL_CALLS][" (tool_call_format picks by the template).
     "mistral": ToolCallFormat(
-        "mistral", "", "", "arguments", ", ", (_MISTRAL, " ["), ("]",), short_ids=True
+        "mistral", "", "", "arguments", ", ", (_MISTRAL, " ["), ("]",), short_ids=True, spaced=True
     ),
 }
 # Mistral Small 3.2, Magistral, Devstral (v11 on): each call its own marker, then the name.
 _MISTRAL_V11 = ToolCallFormat(
-    "mistral", _MISTRAL, "", "arguments", "", arguments_marker="[ARGS]", short_ids=True
+    "mistral",
+    _MISTRAL,
+    "",
+    "arguments",
+    "",
+    arguments_marker="[ARGS]",
+    short_ids=True,
+    spaced=True,
 )
 
 
@@ -285,8 +302,9 @@ def tool_call_format(
     name: str, chat_template: str | None = None, tokenizer: Any = None
 ) -> ToolCallFormat:
     """The format of parser ``name``; for ``mistral``, the one its ``chat_template`` writes
-    (``[ARGS]``: v11's). With the ``tokenizer``, the format's markers that are one special
-    token of it are named by their ids in the grammar.
+    (``[ARGS]``: v11's; before, ``[TOOL_CALLS] [`` or ``[TOOL_CALLS][``). With the
+    ``tokenizer``, the format's markers that are one special token of it are named by their
+    ids in the grammar.
 
     Raises:
         ValueError: an unknown parser.
@@ -296,6 +314,8 @@ def tool_call_format(
     form = _FORMATS[name]
     if name == "mistral" and chat_template and "[ARGS]" in chat_template:
         form = _MISTRAL_V11
+    elif name == "mistral" and chat_template and f"{_MISTRAL} [" not in chat_template:
+        form = dataclasses.replace(form, opening=(_MISTRAL, "["))
     if tokenizer is None:
         return form
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
@@ -336,7 +356,7 @@ class ToolCallScanner:
         self._parallel = parallel
         self._pending = ""  # text not yet given out
         self._in_call = False  # hermes: inside <tool_call> ... </tool_call>
-        self._gap = ""  # hermes: the whitespace before the open call (its text if no call)
+        self._gap = ""  # hermes, mistral: the whitespace before the open call (its text if no call)
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
         self.calls: list[ParsedCall] = []
 
@@ -479,34 +499,34 @@ class ToolCallScanner:
         parsed = self._mistral_calls(text)
         if parsed is None:
             return content + self._gap + text, []
-        return content, [call for p in parsed for call in self._accept(p)]
+        calls, rest = parsed
+        return content + rest, [call for p in calls for call in self._accept(p)]
 
-    def _mistral_calls(self, text: str) -> list[ParsedCall] | None:
+    def _mistral_calls(self, text: str) -> tuple[list[ParsedCall], str] | None:
         """Every call after each marker: a JSON list or object of calls (before v11), or the
-        name, an optional ``[CALL_ID]`` and ``[ARGS]``, and the arguments' object (v11)."""
+        name, an optional ``[CALL_ID]`` and ``[ARGS]``, and the arguments' object (v11); and
+        the text after the last call (content, as vLLM's parser leaves it). None: a part that
+        is not calls of offered functions."""
         calls = list[ParsedCall]()
-        for part in text.split(_MISTRAL)[1:]:
+        parts = text.split(_MISTRAL)[1:]
+        rest = ""
+        for number, part in enumerate(parts, 1):
             part = part.strip()
             named = _MISTRAL_NAMED.match(part)
-            if named is None:
-                values = _json_values(part)
-                if values is None:
-                    return None
-                for value in values:
-                    for item in value if isinstance(value, list) else [value]:
-                        call = self._call_of(item, ("arguments", "parameters"))
-                        if call is None:
-                            return None
-                        calls.append(call)
-                continue
-            values = _json_values(part[named.end() :])
-            if values is None or len(values) != 1:
+            body = part if named is None else part[named.end() :]
+            values, end = _json_prefix(body)
+            if not values or (end < len(body) and number < len(parts)):
                 return None
-            call = self._call_of({"name": named["name"], "arguments": values[0]}, ("arguments",))
-            if call is None:
-                return None
-            calls.append(call)
-        return calls or None
+            rest = body[end:]
+            if named is not None:  # v11: one object, the arguments
+                values = [{"name": named["name"], "arguments": values[0]}, *values[1:]]
+            for value in values:
+                for item in value if isinstance(value, list) else [value]:
+                    call = self._call_of(item, ("arguments", "parameters"))
+                    if call is None:
+                        return None
+                    calls.append(call)
+        return (calls, rest.strip()) if calls else None
 
     def _llama_calls(self, text: str) -> list[ParsedCall] | None:
         values = _json_values(text)
@@ -523,16 +543,23 @@ _MISTRAL_NAMED = re.compile(
 def _json_values(text: str) -> list[Any] | None:
     """The JSON values ``text`` is, one after another (apart by whitespace, commas or
     semicolons); None: not that, or empty."""
-    values, at = [], 0
+    values, end = _json_prefix(text)
+    return values if values and end == len(text) else None
+
+
+def _json_prefix(text: str) -> tuple[list[Any], int]:
+    """The JSON values ``text`` begins with (apart by whitespace, commas or semicolons), and
+    where the text after them begins."""
+    values, at = list[Any](), 0
     while at < len(text):
         try:
-            value, at = _JSON.raw_decode(text, at)
+            value, after = _JSON.raw_decode(text, at)
         except ValueError:  # not JSON, or NaN / Infinity
-            return None
+            break
         values.append(value)
-        rest = re.match(r"[\s,;]*", text[at:])
-        at += rest.end() if rest else 0
-    return values or None
+        rest = re.match(r"[\s,;]*", text[after:])
+        at = after + (rest.end() if rest else 0)
+    return values, at
 
 
 def _held_back(text: str, marker: str) -> int:

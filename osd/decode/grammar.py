@@ -3,11 +3,12 @@
 A grammar (a JSON schema, any JSON object, a regular expression, a Lark grammar or a list of
 choices) is compiled once per request by llguidance (Microsoft's Rust grammar engine; chosen
 over xgrammar because its CPU wheel has no dependencies, where xgrammar's pulls a 1 GB
-``triton``, and its masks are computed on the host for any device, incrementally per token, with
-rollback). Each row keeps a matcher, advanced by the tokens it emits. The mask at a position
-depends only on the tokens before it, like the penalties, so applying it to the draft's q and
-the target's p keeps every verifier exact: the output distribution is the target's distribution
-restricted to the grammar and renormalised at every token (``osd.decode.sampling.rows_to_probs``).
+``triton``, and its masks are computed on the host for any device, incrementally per token, on
+matchers that copy in a microsecond). Each row keeps a matcher, advanced by the tokens it
+emits. The mask at a position depends only on the tokens before it, like the penalties, so
+applying it to the draft's q and the target's p keeps every verifier exact: the output
+distribution is the target's distribution restricted to the grammar and renormalised at every
+token (``osd.decode.sampling.rows_to_probs``).
 
 Compiling is the expensive part (up to about a second for a large schema on a large
 vocabulary), so it happens in the request's thread before the request reaches the decode loop,
@@ -17,6 +18,7 @@ and compiled grammars are cached by their source.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -147,13 +149,19 @@ def _grammar_source(kind: str, spec: Any) -> str:
 
 def _lark(text: str) -> str:
     """``text`` in Lark syntax: a GBNF grammar (llama.cpp's ``root ::= ...``, which vLLM's
-    xgrammar backend takes) is converted by llguidance's converter; Lark is left alone."""
-    from llguidance.gbnf_to_lark import any_to_lark
+    xgrammar backend takes) is converted by llguidance's converter; Lark (any grammar without a
+    ``::=`` rule, or with a ``start`` rule) is left alone."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark, is_lark_syntax
 
+    if is_lark_syntax(text) or not _GBNF_RULE.search(text):
+        return text
     try:
-        return any_to_lark(text)
+        return gbnf_to_lark(text)
     except Exception as exc:  # noqa: BLE001 - the converter raises its own and others
-        raise ValueError(f"the grammar is neither Lark nor GBNF: {exc}") from None
+        raise ValueError(f"the GBNF grammar does not convert: {exc}") from None
+
+
+_GBNF_RULE = re.compile(r"(?m)^\s*[A-Za-z][\w-]*\s*::=")
 
 
 def _json_text(text: str) -> Any:

@@ -146,6 +146,9 @@ def test_skip_special_tokens_false_writes_special_tokens_in_the_text(replica):
     skipped = replica.complete(**fields).json()["choices"][0]["text"]
     written = replica.complete(**fields, skip_special_tokens=False).json()["choices"][0]["text"]
     assert skipped == "" and written == "[TOOL_CALLS]" * 3
+    # null is the default, as for every field.
+    default = replica.complete(**fields, skip_special_tokens=None).json()["choices"][0]["text"]
+    assert default == skipped
 
 
 def test_a_reply_with_the_marker_in_auto_is_read_as_calls(client, replica):

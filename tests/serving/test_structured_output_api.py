@@ -143,3 +143,14 @@ def test_a_grammar_the_vocabulary_cannot_write_is_a_400_naming_the_field(
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert "data: [DONE]" not in streamed.text
     assert replica.complete(prompt="go", max_tokens=5).status_code == 200  # the replica serves
+
+
+def test_a_failing_grammar_fails_every_choice_and_prompt_of_its_request(replica):
+    fields = {"structured_outputs": {"regex": "ab[A-Z]+"}, "max_tokens": 5}
+    for many in ({"prompt": "go", "n": 3}, {"prompt": ["go", "stop", "went"]}):
+        answer = replica.complete(**many, **fields)
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["param"] == "structured_outputs.regex"
+    # Nothing is left holding the replica's places: a full batch is admitted at once.
+    burst = replica.complete(prompt=["x"] * 8, max_tokens=2)
+    assert burst.status_code == 200, burst.text

@@ -113,6 +113,9 @@ MISTRAL_CASES = [
     ('ok [TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}', ("ok", [OSLO])),
     ('[TOOL_CALLS]get_weather{"city": "Oslo"}', ("", [OSLO])),
     # Not calls: an unknown function, broken JSON, one bad call among good ones, no call.
+    # Text after the calls is content (the calls kept), as vLLM's parser leaves it.
+    (f"[TOOL_CALLS] {MISTRAL_CALLS} Done.", ("Done.", [OSLO, ONE_PLUS_TWO])),
+    ('[TOOL_CALLS]calc[ARGS]{"expression": "1 + 2"} ok', ("ok", [ONE_PLUS_TWO])),
     ("[TOOL_CALLS]rm[ARGS]{}", None),
     ('[TOOL_CALLS] [{"name": "calc", "arguments": {"expression"', None),
     ("[TOOL_CALLS]calc[ARGS]{}[TOOL_CALLS]rm[ARGS]{}", None),
@@ -284,8 +287,17 @@ def marked():
     return tokenizer, GrammarCompiler(tokenizer, len(tokenizer))
 
 
-@pytest.mark.parametrize("template", ["[TOOL_CALLS] [", "[TOOL_CALLS]name[ARGS]"])
-def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(marked, template):
+@pytest.mark.parametrize(
+    ("template", "opening"),
+    [
+        ("{{ '[TOOL_CALLS] [' }}", "[TOOL_CALLS] ["),  # Mistral 7B v0.3
+        ("{{ '[TOOL_CALLS][' }}", "[TOOL_CALLS]["),  # Tekken: Nemo, Small 3 and 3.1
+        ("[TOOL_CALLS]{{ name }}[ARGS]", None),  # v11
+    ],
+)
+def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(
+    marked, template, opening
+):
     tokenizer, compiler = marked
     form = tool_call_format("mistral", template, tokenizer)
     assert dict(form.special_ids) == (
@@ -293,11 +305,12 @@ def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(marked
         if form.arguments_marker is None
         else {"[TOOL_CALLS]": 64, "[ARGS]": 65}
     )
-    if form.arguments_marker is None:  # before v11
-        one = '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"oslo"}}]'
-        two = one[:-1] + ', {"name":"calc","arguments":{}}]'
+    # JSON spaced as the templates' tojson writes it.
+    if opening:  # before v11
+        one = opening + '{"name": "get_weather", "arguments": {"city": "oslo", "unit": "c"}}]'
+        two = one[:-1] + ', {"name": "calc", "arguments": {}}]'
     else:
-        one = '[TOOL_CALLS]get_weather[ARGS]{"city":"oslo"}'
+        one = '[TOOL_CALLS]get_weather[ARGS]{"city": "oslo", "unit": "c"}'
         two = one + "[TOOL_CALLS]calc[ARGS]{}"
 
     def accepts(source: str, text: str) -> bool:
@@ -313,6 +326,10 @@ def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(marked
     matcher = compiler.compile("lark", parallel).matcher()
     assert not matcher.consume_token(tokenizer.convert_tokens_to_ids("["))
     assert not accepts(parallel, one.replace("get_weather", "rm"))
+    assert not accepts(parallel, one.replace(": ", ":"))  # compact: not what the model saw
+    if opening:  # the other opening is not this template's
+        other = "[TOOL_CALLS][" if opening == "[TOOL_CALLS] [" else "[TOOL_CALLS] ["
+        assert not accepts(parallel, one.replace(opening, other))
     content, calls = scan("mistral", two)
     assert content == "" and [c.name for c in calls] == ["get_weather", "calc"]
 
