@@ -26,8 +26,9 @@ is clear whether it does.
 The grammars are Lark grammars for llguidance (:mod:`osd.decode.grammar`): the call's marker
 (text, or the special token by its id, ``<[5]>``: text cannot spell a special token), then
 the function's name as a constant and its arguments following the tool's JSON schema
-(``%json``), compact, as the demo corpus writes them. Arguments therefore always parse and
-validate. The grammar masks the draft and the target alike, so speculation stays exact.
+(``%json``), spaced as the chat template writes an earlier call (compact for the demo pair).
+Arguments therefore always parse and validate. The grammar masks the draft and the target
+alike, so speculation stays exact.
 """
 
 from __future__ import annotations
@@ -304,7 +305,9 @@ def tool_call_format(
     """The format of parser ``name``; for ``mistral``, the one its ``chat_template`` writes
     (``[ARGS]``: v11's; before, ``[TOOL_CALLS] [`` or ``[TOOL_CALLS][``). With the
     ``tokenizer``, the format's markers that are one special token of it are named by their
-    ids in the grammar.
+    ids in the grammar, and its JSON is spaced as the tokenizer's chat template writes an
+    earlier call's (Qwen's and Llama's ``tojson``: ``", "`` and ``": "``; the demo pair's:
+    compact), so a forced call reads as the calls the model saw.
 
     Raises:
         ValueError: an unknown parser.
@@ -321,7 +324,34 @@ def tool_call_format(
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special = {token.content: i for i, token in added.items() if getattr(token, "special", False)}
     ids = tuple((piece, special[piece]) for piece in form.markers if piece in special)
-    return dataclasses.replace(form, special_ids=ids)
+    spaced = _template_spacing(tokenizer)
+    return dataclasses.replace(
+        form, special_ids=ids, spaced=form.spaced if spaced is None else spaced
+    )
+
+
+_PROBE_ARGUMENTS = {"osd_probe_a": 1, "osd_probe_b": 2}
+
+
+def _template_spacing(tokenizer: Any) -> bool | None:
+    """Whether the tokenizer's chat template writes an earlier call's arguments spaced (True)
+    or compact (False); None: it shows none (no template, one that refuses the probe, or one
+    that writes calls another way)."""
+    call = {"name": "osd_probe", "arguments": dict(_PROBE_ARGUMENTS)}
+    probe = {"id": "osdprobe1", "type": "function", "function": call}
+    messages = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "", "tool_calls": [probe]},
+    ]
+    try:
+        text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+    except Exception:  # noqa: BLE001 - a template may refuse anything; then it shows nothing
+        return None
+    if json.dumps(_PROBE_ARGUMENTS) in text:
+        return True
+    if json.dumps(_PROBE_ARGUMENTS, separators=(",", ":")) in text:
+        return False
+    return None
 
 
 def detect_parser(chat_template: str | None) -> str | None:

@@ -348,3 +348,28 @@ def test_mistral_ids_are_nine_letters_and_digits_and_the_history_is_mapped_alike
     assert len(first) == 9 and first.isalnum() and kept == "Ab3dE6gH9"
     assert [m["tool_call_id"] for m in mapped[1:]] == [first, kept]
     assert tool_call_format("hermes").new_call_id().startswith("call_")
+
+
+@pytest.mark.parametrize(
+    ("writes", "spaced"),
+    [
+        ("{{ call.function | tojson }}", True),  # Qwen's, Llama's, Mistral's
+        ("{{ call.function | tojson(separators=(',', ':')) }}", False),  # the demo pair's
+        ("{{ call.function.name }}", None),  # shows no arguments: the format's own default
+    ],
+)
+def test_forced_calls_are_spaced_as_the_template_writes_earlier_calls(compiler, writes, spaced):
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for call in m.tool_calls or [] %}<tool_call>" + writes + "</tool_call>{% endfor %}"
+        "{% endfor %}"
+    )
+    form = tool_call_format("hermes", tokenizer.chat_template, tokenizer)
+    assert form.spaced is (False if spaced is None else spaced)  # hermes: compact by default
+    source = form.grammar(FUNCTIONS, parallel=False)
+    compact = '{"name":"get_weather","arguments":{"city":"oslo","unit":"c"}}'
+    written = compact.replace('":', '": ').replace(',"', ', "') if form.spaced else compact
+    assert _accepts(compiler, source, f"<tool_call>\n{written}\n</tool_call>")
+    other = compact if form.spaced else compact.replace('":', '": ')
+    assert not _accepts(compiler, source, f"<tool_call>\n{other}\n</tool_call>")
