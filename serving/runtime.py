@@ -41,7 +41,7 @@ from serving.metrics import ReplicaMetrics
 from serving.protocol import APIError, ChatRequest, CompletionRequest
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
-from serving.tool_parsers import detect_parser, tool_call_format
+from serving.tool_parsers import detect_parser, tool_call_format, unread_format
 from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
@@ -112,11 +112,13 @@ class ReplicaRuntime:
         except ParamError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         if plan is not None and self.tool_parser is None:
+            template = getattr(self.tokenizer, "chat_template", None)
+            shows = unread_format(template) or "no known tool-call format"
             raise APIError(
                 400,
-                "tools: this server reads no tool calls for its model (its chat template shows "
-                "no known tool-call format); start it with serve.tool_call_parser set to hermes, "
-                "llama3_json or mistral",
+                f"tools: this server reads no tool calls for its model (its chat template shows "
+                f"{shows}); start it with serve.tool_call_parser set to hermes, llama3_json or "
+                "mistral where the model writes one of those",
                 param="tools",
                 code="unsupported_parameter",
             )

@@ -52,6 +52,7 @@ __all__ = [
     "ToolCallScanner",
     "detect_parser",
     "tool_call_format",
+    "unread_format",
 ]
 
 PARSERS = ("hermes", "llama3_json", "mistral")
@@ -355,8 +356,9 @@ def _template_spacing(tokenizer: Any) -> bool | None:
 
 
 def detect_parser(chat_template: str | None) -> str | None:
-    """The parser a chat template's text asks for; None: it shows no known tool-call format."""
-    if not chat_template:
+    """The parser a chat template's text asks for; None: it shows no known tool-call format
+    (:func:`unread_format` says which, where it can tell)."""
+    if not chat_template or unread_format(chat_template):
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
@@ -364,6 +366,15 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "mistral"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
+    return None
+
+
+def unread_format(chat_template: str | None) -> str | None:
+    """A tool-call format the template shows that no parser here reads; None: none known.
+    Qwen3-Coder writes its calls as XML (``<function=name><parameter=city>...``) inside
+    ``<tool_call>``: the hermes parser would give them to the client as text."""
+    if chat_template and "<tool_call>" in chat_template and "<function=" in chat_template:
+        return "XML calls inside <tool_call> (<function=...>, Qwen3-Coder's: vLLM's qwen3_coder)"
     return None
 
 

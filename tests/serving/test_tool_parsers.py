@@ -151,6 +151,8 @@ def test_parallel_false_keeps_the_first_call():
         ("{% for m in messages %}<tool_call>{% endfor %}", "hermes"),
         ("{{- '<|python_tag|>' }}", "llama3_json"),
         ("{{- '[TOOL_CALLS] [' }}", "mistral"),
+        # Qwen3-Coder's XML calls: no parser here reads them (hermes would return them as text).
+        ("{{- '<tool_call>\n<function=' + name + '>' }}", None),
         ("{{ messages }}", None),
         (None, None),
     ],

@@ -304,6 +304,23 @@ def test_a_model_without_a_tool_format_refuses_tools_and_says_how_to_serve_them(
         assert ok.status_code == 200, ok.text
 
 
+def test_a_template_with_calls_no_parser_reads_says_which_instead_of_misreading_them():
+    # Qwen3-Coder's XML calls sit inside <tool_call> too: hermes would return them as text.
+    xml = TEMPLATE.replace(
+        "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}",
+        "<function={{ call.function.name }}>",
+    )
+    with running_replica(toy_config(f"model.chat_template={json.dumps(xml)}")) as coder:
+        assert coder.runtime.tool_parser is None
+        response = coder.client.post(
+            "/v1/chat/completions",
+            json={"model": "osd", "messages": ASK, "tools": TOOLS, "max_tokens": 2},
+        )
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "tools"
+        assert "Qwen3-Coder" in error["message"] and "serve.tool_call_parser" in error["message"]
+
+
 def test_langchain_bind_tools_gets_tool_calls(replica):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI
