@@ -300,6 +300,8 @@ async def _results_of(runtime: ReplicaRuntime, jobs: list[Job]) -> list[list[Gen
     except BaseException:
         for wait in waits:
             wait.cancel()
+            # Another that failed too is read here, not reported as never retrieved.
+            wait.add_done_callback(lambda done: done.cancelled() or done.exception())
         raise
 
 
