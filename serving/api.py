@@ -351,9 +351,9 @@ async def _client_left(http: Request) -> None:
 
 def _tool_replies(runtime: ReplicaRuntime, job: Job) -> list[ToolReply | None]:
     """One reader of tool calls per choice (None each when the request offers no tools)."""
-    if job.tools is None or runtime.tool_parser is None:
+    if job.tools is None or runtime.tool_format is None:
         return [None] * len(job.streams)
-    return [ToolReply(runtime.tool_parser, job.tools) for _ in job.streams]
+    return [ToolReply(runtime.tool_format, job.tools) for _ in job.streams]
 
 
 class _JobStream(StreamingResponse):

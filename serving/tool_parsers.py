@@ -107,10 +107,10 @@ class ToolCallFormat:
     spaced: bool = False
 
     @property
-    def markers(self) -> tuple[str, ...]:
-        """The pieces of text that may be one special token of a tokenizer."""
-        pieces = (*self.opening, self.start, self.end, self.arguments_marker or "")
-        return tuple(p for p in pieces if p.startswith(("[", "<")) and p.endswith(("]", ">")))
+    def pieces(self) -> tuple[str, ...]:
+        """The format's own text around the calls (any of it may be a special token)."""
+        pieces = (*self.opening, self.start, self.end, self.separator, *self.closing)
+        return tuple(p for p in (*pieces, self.arguments_marker or "") if p)
 
     def grammar(self, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose outputs are one call (or, with ``parallel``, one or more) of
@@ -324,7 +324,7 @@ def tool_call_format(
         return form
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     special = {token.content: i for i, token in added.items() if getattr(token, "special", False)}
-    ids = tuple((piece, special[piece]) for piece in form.markers if piece in special)
+    ids = tuple((piece, special[piece]) for piece in form.pieces if piece in special)
     spaced = _template_spacing(tokenizer)
     return dataclasses.replace(
         form, special_ids=ids, spaced=form.spaced if spaced is None else spaced
@@ -570,9 +570,11 @@ class ToolCallScanner:
         return (calls, rest.strip()) if calls else None
 
     def _llama_calls(self, text: str) -> list[ParsedCall] | None:
-        values = _json_values(text)
-        calls = [self._call_of(value, ("parameters", "arguments")) for value in values or []]
-        return None if not calls or None in calls else calls  # type: ignore[return-value]
+        calls = [
+            self._call_of(value, ("parameters", "arguments")) for value in _json_values(text) or []
+        ]
+        read = [call for call in calls if call is not None]
+        return read if read and len(read) == len(calls) else None
 
 
 # A v11 call after its marker: the name, an optional call id, the arguments' marker.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from serving.tool_parsers import ParsedCall, ToolCallScanner, tool_call_format
+from serving.tool_parsers import ParsedCall, ToolCallFormat, ToolCallScanner
 from serving.tools import ToolPlan
 
 __all__ = ["ToolReply"]
@@ -25,13 +25,13 @@ class ToolReply:
     """One choice's reply, read for tool calls as its text arrives.
 
     Args:
-        parser: the replica's tool-call parser (``hermes``, ``llama3_json``, ``mistral``).
+        form: the replica's tool-call format (:func:`serving.tool_parsers.tool_call_format`).
         plan: the request's tools.
     """
 
-    def __init__(self, parser: str, plan: ToolPlan) -> None:
-        self._scanner = ToolCallScanner(parser, plan.names, plan.parallel)
-        self._format = tool_call_format(parser)
+    def __init__(self, form: ToolCallFormat, plan: ToolPlan) -> None:
+        self._scanner = ToolCallScanner(form.name, plan.names, plan.parallel)
+        self._format = form
         self._count = 0
         self._named = plan.named
 

@@ -307,7 +307,6 @@ def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[
     """``tokenizer.decode(ids, skip_special_tokens=...)``, as one call into the Rust backend
     where that is all a fast tokenizer's decode does (a third of its cost: transformers' wrapper
     checks and converts its arguments on every call, and a row decodes every step)."""
-    skip = skip_special_tokens
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if (
         backend is None
@@ -315,8 +314,8 @@ def text_decoder(tokenizer: Any, skip_special_tokens: bool = True) -> Callable[[
         or type(tokenizer).decode is not PreTrainedTokenizerBase.decode
         or type(tokenizer)._decode is not TokenizersBackend._decode
     ):
-        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip))
-    return lambda ids: str(backend.decode(ids, skip_special_tokens=skip))
+        return lambda ids: str(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+    return lambda ids: str(backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
 
 def merge_chunks(chunks: list[StreamChunk]) -> StreamChunk:
