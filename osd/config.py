@@ -262,9 +262,10 @@ class ServeConfig:
     # cannot use a keyless local server (its answers, its training log).
     cors_allowed_origins: tuple[str, ...] = ()
     # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
-    # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), none (tools
-    # refused), or auto: from the chat template's text (<tool_call>: hermes; [TOOL_CALLS]:
-    # mistral; <|python_tag|>: llama3_json; else none).
+    # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), qwen3_coder
+    # (Qwen3-Coder's XML), none (tools refused), or auto: from the chat template's text
+    # (<tool_call> and <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral;
+    # <|python_tag|>: llama3_json; else none).
     tool_call_parser: str = "auto"
     # How HTTP reaches the replicas (serving.ingress): haproxy (Ray Serve's high-throughput
     # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
@@ -341,10 +342,11 @@ class ServeConfig:
             "in [0, 100]",
         )
         _require(
-            self.tool_call_parser in ("auto", "hermes", "llama3_json", "mistral", "none"),
+            self.tool_call_parser
+            in ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "none"),
             "serve.tool_call_parser",
             self.tool_call_parser,
-            "auto, hermes, llama3_json, mistral or none",
+            "auto, hermes, llama3_json, mistral, qwen3_coder or none",
         )
         _require(
             self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"

@@ -117,8 +117,8 @@ class ReplicaRuntime:
             raise APIError(
                 400,
                 f"tools: this server reads no tool calls for its model (its chat template shows "
-                f"{shows}); start it with serve.tool_call_parser set to hermes, llama3_json or "
-                "mistral where the model writes one of those",
+                f"{shows}); start it with serve.tool_call_parser set to hermes, llama3_json, "
+                "mistral or qwen3_coder where the model writes one of those",
                 param="tools",
                 code="unsupported_parameter",
             )

@@ -1,7 +1,7 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Three formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Four formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
@@ -15,6 +15,11 @@ Three formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat tem
   alphanumeric call ids only: the calls get such ids, and a history's other ids are mapped.
   ``[TOOL_CALLS]`` is a special token of Mistral's tokenizers: requests with tools keep special
   tokens in their text (``skip_special_tokens`` off, as vLLM's mistral parser asks).
+* ``qwen3_coder`` (Qwen3-Coder, and the Qwen models whose templates write calls as XML): each
+  call is ``<tool_call>\n<function=name>\n`` then ``<parameter=key>\nvalue\n</parameter>\n``
+  for each argument, then ``</function>\n</tool_call>``. A value is text; it is read as the
+  parameter's schema types it (an integer, a number, a boolean, JSON for an object or array,
+  ``null``), and stays a string where it does not parse so (vLLM's ``qwen3_coder`` reads it so).
 
 A :class:`ToolCallScanner` reads a reply as it streams, one piece of text at a time, and says
 what can go out: content text, or a whole tool call once its JSON is complete; the non-streamed
@@ -26,16 +31,20 @@ is clear whether it does.
 The grammars are Lark grammars for llguidance (:mod:`osd.decode.grammar`): the call's marker
 (text, or the special token by its id, ``<[5]>``: text cannot spell a special token), then
 the function's name as a constant and its arguments following the tool's JSON schema
-(``%json``), spaced as the chat template writes an earlier call (compact for the demo pair).
+(``%json``), spaced as the chat template writes an earlier call (compact for the demo pair);
+for ``qwen3_coder`` each parameter in the schema's order, a string's value free text up to its
+``\n</parameter>`` (bounded by ``maxLength``), any other value JSON of its schema.
 Arguments therefore always parse and validate. The grammar masks the draft and the target
 alike, so speculation stays exact.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import secrets
 import string
@@ -55,7 +64,7 @@ __all__ = [
     "unread_format",
 ]
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 # llguidance's JSON options (as x-guidance): compact, or spaced as Python's json.dumps and
 # Jinja's tojson write it (", " and ": ", what Mistral's templates show the model).
 _COMPACT = {"whitespace_flexible": False}
@@ -128,7 +137,9 @@ class ToolCallFormat:
             "body: " + " | ".join(bodies),
         ]
         for rule, function in zip(bodies, functions, strict=True):
-            if self.arguments_marker is None:
+            if self.name == "qwen3_coder":
+                rules += _xml_call_rules(rule, function, self._json_options)
+            elif self.arguments_marker is None:
                 rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
             else:
                 schema = {**_parameters(function), "x-guidance": self._json_options}
@@ -277,15 +288,77 @@ def _rerooted(schema: Any, root: str) -> Any:
     return out
 
 
+def _xml_call_rules(
+    rule: str, function: Mapping[str, Any], json_options: Mapping[str, Any]
+) -> list[str]:
+    """The grammar's rules for one call of ``function`` in Qwen3-Coder's XML (the ``<tool_call>``
+    around it is the format's): ``<function=name>``, each parameter of the schema in its order
+    (the required ones always, the others optional), ``</function>``. A string's value is text
+    up to ``\n</parameter>`` (its ``enum`` or ``const`` where it has one; a ``maxLength``
+    bounds it), any other value JSON of its schema, spaced as ``tojson`` writes it."""
+    parameters = _parameters(function)
+    definitions = {key: parameters[key] for key in _DEFINITIONS if key in parameters}
+    required = set(parameters.get("required") or ())
+    rules, items = [], []
+    properties = parameters.get("properties") or {}
+    for number, (name, schema) in enumerate(properties.items()):
+        value = f"{rule}_{number}"
+        head = json.dumps(f"<parameter={name}>\n")
+        rules.append(_xml_value_rule(value, schema, definitions, json_options))
+        items.append(f'({head} {value} "\\n")' + ("" if name in required else "?"))
+    opening = json.dumps(f"<function={function['name']}>\n")
+    rules.insert(0, f'{rule}: {opening} {" ".join(items)} "</function>"')
+    return rules
+
+
+_PARAMETER_END = "\n</parameter>"
+
+
+def _xml_value_rule(
+    rule: str, schema: Any, definitions: Mapping[str, Any], json_options: Mapping[str, Any]
+) -> str:
+    """One parameter's value and the ``\n</parameter>`` that closes it."""
+    end = json.dumps(_PARAMETER_END)
+    if not isinstance(schema, dict):  # true / false schemas: any text
+        schema = {}
+    words = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if words and all(isinstance(word, str) for word in words):
+        return f"{rule}: ({' | '.join(json.dumps(word) for word in words)}) {end}"
+    if _xml_string(schema):
+        longest = schema.get("maxLength")
+        if isinstance(longest, int) and longest >= 0:
+            # One lexeme with its end: llguidance's lexer is greedy (a bounded value, then the
+            # end as a lexeme of its own, would take "\n<" into the value), and its stop
+            # takes no bounded text.
+            return f"{rule}: /(?s:.{{0,{longest}}})\\n<\\/parameter>/"
+        return f"{rule}[stop={end}]: /(?s:.*)/"
+    if schema.get("type") == "boolean":  # Qwen3-Coder's template writes Python's True, False
+        return f'{rule}: ("true" | "false" | "True" | "False") {end}'
+    typed = {**definitions, **schema, "x-guidance": dict(json_options)}
+    return f"{rule}: %json {json.dumps(typed)} {end}"
+
+
+def _xml_string(schema: Mapping[str, Any]) -> bool:
+    """Whether a parameter's value is written as text (a string, or a schema without a type:
+    the template writes strings as they are)."""
+    types = schema.get("type")
+    if types is None:
+        return not any(key in schema for key in ("anyOf", "oneOf", "allOf", "$ref", "enum"))
+    return "string" in (types if isinstance(types, list) else [types])
+
+
 _MISTRAL = "[TOOL_CALLS]"
+_HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n")
 _FORMATS = {
-    "hermes": ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n"),
+    "hermes": _HERMES,
     "llama3_json": ToolCallFormat("llama3_json", "", "", "parameters", "; "),
     # Mistral 7B v0.3 and Mixtral 8x22B write "[TOOL_CALLS] ["; the Tekken ones (Nemo, Small 3
     # and 3.1, Large 2411) "[TOOL_CALLS][" (tool_call_format picks by the template).
     "mistral": ToolCallFormat(
         "mistral", "", "", "arguments", ", ", (_MISTRAL, " ["), ("]",), short_ids=True, spaced=True
     ),
+    # Qwen3-Coder: hermes's <tool_call> around XML; objects and arrays as tojson writes them.
+    "qwen3_coder": dataclasses.replace(_HERMES, name="qwen3_coder", spaced=True),
 }
 # Mistral Small 3.2, Magistral, Devstral (v11 on): each call its own marker, then the name.
 _MISTRAL_V11 = ToolCallFormat(
@@ -360,6 +433,8 @@ def detect_parser(chat_template: str | None) -> str | None:
     (:func:`unread_format` says which, where it can tell)."""
     if not chat_template or unread_format(chat_template):
         return None
+    if "<tool_call>" in chat_template and "<function=" in chat_template:
+        return "qwen3_coder"
     if "<tool_call>" in chat_template:
         return "hermes"
     if _MISTRAL in chat_template:
@@ -371,10 +446,10 @@ def detect_parser(chat_template: str | None) -> str | None:
 
 def unread_format(chat_template: str | None) -> str | None:
     """A tool-call format the template shows that no parser here reads; None: none known.
-    Qwen3-Coder writes its calls as XML (``<function=name><parameter=city>...``) inside
-    ``<tool_call>``: the hermes parser would give them to the client as text."""
-    if chat_template and "<tool_call>" in chat_template and "<function=" in chat_template:
-        return "XML calls inside <tool_call> (<function=...>, Qwen3-Coder's: vLLM's qwen3_coder)"
+    gpt-oss writes its calls in OpenAI's harmony format (``to=functions.name`` on a
+    ``commentary`` channel, ending ``<|call|>``): the text of a reply is not where they are."""
+    if chat_template and "<|call|>" in chat_template and "<|channel|>" in chat_template:
+        return "harmony's calls (to=functions.name ... <|call|>, gpt-oss's: vLLM's openai)"
     return None
 
 
@@ -386,14 +461,23 @@ class ToolCallScanner:
     """Reads one reply as it streams; :meth:`feed` and :meth:`finish` say what can go out.
 
     Args:
-        parser: ``hermes``, ``llama3_json`` or ``mistral``.
+        parser: one of ``PARSERS``.
         functions: the offered functions' names (a call of another name stays content).
         parallel: false keeps the first call only (OpenAI's ``parallel_tool_calls: false``).
+        schemas: the functions' parameters' schemas by name: ``qwen3_coder`` reads each
+            value as its parameter's type (without: every value is a string).
     """
 
-    def __init__(self, parser: str, functions: Sequence[str], parallel: bool = True) -> None:
+    def __init__(
+        self,
+        parser: str,
+        functions: Sequence[str],
+        parallel: bool = True,
+        schemas: Mapping[str, Any] | None = None,
+    ) -> None:
         self._format = tool_call_format(parser)
         self._functions = frozenset(functions)
+        self._schemas = dict(schemas or {})
         self._parallel = parallel
         self._pending = ""  # text not yet given out
         self._in_call = False  # hermes: inside <tool_call> ... </tool_call>
@@ -415,7 +499,7 @@ class ToolCallScanner:
         return self._read(final=True)
 
     def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
-        if self._format.name == "hermes":
+        if self._format.name in ("hermes", "qwen3_coder"):
             return self._hermes(final)
         if self._format.name == "mistral":
             return self._mistral(final)
@@ -446,12 +530,25 @@ class ToolCallScanner:
                 return None
         if not isinstance(arguments, dict):
             return None
-        text = _dumps(arguments)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate ("\\ud800"): the UTF-8 answer cannot hold it
+        return _parsed(value["name"], arguments)
+
+    def _xml_call(self, body: str) -> ParsedCall | None:
+        """Qwen3-Coder's ``<function=name>`` and its ``<parameter=key>`` values (a missing
+        ``</parameter>`` or ``</function>`` forgiven, as vLLM's parser does); None: other text
+        around them, or a function not offered."""
+        function = _XML_FUNCTION.fullmatch(body.strip())
+        if function is None or function["name"] not in self._functions:
             return None
-        return ParsedCall(value["name"], text)
+        schema = self._schemas.get(function["name"]) or {}
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        properties = properties if isinstance(properties, dict) else {}
+        arguments: dict[str, Any] = {}
+        for parameter in _XML_PARAMETER.finditer(function["parameters"]):
+            value = parameter["value"].removeprefix("\n").removesuffix("\n")
+            arguments[parameter["key"]] = _xml_value(value, properties.get(parameter["key"]))
+        if _XML_PARAMETER.sub("", function["parameters"]).strip():
+            return None
+        return _parsed(function["name"], arguments)
 
     def _hermes(self, final: bool) -> tuple[str, list[ParsedCall]]:
         content, calls = "", list[ParsedCall]()
@@ -466,7 +563,11 @@ class ToolCallScanner:
                 body = self._pending[:end]
                 self._pending = self._pending[end + len(_HERMES_CLOSE) :]
                 self._in_call = False
-                parsed = self._read_call(body.strip(), ("arguments", "parameters"))
+                parsed = (
+                    self._xml_call(body)
+                    if self._format.name == "qwen3_coder"
+                    else self._read_call(body.strip(), ("arguments", "parameters"))
+                )
                 if parsed is None:
                     content += self._gap + _HERMES_OPEN + body + _HERMES_CLOSE
                 else:
@@ -575,6 +676,82 @@ class ToolCallScanner:
         ]
         read = [call for call in calls if call is not None]
         return read if read and len(read) == len(calls) else None
+
+
+def _parsed(name: str, arguments: dict[str, Any]) -> ParsedCall | None:
+    text = _dumps(arguments)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate ("\\ud800"): the UTF-8 answer cannot hold it
+        return None
+    return ParsedCall(name, text)
+
+
+_XML_FUNCTION = re.compile(
+    r"<function=(?P<name>[^>\n]+)>(?P<parameters>.*?)(?:</function>\s*)?", re.DOTALL
+)
+_XML_PARAMETER = re.compile(
+    r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+)
+_NOT_READ = object()
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as its schema types it: ``null`` (where the type allows
+    it, or is not a string), an integer, a number (as written), a boolean, an object or array
+    (JSON, or a Python literal); the text itself where it is a string, or parses as none of
+    its types."""
+    schema = schema if isinstance(schema, dict) else {}
+    kinds = schema.get("type")
+    types = set(kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else [])
+    if text == "null" and ("null" in types or "string" not in types):
+        return None
+    if not types and _xml_string(schema):
+        return text
+    try:
+        value = _JSON.decode(text)
+    except ValueError:
+        value = _NOT_READ
+    if not types:  # an enum or a combination of schemas: JSON if it is
+        return text if value is _NOT_READ else value
+    for kind in sorted(types - {"string", "null"}):
+        if kind == "integer" and type(value) is int:
+            return value
+        if kind == "number" and (type(value) is int or isinstance(value, _Number)):
+            return value
+        if kind == "boolean" and text.strip().lower() in ("true", "false"):
+            return text.strip().lower() == "true"
+        wanted = {"object": dict, "array": list}.get(kind)
+        if wanted is not None:
+            if isinstance(value, wanted):
+                return value
+            literal = _literal(text)
+            if isinstance(literal, wanted):
+                return literal
+    return text
+
+
+def _literal(text: str) -> Any:
+    """``text`` as a Python literal of JSON's types (``{'a': (1, 2)}``: ``{"a": [1, 2]}``), as
+    vLLM falls back to; None where it is not one."""
+    try:
+        return _json_like(ast.literal_eval(text.strip()))
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def _json_like(value: Any) -> Any:
+    if isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            raise ValueError("keys are not strings")
+        return {key: _json_like(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_like(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("not a JSON number")
+    if value is None or isinstance(value, str | int | float):
+        return value
+    raise ValueError(f"{type(value).__name__} is not JSON")
 
 
 # A v11 call after its marker: the name, an optional call id, the arguments' marker.

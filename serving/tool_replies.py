@@ -30,7 +30,7 @@ class ToolReply:
     """
 
     def __init__(self, form: ToolCallFormat, plan: ToolPlan) -> None:
-        self._scanner = ToolCallScanner(form.name, plan.names, plan.parallel)
+        self._scanner = ToolCallScanner(form.name, plan.names, plan.parallel, plan.schemas)
         self._format = form
         self._count = 0
         self._named = plan.named

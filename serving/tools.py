@@ -138,6 +138,11 @@ class ToolPlan:
         """The offered functions' names."""
         return tuple(tool["function"]["name"] for tool in self.tools)
 
+    @property
+    def schemas(self) -> dict[str, Any]:
+        """The offered functions' parameters' schemas, by name."""
+        return {tool["function"]["name"]: tool["function"].get("parameters") for tool in self.tools}
+
 
 def plan_tools(
     tools: list[FunctionTool] | None, choice: ToolChoice | None, parallel: bool | None

@@ -24,9 +24,10 @@ OSLO = ParsedCall("get_weather", '{"city": "Oslo"}')
 ONE_PLUS_TWO = ParsedCall("calc", '{"expression": "1 + 2"}')
 
 
-def scan(parser: str, text: str, pieces: int = 0, parallel: bool = True):
-    """(content, calls) of ``text`` fed whole (pieces 0) or in pieces of that many chars."""
-    scanner = ToolCallScanner(parser, NAMES, parallel)
+def scan(parser: str, text: str, pieces: int = 0, parallel: bool = True, schemas=None):
+    """(content, calls) of ``text`` fed whole (pieces 0) or in pieces of that many chars;
+    the functions offered: ``schemas``' (names and parameters), or ``NAMES``."""
+    scanner = ToolCallScanner(parser, list(schemas or NAMES), parallel, schemas)
     content, calls = "", []
     step = pieces or len(text) or 1
     for at in range(0, len(text), step):
@@ -151,8 +152,10 @@ def test_parallel_false_keeps_the_first_call():
         ("{% for m in messages %}<tool_call>{% endfor %}", "hermes"),
         ("{{- '<|python_tag|>' }}", "llama3_json"),
         ("{{- '[TOOL_CALLS] [' }}", "mistral"),
-        # Qwen3-Coder's XML calls: no parser here reads them (hermes would return them as text).
-        ("{{- '<tool_call>\n<function=' + name + '>' }}", None),
+        # Qwen3-Coder's XML calls inside <tool_call>.
+        ("{{- '<tool_call>\n<function=' + name + '>' }}", "qwen3_coder"),
+        # gpt-oss's harmony calls: no parser here reads them.
+        ("{{- '<|start|>assistant to=' }}{{- '<|channel|>commentary' }}{{- '<|call|>' }}", None),
         ("{{ messages }}", None),
         (None, None),
     ],

@@ -305,12 +305,15 @@ def test_a_model_without_a_tool_format_refuses_tools_and_says_how_to_serve_them(
 
 
 def test_a_template_with_calls_no_parser_reads_says_which_instead_of_misreading_them():
-    # Qwen3-Coder's XML calls sit inside <tool_call> too: hermes would return them as text.
-    xml = TEMPLATE.replace(
-        "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}",
-        "<function={{ call.function.name }}>",
+    # gpt-oss's harmony calls: a header naming the function on the commentary channel.
+    harmony = TEMPLATE.replace(
+        "<tool_call>\n{{ {'name': call.function.name, 'arguments': call.function.arguments} | "
+        "tojson }}\n</tool_call>",
+        "<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary "
+        "json<|message|>{{ call.function.arguments | tojson }}<|call|>",
     )
-    with running_replica(toy_config(f"model.chat_template={json.dumps(xml)}")) as coder:
+    assert harmony != TEMPLATE
+    with running_replica(toy_config(f"model.chat_template={json.dumps(harmony)}")) as coder:
         assert coder.runtime.tool_parser is None
         response = coder.client.post(
             "/v1/chat/completions",
@@ -318,7 +321,7 @@ def test_a_template_with_calls_no_parser_reads_says_which_instead_of_misreading_
         )
         error = response.json()["error"]
         assert response.status_code == 400 and error["param"] == "tools"
-        assert "Qwen3-Coder" in error["message"] and "serve.tool_call_parser" in error["message"]
+        assert "gpt-oss" in error["message"] and "serve.tool_call_parser" in error["message"]
 
 
 def test_langchain_bind_tools_gets_tool_calls(replica):
