@@ -267,6 +267,11 @@ class ServeConfig:
     # (<tool_call> and <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral;
     # <|python_tag|>: llama3_json; else none).
     tool_call_parser: str = "auto"
+    # How a chat reply's thinking is read apart from its answer (serving.reasoning, vLLM's
+    # --reasoning-parser): qwen3 or deepseek_r1 (<think> ... </think>, answered as the
+    # message's reasoning), none (the thinking stays in the content), or auto: qwen3 where the
+    # chat template writes </think>, else none.
+    reasoning_parser: str = "auto"
     # How HTTP reaches the replicas (serving.ingress): haproxy (Ray Serve's high-throughput
     # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
     # (Ray Serve's Python proxy actor, every token through it). Set when osd starts Ray.
@@ -347,6 +352,12 @@ class ServeConfig:
             "serve.tool_call_parser",
             self.tool_call_parser,
             "auto, hermes, llama3_json, mistral, qwen3_coder or none",
+        )
+        _require(
+            self.reasoning_parser in ("auto", "qwen3", "deepseek_r1", "none"),
+            "serve.reasoning_parser",
+            self.reasoning_parser,
+            "auto, qwen3, deepseek_r1 or none",
         )
         _require(
             self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"

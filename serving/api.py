@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osd.decode.generation import GenerationResult, TokenLogprob
 from osd.decode.grammar import GrammarFailed
+from serving.chat_replies import ChatReply, Piece
 from serving.logprobs import LogprobFormatter, echo_prefix
 from serving.protocol import (
     MAX_JSON_DEPTH,
@@ -43,7 +44,6 @@ from serving.protocol import (
 )
 from serving.runtime import Job, ReplicaRuntime, grammar_failure
 from serving.tokenize_api import detokenize, tokenize
-from serving.tool_replies import ToolReply
 
 __all__ = ["create_api"]
 
@@ -349,11 +349,22 @@ async def _client_left(http: Request) -> None:
         await asyncio.sleep(0.01)  # a server that repeats other messages is not spun on
 
 
-def _tool_replies(runtime: ReplicaRuntime, job: Job) -> list[ToolReply | None]:
-    """One reader of tool calls per choice (None each when the request offers no tools)."""
-    if job.tools is None or runtime.tool_format is None:
+def _replies(runtime: ReplicaRuntime, job: Job) -> list[ChatReply | None]:
+    """One reader of thinking and tool calls per choice (None each where the replica reads
+    no thinking and the request offers no tools, or for completions)."""
+    request = job.request
+    if not isinstance(request, ChatRequest):
         return [None] * len(job.streams)
-    return [ToolReply(runtime.tool_format, job.tools) for _ in job.streams]
+    tools = None if runtime.tool_format is None else job.tools
+    if tools is None and runtime.reasoning_parser is None:
+        return [None] * len(job.streams)
+    opened = runtime.prompt_opens_thinking(job)
+    return [
+        ChatReply(
+            runtime.reasoning_reader(opened), runtime.tool_format, tools, request.include_reasoning
+        )
+        for _ in job.streams
+    ]
 
 
 class _JobStream(StreamingResponse):
@@ -421,7 +432,7 @@ def _response(
     choices: list[dict[str, Any]] = []
     for job, results in zip(jobs, every, strict=True):
         echo = echo_prefix(job.request, job.stream.request.prompt_ids, tokenizer)
-        replies = _tool_replies(runtime, job)
+        replies = _replies(runtime, job)
         first = len(choices)
         choices += [
             _choice(kind, first + j, result, tokenizer, echo, reply)
@@ -444,7 +455,7 @@ def _choice(
     result: GenerationResult,
     tokenizer: Any,
     echo: tuple[str, list[int]],
-    reply: ToolReply | None = None,
+    reply: ChatReply | None = None,
 ) -> dict[str, Any]:
     """One choice of a whole response; its logprobs' text offsets count from its own text."""
     logprobs = LogprobFormatter(tokenizer, kind == "chat")
@@ -558,21 +569,17 @@ async def _job_events(
     held_ids = [list(echo_ids) for _ in range(num_choices)]
     held: list[list[TokenLogprob | None] | None] = [None] * num_choices
     first = [True] * num_choices
-    # Tool calls: a choice's text is read for them and what can go out goes out.
-    replies = _tool_replies(runtime, job)
+    # Thinking and tool calls: a choice's text is read for them and what can go out goes out.
+    replies = _replies(runtime, job)
 
-    def choice(
-        index: int, text: str, finish: str | None, calls: list[dict[str, Any]]
-    ) -> dict[str, Any]:
+    def choice(index: int, piece: Piece, finish: str | None) -> dict[str, Any]:
         logprobs = formatters[index].format(held_ids[index], held[index])
         number = offset + index
         if chat:
             delta: dict[str, Any] = {"role": "assistant"} if first[index] else {}
-            if text or not calls:
-                delta["content"] = text
-            if calls:
-                delta["tool_calls"] = calls
+            delta.update(piece.delta())
             return {"index": number, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        text = echo[index] + piece.content
         return {"index": number, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
     # vLLM's continuous_usage_stats: each event says the tokens so far (all choices'). Without
@@ -596,17 +603,16 @@ async def _job_events(
                 if chunk.logprobs is not None:
                     # The prompt's (echo's) come with the first chunk only.
                     held[i] = [*(held[i] or []), *(chunk.prompt_logprobs or []), *chunk.logprobs]
-                text: str = chunk.text
                 finish: str | None = chunk.finish_reason
-                calls: list[dict[str, Any]] = []
                 reply = replies[i]
-                if reply is not None:
-                    text, calls = reply.feed(text)
+                if reply is None:
+                    piece = Piece(content=chunk.text)
+                else:
+                    piece = reply.feed(chunk.text)
                     if finish is not None:
-                        tail, last = reply.finish()
-                        text, calls, finish = text + tail, calls + last, reply.finish_reason(finish)
-                if text or calls or finish or first[i]:
-                    yield _event(head, [choice(i, echo[i] + text, finish, calls)], **usage())
+                        piece, finish = piece + reply.finish(), reply.finish_reason(finish)
+                if piece.content or piece.thinking or piece.calls or finish or first[i]:
+                    yield _event(head, [choice(i, piece, finish)], **usage())
                     echo[i], first[i] = "", False
                     held_ids[i], held[i] = [], None if held[i] is None else []
     except GrammarFailed as exc:  # the request's grammar, not the server: its 400, in-band

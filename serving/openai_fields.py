@@ -87,6 +87,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        # Chat: thinking read apart (serving.reasoning); completions change nothing by them.
+        "include_reasoning",  # vLLM's: false leaves the thinking out of the answer
+        "chat_template_kwargs",  # vLLM's: more arguments for the chat template
     }
 )
 
@@ -215,7 +218,6 @@ REFUSED: Mapping[str, Refused] = {
     "length_penalty": Refused("beam search", _is_one_of(1.0, 1)),
     "prompt_logprobs": Refused("log probabilities of the prompt tokens", _is_int(0)),
     "chat_template": Refused("a chat template of the client's", _is_null),
-    "chat_template_kwargs": Refused("chat template arguments", _is_empty),
     "truncate_prompt_tokens": Refused("prompt truncation", _is_null),
     "priority": Refused("scheduling priorities", _is_int(0)),
     "add_special_tokens": Refused(
@@ -240,9 +242,6 @@ REFUSED: Mapping[str, Refused] = {
     "media_io_kwargs": Refused("multimodal media loading", _is_empty),
     "prompt_embeds": Refused("prompts as embeddings", _is_null),
     "documents": Refused("documents given to the chat template", _is_null),
-    "include_reasoning": Refused(
-        "a reasoning model's reasoning left out of the answer", _is_one_of(True)
-    ),
 }
 
 # Required fields are left for the request model to report when null.
@@ -315,7 +314,11 @@ def _short(value: Any) -> str:
 # Chat messages: the same three groups, one level down (``openai.types.chat.
 # ChatCompletionMessageParam``'s fields; a test reads them from the installed package).
 # Errors name the path: ``messages[1].tool_calls``, ``messages[0].content[2].image_url``.
-MESSAGE_IMPLEMENTED: frozenset[str] = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+# An assistant's earlier thinking: ``reasoning`` (vLLM's) or ``reasoning_content`` (DeepSeek's,
+# and what Qwen3's templates read), given to the template as both.
+MESSAGE_IMPLEMENTED: frozenset[str] = frozenset(
+    {"role", "content", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"}
+)
 MESSAGE_HARMLESS: Mapping[str, str] = {
     "name": "a participant's name: passed to the chat template with the message (templates "
     "that know it render it); osd's plain format without a template leaves it out",

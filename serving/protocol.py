@@ -439,11 +439,17 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)
+    # An assistant's earlier thinking, under vLLM's name or DeepSeek's; the template gets both.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
     def _only_what_was_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         message: dict[str, Any] = handler(self)
-        for key in ("name", "tool_calls", "tool_call_id"):
+        thinking = message.get("reasoning_content") or message.get("reasoning")
+        if thinking is not None:
+            message["reasoning"] = message["reasoning_content"] = thinking
+        for key in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
             if message.get(key) is None:
                 message.pop(key, None)
         return message
@@ -457,12 +463,38 @@ class ChatMessage(BaseModel):
         return self
 
 
+# apply_chat_template's own arguments and the variables the server gives every template.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     # Tool calling (serving.tools).
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: false leaves a reasoning model's thinking out of the answer (serving.reasoning).
+    include_reasoning: StrictBool = True
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: None = None  # completions' field (vLLM's chat echo is not served); refused here
@@ -473,6 +505,16 @@ class ChatRequest(_Common):
         if echo not in (None, False):
             raise ValueError("is a completions field; chat does not echo its messages")
         return None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for key in kwargs or {}:
+            if not key.isidentifier():
+                raise ValueError(f"{key[:40]!r} is not a template variable's name")
+            if key in _TEMPLATE_ARGUMENTS:
+                raise ValueError(f"{key} is set by the server, not by chat_template_kwargs")
+        return kwargs
 
     @field_validator("top_logprobs")
     @classmethod

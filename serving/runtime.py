@@ -39,6 +39,7 @@ from serving.jobs import Job
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.protocol import APIError, ChatRequest, CompletionRequest
+from serving.reasoning import ReasoningReader, detect_reasoning, prompt_opens_thinking
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
 from serving.tool_parsers import detect_parser, tool_call_format, unread_format
@@ -97,11 +98,31 @@ class ReplicaRuntime:
             if self.tool_parser is None
             else tool_call_format(self.tool_parser, template, engine.tokenizer)
         )
+        # How chat replies' thinking is read apart from their answer (None: it is not).
+        reasoning = config.serve.reasoning_parser
+        self.reasoning_parser = detect_reasoning(template) if reasoning == "auto" else reasoning
+        if self.reasoning_parser == "none":
+            self.reasoning_parser = None
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def prompt_opens_thinking(self, job: Job) -> bool:
+        """Whether the job's prompt leaves the model inside ``<think>`` (its template opened
+        it), read from the prompt's last tokens. Not where a grammar writes the reply
+        (structured output, a forced tool call): its text is the grammar's, the answer."""
+        if job.stream.request.grammar is not None:
+            return False
+        tail = self.tokenizer.decode(job.stream.request.prompt_ids[-8:])
+        return prompt_opens_thinking(tail)
+
+    def reasoning_reader(self, opened: bool) -> ReasoningReader | None:
+        """A reader of one reply's thinking (None: the replica reads none)."""
+        if self.reasoning_parser is None:
+            return None
+        return ReasoningReader(self.reasoning_parser, opened)
 
     def tool_plan(self, request: CompletionRequest | ChatRequest) -> ToolPlan | None:
         """What the request's tool fields ask (None: no tools), or a 400 saying why not."""
@@ -137,7 +158,7 @@ class ReplicaRuntime:
             messages = self.tool_format.template_messages(messages)
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return _render(tokenizer, messages, tools)
+            return _render(tokenizer, messages, tools, request.chat_template_kwargs or {})
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             raise APIError(
                 400,
@@ -417,8 +438,14 @@ def grammar_failure(job: Job, exc: GrammarFailed) -> APIError:
     return APIError(400, f"{field}: {exc}", param=field)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolPlan | None) -> str:
-    """The chat prompt by the model's template, with the plan's tools.
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: ToolPlan | None,
+    variables: dict[str, Any],
+) -> str:
+    """The chat prompt by the model's template, with the plan's tools and the request's
+    ``chat_template_kwargs``.
 
     Raises:
         APIError: 400 when the template refuses the messages or leaves the tools out.
@@ -429,7 +456,7 @@ def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolPlan | No
     try:
         rendered = str(
             tokenizer.apply_chat_template(
-                messages, tools=offered, add_generation_prompt=True, tokenize=False
+                messages, tools=offered, add_generation_prompt=True, tokenize=False, **variables
             )
         )
     except TemplateError as exc:  # a template that refuses a role or an order

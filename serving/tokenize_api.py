@@ -1,10 +1,11 @@
 """vLLM's ``/tokenize`` and ``/detokenize``: a prompt's or a chat's token ids as the server
 would read them (clients count tokens and fit prompts with them), and token ids back to text.
 
-``POST /tokenize`` takes ``{"prompt": text or ids}`` or ``{"messages": [...], "tools": [...]}``
-(``model`` optional; the chat is rendered as ``/v1/chat/completions`` renders it, generation
-prompt included) and answers ``{"count", "max_model_len", "tokens", "token_strs"}``
-(``token_strs`` with ``return_token_strs: true``, else null). ``POST /detokenize`` takes
+``POST /tokenize`` takes ``{"prompt": text or ids}`` or ``{"messages": [...], "tools": [...],
+"chat_template_kwargs": {...}}`` (``model`` optional; the chat is rendered as
+``/v1/chat/completions`` renders it, generation prompt included) and answers ``{"count",
+"max_model_len", "tokens", "token_strs"}`` (``token_strs`` with ``return_token_strs: true``,
+else null). ``POST /detokenize`` takes
 ``{"tokens": [...]}`` and answers ``{"prompt": text}``. Other fields are refused by name.
 """
 
@@ -21,8 +22,8 @@ __all__ = ["detokenize", "tokenize"]
 
 _PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 _CHAT_FIELDS = frozenset(
-    {"model", "messages", "tools", "return_token_strs", "add_special_tokens"}
-    | {"add_generation_prompt", "continue_final_message"}
+    {"model", "messages", "tools", "chat_template_kwargs", "return_token_strs"}
+    | {"add_special_tokens", "add_generation_prompt", "continue_final_message"}
 )
 # vLLM's rendering switches, at the values the chat endpoint renders with (others refused).
 _CHAT_DEFAULTS = {
@@ -52,7 +53,12 @@ def tokenize(runtime: ReplicaRuntime, data: Any) -> dict[str, Any]:
                 code="unsupported_parameter",
             )
     if chat:
-        fields = {"model": model, "messages": data["messages"], "tools": data.get("tools")}
+        fields = {
+            "model": model,
+            "messages": data["messages"],
+            "tools": data.get("tools"),
+            "chat_template_kwargs": data.get("chat_template_kwargs"),
+        }
         request = parse_request("chat", {k: v for k, v in fields.items() if v is not None})
         runtime.check_model(request.model)
         assert isinstance(request, ChatRequest)

@@ -60,6 +60,7 @@ __all__ = [
     "ToolCallFormat",
     "ToolCallScanner",
     "detect_parser",
+    "held_back",
     "tool_call_format",
     "unread_format",
 ]
@@ -586,7 +587,7 @@ class ToolCallScanner:
                 rest = self._pending if not self.calls else self._pending.strip()
                 content, self._pending = content + rest, ""
                 return content, calls
-            keep = _held_back(self._pending, _HERMES_OPEN)
+            keep = held_back(self._pending, _HERMES_OPEN)
             out = self._pending[: len(self._pending) - keep]
             # Trailing whitespace waits: it is dropped if a call follows.
             stripped = out.rstrip()
@@ -626,7 +627,7 @@ class ToolCallScanner:
         if not self._in_call:
             start = self._pending.find(_MISTRAL)
             if start < 0:
-                keep = 0 if final else _held_back(self._pending, _MISTRAL)
+                keep = 0 if final else held_back(self._pending, _MISTRAL)
                 out = self._pending[: len(self._pending) - keep]
                 content = out if final else out.rstrip()  # whitespace waits for what follows
                 self._pending = self._pending[len(content) :]
@@ -782,7 +783,7 @@ def _json_prefix(text: str) -> tuple[list[Any], int]:
     return values, at
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` could be the start of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):

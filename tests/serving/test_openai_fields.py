@@ -236,7 +236,6 @@ def test_an_unknown_field_is_refused_by_name(replica, field, value):
         ("cache_salt", None, "tenant-1"),
         ("kv_transfer_params", None, {"remote": 1}),
         ("vllm_xargs", {}, {"a": 1}),
-        ("include_reasoning", True, False),
     ],
 )
 def test_vllm_extras_are_accepted_at_their_default_and_refused_otherwise(

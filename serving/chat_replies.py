@@ -1,0 +1,141 @@
+"""A chat choice's reply read for thinking (:mod:`serving.reasoning`) and tool calls
+(:mod:`serving.tool_parsers`) and answered in OpenAI's shapes, whole or streamed.
+
+Whole: ``message: {"role": "assistant", "content": <text outside the thinking and the calls, or
+null>, "reasoning": <the thinking, or null>, "reasoning_content": <the same>, "tool_calls":
+[{"id", "type": "function", "function": {"name", "arguments"}}]}`` (the reasoning fields where
+the replica reads thinking, the calls where the reply made some). Streamed: the thinking as
+``delta.reasoning`` (and ``delta.reasoning_content``), the content as ``delta.content`` and each
+call, once it is complete, as one ``delta.tool_calls`` entry with its ``index`` among the
+choice's calls, its id, name and whole arguments (OpenAI's clients accumulate either form). A
+reply that called a tool and stopped by itself ends with ``finish_reason: "tool_calls"``
+(``stop`` where ``tool_choice`` named the function, as OpenAI's and vLLM's); one cut by
+``max_tokens`` keeps ``length``, its unfinished call as content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from serving.reasoning import ReasoningReader
+from serving.tool_parsers import ParsedCall, ToolCallFormat, ToolCallScanner
+from serving.tools import ToolPlan
+
+__all__ = ["ChatReply", "Piece"]
+
+
+@dataclass
+class Piece:
+    """What one piece of a reply sends: thinking, content and completed calls (as
+    ``delta.tool_calls`` entries)."""
+
+    thinking: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __add__(self, other: Piece) -> Piece:
+        return Piece(
+            self.thinking + other.thinking, self.content + other.content, self.calls + other.calls
+        )
+
+    def delta(self) -> dict[str, Any]:
+        """The piece's fields of a streamed ``delta`` (content only where it has some, or
+        where nothing else is sent)."""
+        delta: dict[str, Any] = {}
+        if self.thinking:
+            delta["reasoning"] = delta["reasoning_content"] = self.thinking
+        if self.content or not (self.calls or self.thinking):
+            delta["content"] = self.content
+        if self.calls:
+            delta["tool_calls"] = self.calls
+        return delta
+
+
+class ChatReply:
+    """One choice's reply, read as its text arrives.
+
+    Args:
+        reasoning: reads the thinking apart (None: the replica reads none).
+        form: the replica's tool-call format, with ``plan`` the request's tools (None: no
+            tools: the reply is not read for calls).
+        plan: the request's tools.
+        include_reasoning: false leaves the thinking out of the answer (vLLM's field).
+    """
+
+    def __init__(
+        self,
+        reasoning: ReasoningReader | None,
+        form: ToolCallFormat | None = None,
+        plan: ToolPlan | None = None,
+        include_reasoning: bool = True,
+    ) -> None:
+        self._reasoning = reasoning
+        self._include = include_reasoning
+        self._form = form
+        self._scanner = (
+            None
+            if form is None or plan is None
+            else ToolCallScanner(form.name, plan.names, plan.parallel, plan.schemas)
+        )
+        self._named = plan is not None and plan.named
+        self._count = 0
+
+    def feed(self, text: str) -> Piece:
+        """The next text of the reply: what it sends."""
+        thinking, answer = ("", text) if self._reasoning is None else self._reasoning.feed(text)
+        return self._read(thinking, answer, final=False)
+
+    def finish(self) -> Piece:
+        """The reply ended: what was held back."""
+        thinking, answer = ("", "") if self._reasoning is None else self._reasoning.finish()
+        return self._read(thinking, answer, final=True)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
+        request named the function, as OpenAI answers)."""
+        called = self._scanner is not None and self._scanner.called
+        return "tool_calls" if reason == "stop" and called and not self._named else reason
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole reply: (OpenAI's message, finish reason)."""
+        whole = self.feed(text) + self.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": whole.content}
+        if self._reasoning is not None:
+            thought = whole.thinking or None
+            message["reasoning"] = message["reasoning_content"] = thought
+        if not whole.calls:
+            return message, reason
+        message["content"] = whole.content or None
+        message["tool_calls"] = [_without_index(call) for call in whole.calls]
+        return message, self.finish_reason(reason)
+
+    def _read(self, thinking: str, answer: str, final: bool) -> Piece:
+        if not self._include:
+            thinking = ""
+        if self._scanner is None:
+            return Piece(thinking, answer)
+        content, calls = self._scanner.feed(answer)
+        if final:
+            tail, last = self._scanner.finish()
+            content, calls = content + tail, calls + last
+        return Piece(thinking, content, self._deltas(calls))
+
+    def _deltas(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        assert self._form is not None
+        deltas = []
+        for call in calls:
+            deltas.append(
+                {
+                    "index": self._count,
+                    "id": self._form.new_call_id(),
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            )
+            self._count += 1
+        return deltas
+
+
+def _without_index(delta: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in delta.items() if key != "index"}

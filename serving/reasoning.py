@@ -1,0 +1,103 @@
+"""Reasoning models' thinking read apart from their answer: ``<think> ... </think>`` (Qwen3,
+QwQ, DeepSeek-R1 and its distillations, GLM-4.5), answered as the message's ``reasoning``
+(vLLM's field; ``reasoning_content`` too, its older name that DeepSeek's API and many clients
+read), the rest as ``content``. Tool calls are read from the content alone.
+
+``serve.reasoning_parser`` (vLLM's ``--reasoning-parser``): ``auto`` (the default: ``qwen3``
+where the chat template writes ``</think>``), ``qwen3``, ``deepseek_r1`` or ``none`` (the
+thinking stays in the content). A reply is thinking from its start where the prompt ends
+inside ``<think>`` (templates that open it for the model: DeepSeek-R1's, Qwen3's thinking
+models') or where the reply opens it; with ``deepseek_r1`` always (its models may leave
+``<think>`` out). Thinking ends at ``</think>``; a reply cut before it is all thinking. Where
+neither opens it, the reply is all content (Qwen3 with ``enable_thinking: false``, whose
+template closes an empty ``<think></think>`` in the prompt).
+
+:class:`ReasoningReader` reads a reply as it streams, holding back only what may be the start
+of a marker and the whitespace around the thinking (which is the template's, not the model's
+words); fed whole it gives the same text.
+"""
+
+from __future__ import annotations
+
+from serving.tool_parsers import held_back
+
+__all__ = ["REASONING_PARSERS", "ReasoningReader", "detect_reasoning", "prompt_opens_thinking"]
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def detect_reasoning(chat_template: str | None) -> str | None:
+    """The reasoning parser a chat template asks for; None: it shows no thinking."""
+    if chat_template and THINK_CLOSE in chat_template:
+        return "qwen3"
+    return None
+
+
+def prompt_opens_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt ending in ``prompt_tail`` leaves the model inside ``<think>``."""
+    return prompt_tail.rstrip().endswith(THINK_OPEN)
+
+
+class ReasoningReader:
+    """One reply's thinking and answer, as its text arrives.
+
+    Args:
+        parser: one of ``REASONING_PARSERS``.
+        opened: the prompt ended inside ``<think>``.
+    """
+
+    def __init__(self, parser: str, opened: bool) -> None:
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {list(REASONING_PARSERS)}")
+        # "start": whether the reply opens thinking is not known yet; "opened": thinking,
+        # whether the reply writes <think> again not known yet; "thinking"; "after" (</think>
+        # read, the answer's first words not yet); "answer".
+        self._state = "opened" if opened or parser == "deepseek_r1" else "start"
+        self._pending = ""
+        self.thought = False  # thinking text went out (the reply held some)
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """Takes the next piece of the reply; returns (thinking, answer) to send."""
+        self._pending += text
+        return self._read(final=False)
+
+    def finish(self) -> tuple[str, str]:
+        """The reply ended: what was held back (an unclosed thinking stays thinking)."""
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> tuple[str, str]:
+        thinking = ""
+        if self._state in ("start", "opened"):
+            head = self._pending.lstrip()
+            if head.startswith(THINK_OPEN):  # (where already opened, a model's repetition)
+                self._pending, self._state = head[len(THINK_OPEN) :], "thinking"
+            elif final or (head and not THINK_OPEN.startswith(head)):
+                self._state = "thinking" if self._state == "opened" else "answer"
+            else:
+                return "", ""
+        if self._state == "thinking":
+            end = self._pending.find(THINK_CLOSE)
+            if end >= 0:
+                thinking = self._thought(self._pending[:end].rstrip())
+                self._pending, self._state = self._pending[end + len(THINK_CLOSE) :], "after"
+            else:
+                # What may start </think>, and whitespace that may end the thinking, wait.
+                keep = 0 if final else held_back(self._pending, THINK_CLOSE)
+                out = self._pending[: len(self._pending) - keep].rstrip()
+                self._pending = "" if final else self._pending[len(out) :]
+                return self._thought(out), ""
+        if self._state == "after":  # the whitespace after </think> is the template's
+            self._pending = self._pending.lstrip()
+            if not self._pending and not final:
+                return thinking, ""
+            self._state = "answer"
+        answer, self._pending = self._pending, ""
+        return thinking, answer
+
+    def _thought(self, text: str) -> str:
+        """Thinking to send: without the whitespace after ``<think>``."""
+        if not self.thought:
+            text = text.lstrip()
+            self.thought = bool(text)
+        return text
