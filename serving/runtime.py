@@ -294,13 +294,13 @@ class ReplicaRuntime:
 
     def _stop_token_ids(self, extra: list[int], ignore_eos: bool) -> list[int] | None:
         """The tokens that end the request: its stop token ids and, unless it ignores it,
-        end-of-sequence; None: the engine's default (end-of-sequence alone)."""
+        end-of-sequence (the tokenizer's and the model's generation config's); None: the
+        engine's default (end-of-sequence alone)."""
         if ignore_eos:
             return list(extra)
         if not extra:
             return None
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return [*extra, *([] if eos is None else [eos])]
+        return [*extra, *self.engine.eos_token_ids]
 
     async def complete(self, job: Job) -> list[GenerationResult]:
         """Waits for a request's end; one result per choice. Cancelled (the client went

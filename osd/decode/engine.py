@@ -138,6 +138,7 @@ class SpeculativeDecoder:
             raise ValueError(f"adaptive_threshold must be in [0, 1), got {adaptive_threshold}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_ids = end_of_sequence_ids(tokenizer, target_model, vocab_size)
         self.log_top_m = min(log_top_m, vocab_size)
         self.adaptive_threshold = adaptive_threshold
         if not 1 <= max_spec_tokens <= MAX_SPEC_TOKENS:
@@ -283,8 +284,7 @@ class SpeculativeDecoder:
             max_new = fitted_budget(len(ids), max_new, self.max_context, options.fit_context)
         stop_token_ids = options.stop_token_ids
         if stop_token_ids is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            stop_token_ids = () if eos is None else (eos,)
+            stop_token_ids = self.eos_token_ids
         if options.grammar is not None:  # a complete output ends with end-of-sequence
             stop_token_ids = (*stop_token_ids, self.grammars.eos_token_id)
         return DecodeRequest(
@@ -379,3 +379,15 @@ def _shared_vocab_size(target: PreTrainedModel, draft: PreTrainedModel, tokenize
         f"target and draft have different vocabularies ({target_size} vs {draft_size} tokens)"
         + ("" if tokenizer is None else f" and the tokenizer has {len(tokenizer)}")
     )
+
+
+def end_of_sequence_ids(tokenizer: Any, model: Any, vocab_size: int) -> tuple[int, ...]:
+    """The tokens that end a reply by default: the tokenizer's end-of-sequence and every one
+    the model's generation config names (its ``eos_token_id``, an id or a list, as transformers'
+    ``generate`` and vLLM stop on them). Instruction-tuned models end a turn with one of the
+    latter: Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, gpt-oss's ``<|call|>``, where
+    the tokenizer's own is another."""
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += named if isinstance(named, list | tuple) else [named]
+    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and 0 <= i < vocab_size))
