@@ -263,14 +263,16 @@ class ServeConfig:
     cors_allowed_origins: tuple[str, ...] = ()
     # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), qwen3_coder
-    # (Qwen3-Coder's XML), none (tools refused), or auto: from the chat template's text
-    # (<tool_call> and <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral;
-    # <|python_tag|>: llama3_json; else none).
+    # (Qwen3-Coder's XML), openai (gpt-oss's harmony), none (tools refused), or auto: from the
+    # chat template's text (harmony's <|channel|> and <|call|>: openai; <tool_call> and
+    # <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral; <|python_tag|>:
+    # llama3_json; else none).
     tool_call_parser: str = "auto"
     # How a chat reply's thinking is read apart from its answer (serving.reasoning, vLLM's
     # --reasoning-parser): qwen3 or deepseek_r1 (<think> ... </think>, answered as the
-    # message's reasoning), none (the thinking stays in the content), or auto: qwen3 where the
-    # chat template writes </think>, else none.
+    # message's reasoning), openai_gptoss (harmony's analysis channel), none (the thinking
+    # stays in the content), or auto: from the chat template (harmony: openai_gptoss;
+    # </think>: qwen3; else none).
     reasoning_parser: str = "auto"
     # How HTTP reaches the replicas (serving.ingress): haproxy (Ray Serve's high-throughput
     # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
@@ -351,13 +353,13 @@ class ServeConfig:
             in ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "none"),
             "serve.tool_call_parser",
             self.tool_call_parser,
-            "auto, hermes, llama3_json, mistral, qwen3_coder or none",
+            "auto, hermes, llama3_json, mistral, qwen3_coder, openai or none",
         )
         _require(
-            self.reasoning_parser in ("auto", "qwen3", "deepseek_r1", "none"),
+            self.reasoning_parser in ("auto", "qwen3", "deepseek_r1", "openai_gptoss", "none"),
             "serve.reasoning_parser",
             self.reasoning_parser,
-            "auto, qwen3, deepseek_r1 or none",
+            "auto, qwen3, deepseek_r1, openai_gptoss or none",
         )
         _require(
             self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"

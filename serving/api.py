@@ -356,12 +356,16 @@ def _replies(runtime: ReplicaRuntime, job: Job) -> list[ChatReply | None]:
     if not isinstance(request, ChatRequest):
         return [None] * len(job.streams)
     tools = None if runtime.tool_format is None else job.tools
-    if tools is None and runtime.reasoning_parser is None:
+    if tools is None and runtime.reasoning_parser is None and not runtime.harmony:
         return [None] * len(job.streams)
     opened = runtime.prompt_opens_thinking(job)
     return [
         ChatReply(
-            runtime.reasoning_reader(opened), runtime.tool_format, tools, request.include_reasoning
+            runtime.reasoning_reader(opened),
+            runtime.tool_format,
+            tools,
+            request.include_reasoning,
+            harmony=runtime.harmony,
         )
         for _ in job.streams
     ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.harmony import HarmonyReader
 from serving.reasoning import ReasoningReader
 from serving.tool_parsers import ParsedCall, ToolCallFormat, ToolCallScanner
 from serving.tools import ToolPlan
@@ -61,6 +62,8 @@ class ChatReply:
             tools: the reply is not read for calls).
         plan: the request's tools.
         include_reasoning: false leaves the thinking out of the answer (vLLM's field).
+        harmony: the reply is gpt-oss's harmony messages, read for thinking and calls alike
+            (``reasoning`` unused).
     """
 
     def __init__(
@@ -69,39 +72,54 @@ class ChatReply:
         form: ToolCallFormat | None = None,
         plan: ToolPlan | None = None,
         include_reasoning: bool = True,
+        harmony: bool = False,
     ) -> None:
+        tools = None if form is None else plan
         self._reasoning = reasoning
         self._include = include_reasoning
         self._form = form
+        self._harmony = (
+            None
+            if not harmony
+            else HarmonyReader(
+                None if tools is None else tools.names, tools is None or tools.parallel
+            )
+        )
         self._scanner = (
             None
-            if form is None or plan is None
-            else ToolCallScanner(form.name, plan.names, plan.parallel, plan.schemas)
+            if tools is None or form is None or harmony
+            else ToolCallScanner(form.name, tools.names, tools.parallel, tools.schemas)
         )
-        self._named = plan is not None and plan.named
+        self._named = tools is not None and tools.named
         self._count = 0
 
     def feed(self, text: str) -> Piece:
         """The next text of the reply: what it sends."""
+        if self._harmony is not None:
+            return self._harmony_piece(*self._harmony.feed(text))
         thinking, answer = ("", text) if self._reasoning is None else self._reasoning.feed(text)
         return self._read(thinking, answer, final=False)
 
     def finish(self) -> Piece:
         """The reply ended: what was held back."""
+        if self._harmony is not None:
+            return self._harmony_piece(*self._harmony.finish())
         thinking, answer = ("", "") if self._reasoning is None else self._reasoning.finish()
         return self._read(thinking, answer, final=True)
 
     def finish_reason(self, reason: str | None) -> str | None:
         """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
         request named the function, as OpenAI answers)."""
-        called = self._scanner is not None and self._scanner.called
+        called = (self._scanner is not None and self._scanner.called) or bool(
+            self._harmony is not None and self._harmony.calls
+        )
         return "tool_calls" if reason == "stop" and called and not self._named else reason
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole reply: (OpenAI's message, finish reason)."""
         whole = self.feed(text) + self.finish()
         message: dict[str, Any] = {"role": "assistant", "content": whole.content}
-        if self._reasoning is not None:
+        if self._reasoning is not None or self._harmony is not None:
             thought = whole.thinking or None
             message["reasoning"] = message["reasoning_content"] = thought
         if not whole.calls:
@@ -109,6 +127,9 @@ class ChatReply:
         message["content"] = whole.content or None
         message["tool_calls"] = [_without_index(call) for call in whole.calls]
         return message, self.finish_reason(reason)
+
+    def _harmony_piece(self, thinking: str, content: str, calls: list[ParsedCall]) -> Piece:
+        return Piece(thinking if self._include else "", content, self._deltas(calls))
 
     def _read(self, thinking: str, answer: str, final: bool) -> Piece:
         if not self._include:

@@ -439,7 +439,8 @@ class ChatMessage(BaseModel):
     name: str | None = Field(default=None, max_length=256)
     tool_calls: list[MessageToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(default=None, max_length=256)
-    # An assistant's earlier thinking, under vLLM's name or DeepSeek's; the template gets both.
+    # An assistant's earlier thinking, under vLLM's name or DeepSeek's; the template gets both
+    # (and gpt-oss's "thinking").
     reasoning: str | None = None
     reasoning_content: str | None = None
 
@@ -447,8 +448,8 @@ class ChatMessage(BaseModel):
     def _only_what_was_sent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         message: dict[str, Any] = handler(self)
         thinking = message.get("reasoning_content") or message.get("reasoning")
-        if thinking is not None:
-            message["reasoning"] = message["reasoning_content"] = thinking
+        if thinking is not None:  # (gpt-oss's template reads it as "thinking")
+            message["reasoning"] = message["reasoning_content"] = message["thinking"] = thinking
         for key in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
             if message.get(key) is None:
                 message.pop(key, None)

@@ -4,13 +4,14 @@ QwQ, DeepSeek-R1 and its distillations, GLM-4.5), answered as the message's ``re
 read), the rest as ``content``. Tool calls are read from the content alone.
 
 ``serve.reasoning_parser`` (vLLM's ``--reasoning-parser``): ``auto`` (the default: ``qwen3``
-where the chat template writes ``</think>``), ``qwen3``, ``deepseek_r1`` or ``none`` (the
-thinking stays in the content). A reply is thinking from its start where the prompt ends
-inside ``<think>`` (templates that open it for the model: DeepSeek-R1's, Qwen3's thinking
-models') or where the reply opens it; with ``deepseek_r1`` always (its models may leave
-``<think>`` out). Thinking ends at ``</think>``; a reply cut before it is all thinking. Where
-neither opens it, the reply is all content (Qwen3 with ``enable_thinking: false``, whose
-template closes an empty ``<think></think>`` in the prompt).
+where the chat template writes ``</think>``, ``openai_gptoss`` where it writes harmony's
+messages), ``qwen3``, ``deepseek_r1``, ``openai_gptoss`` (gpt-oss's analysis channel, read by
+:mod:`serving.harmony`) or ``none`` (the thinking stays in the content). A reply is thinking
+from its start where the prompt ends inside ``<think>`` (templates that open it for the model:
+DeepSeek-R1's, Qwen3's thinking models') or where the reply opens it; with ``deepseek_r1``
+always (its models may leave ``<think>`` out). Thinking ends at ``</think>``; a reply cut
+before it is all thinking. Where neither opens it, the reply is all content (Qwen3 with
+``enable_thinking: false``, whose template closes an empty ``<think></think>`` in the prompt).
 
 :class:`ReasoningReader` reads a reply as it streams, holding back only what may be the start
 of a marker and the whitespace around the thinking (which is the template's, not the model's
@@ -19,7 +20,7 @@ words); fed whole it gives the same text.
 
 from __future__ import annotations
 
-from serving.tool_parsers import held_back
+from serving.tool_parsers import held_back, speaks_harmony
 
 __all__ = ["REASONING_PARSERS", "ReasoningReader", "detect_reasoning", "prompt_opens_thinking"]
 
@@ -29,6 +30,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 def detect_reasoning(chat_template: str | None) -> str | None:
     """The reasoning parser a chat template asks for; None: it shows no thinking."""
+    if speaks_harmony(chat_template):
+        return "openai_gptoss"  # gpt-oss's analysis channel (serving.harmony)
     if chat_template and THINK_CLOSE in chat_template:
         return "qwen3"
     return None

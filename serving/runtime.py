@@ -42,7 +42,7 @@ from serving.protocol import APIError, ChatRequest, CompletionRequest
 from serving.reasoning import ReasoningReader, detect_reasoning, prompt_opens_thinking
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
-from serving.tool_parsers import detect_parser, tool_call_format, unread_format
+from serving.tool_parsers import detect_parser, tool_call_format
 from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
@@ -103,6 +103,8 @@ class ReplicaRuntime:
         self.reasoning_parser = detect_reasoning(template) if reasoning == "auto" else reasoning
         if self.reasoning_parser == "none":
             self.reasoning_parser = None
+        # gpt-oss's harmony: a chat reply's markers are read for thinking, content and calls.
+        self.harmony = self.tool_parser == "openai" or self.reasoning_parser == "openai_gptoss"
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
@@ -119,8 +121,8 @@ class ReplicaRuntime:
         return prompt_opens_thinking(tail)
 
     def reasoning_reader(self, opened: bool) -> ReasoningReader | None:
-        """A reader of one reply's thinking (None: the replica reads none)."""
-        if self.reasoning_parser is None:
+        """A reader of one reply's thinking (None: the replica reads none, or reads harmony)."""
+        if self.reasoning_parser is None or self.harmony:
             return None
         return ReasoningReader(self.reasoning_parser, opened)
 
@@ -133,13 +135,12 @@ class ReplicaRuntime:
         except ParamError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         if plan is not None and self.tool_parser is None:
-            template = getattr(self.tokenizer, "chat_template", None)
-            shows = unread_format(template) or "no known tool-call format"
             raise APIError(
                 400,
-                f"tools: this server reads no tool calls for its model (its chat template shows "
-                f"{shows}); start it with serve.tool_call_parser set to hermes, llama3_json, "
-                "mistral or qwen3_coder where the model writes one of those",
+                "tools: this server reads no tool calls for its model (its chat template shows "
+                "no known tool-call format); start it with serve.tool_call_parser set to "
+                "hermes, llama3_json, mistral, qwen3_coder or openai where the model writes "
+                "one of those",
                 param="tools",
                 code="unsupported_parameter",
             )
@@ -287,8 +288,11 @@ class ReplicaRuntime:
             log=self.log_writer is not None and request.log,
             grammar=grammar,
         )
-        if tools is not None and self.tool_format is not None and self.tool_format.special_ids:
-            # The calls' markers are special tokens: the parser reads them in the text.
+        special = (
+            tools is not None and self.tool_format is not None and self.tool_format.special_ids
+        )
+        if special or (self.harmony and isinstance(request, ChatRequest)):
+            # The markers are special tokens: the parser reads them in the text.
             options = dataclasses.replace(options, skip_special_tokens=False)
         return self.engine.prepare(self.prompt_of(request, tools), options)
 

@@ -1,7 +1,7 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Four formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Five formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
@@ -20,6 +20,8 @@ Four formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat temp
   for each argument, then ``</function>\n</tool_call>``. A value is text; it is read as the
   parameter's schema types it (an integer, a number, a boolean, JSON for an object or array,
   ``null``), and stays a string where it does not parse so (vLLM's ``qwen3_coder`` reads it so).
+* ``openai`` (gpt-oss, vLLM's name): harmony's ``commentary`` message to ``functions.name``,
+  read with the reply's thinking by :mod:`serving.harmony`; this module writes its grammar.
 
 A :class:`ToolCallScanner` reads a reply as it streams, one piece of text at a time, and says
 what can go out: content text, or a whole tool call once its JSON is complete; the non-streamed
@@ -50,7 +52,7 @@ import secrets
 import string
 import urllib.parse
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,13 +61,14 @@ __all__ = [
     "ParsedCall",
     "ToolCallFormat",
     "ToolCallScanner",
+    "call_of_arguments",
     "detect_parser",
     "held_back",
+    "speaks_harmony",
     "tool_call_format",
-    "unread_format",
 ]
 
-PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "openai")
 # llguidance's JSON options (as x-guidance): compact, or spaced as Python's json.dumps and
 # Jinja's tojson write it (", " and ": ", what Mistral's templates show the model).
 _COMPACT = {"whitespace_flexible": False}
@@ -102,6 +105,7 @@ class ToolCallFormat:
             grammar names the token (text cannot spell a special token).
         short_ids: the chat template takes 9-character alphanumeric call ids (Mistral's).
         spaced: the grammar writes JSON with ``", "`` and ``": "`` (else compact).
+        markers: the format's other pieces that may be special tokens (harmony's).
     """
 
     name: str
@@ -115,18 +119,21 @@ class ToolCallFormat:
     special_ids: tuple[tuple[str, int], ...] = ()
     short_ids: bool = False
     spaced: bool = False
+    markers: tuple[str, ...] = ()
 
     @property
     def pieces(self) -> tuple[str, ...]:
         """The format's own text around the calls (any of it may be a special token)."""
         pieces = (*self.opening, self.start, self.end, self.separator, *self.closing)
-        return tuple(p for p in (*pieces, self.arguments_marker or "") if p)
+        return tuple(p for p in (*pieces, self.arguments_marker or "", *self.markers) if p)
 
     def grammar(self, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose outputs are one call (or, with ``parallel``, one or more) of
         ``functions`` (OpenAI's ``function`` objects: ``name`` and ``parameters``)."""
         if not functions:
             raise ValueError("a tool-call grammar needs at least one function")
+        if self.name == "openai":  # one call: gpt-oss's turn ends at its <|call|>
+            parallel = False
         bodies = [f"fn_{i}" for i in range(len(functions))]
         between = f"{self._text(self.separator)} " if self.separator else ""
         more = f" ({between}call)*" if parallel else ""
@@ -140,6 +147,12 @@ class ToolCallFormat:
         for rule, function in zip(bodies, functions, strict=True):
             if self.name == "qwen3_coder":
                 rules += _xml_call_rules(rule, function, self._json_options)
+            elif self.name == "openai":
+                schema = {**_parameters(function), "x-guidance": self._json_options}
+                header = self._sequence(
+                    "", f"commentary to=functions.{function['name']} ", *_HARMONY_HEADER_END
+                )
+                rules.append(f"{rule}:{header} %json {json.dumps(schema)}")
             elif self.arguments_marker is None:
                 rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
             else:
@@ -349,6 +362,8 @@ def _xml_string(schema: Mapping[str, Any]) -> bool:
 
 
 _MISTRAL = "[TOOL_CALLS]"
+# harmony: a call's message is <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
+_HARMONY_HEADER_END = ("<|constrain|>", "json", "<|message|>")
 _HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n")
 _FORMATS = {
     "hermes": _HERMES,
@@ -360,6 +375,14 @@ _FORMATS = {
     ),
     # Qwen3-Coder: hermes's <tool_call> around XML; objects and arrays as tojson writes them.
     "qwen3_coder": dataclasses.replace(_HERMES, name="qwen3_coder", spaced=True),
+    "openai": ToolCallFormat(
+        "openai",
+        "<|channel|>",
+        "",
+        "arguments",
+        "",
+        markers=("<|constrain|>", "<|message|>"),
+    ),
 }
 # Mistral Small 3.2, Magistral, Devstral (v11 on): each call its own marker, then the name.
 _MISTRAL_V11 = ToolCallFormat(
@@ -429,11 +452,18 @@ def _template_spacing(tokenizer: Any) -> bool | None:
     return None
 
 
+def speaks_harmony(chat_template: str | None) -> bool:
+    """Whether a chat template writes OpenAI's harmony messages (gpt-oss's)."""
+    markers = ("<|channel|>", "<|message|>", "<|call|>")
+    return chat_template is not None and all(m in chat_template for m in markers)
+
+
 def detect_parser(chat_template: str | None) -> str | None:
-    """The parser a chat template's text asks for; None: it shows no known tool-call format
-    (:func:`unread_format` says which, where it can tell)."""
-    if not chat_template or unread_format(chat_template):
+    """The parser a chat template asks for; None: it shows no known tool-call format."""
+    if not chat_template:
         return None
+    if speaks_harmony(chat_template):
+        return "openai"  # gpt-oss's (serving.harmony)
     if "<tool_call>" in chat_template and "<function=" in chat_template:
         return "qwen3_coder"
     if "<tool_call>" in chat_template:
@@ -442,15 +472,6 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "mistral"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
-    return None
-
-
-def unread_format(chat_template: str | None) -> str | None:
-    """A tool-call format the template shows that no parser here reads; None: none known.
-    gpt-oss writes its calls in OpenAI's harmony format (``to=functions.name`` on a
-    ``commentary`` channel, ending ``<|call|>``): the text of a reply is not where they are."""
-    if chat_template and "<|call|>" in chat_template and "<|channel|>" in chat_template:
-        return "harmony's calls (to=functions.name ... <|call|>, gpt-oss's: vLLM's openai)"
     return None
 
 
@@ -476,6 +497,8 @@ class ToolCallScanner:
         parallel: bool = True,
         schemas: Mapping[str, Any] | None = None,
     ) -> None:
+        if parser == "openai":
+            raise ValueError("harmony replies are read by serving.harmony")
         self._format = tool_call_format(parser)
         self._functions = frozenset(functions)
         self._schemas = dict(schemas or {})
@@ -677,6 +700,18 @@ class ToolCallScanner:
         ]
         read = [call for call in calls if call is not None]
         return read if read and len(read) == len(calls) else None
+
+
+def call_of_arguments(name: str, text: str, functions: Collection[str]) -> ParsedCall | None:
+    """A call of ``name`` whose arguments are the JSON object ``text`` (empty: none); None:
+    a function not among ``functions``, or text that is not such an object."""
+    if name not in functions:
+        return None
+    try:
+        arguments = _JSON.decode(text or "{}")
+    except ValueError:
+        return None
+    return _parsed(name, arguments) if isinstance(arguments, dict) else None
 
 
 def _parsed(name: str, arguments: dict[str, Any]) -> ParsedCall | None:

@@ -323,15 +323,15 @@ def test_ignore_eos_generates_past_the_end_of_sequence_token(replica):
     ids = alone.token_ids
     cut = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
     # The greedy continuation's token at `cut` plays end-of-sequence for this test.
-    tokenizer = replica.runtime.engine.tokenizer
-    eos = tokenizer.eos_token_id
-    tokenizer.eos_token_id = ids[cut]
+    engine = replica.runtime.engine
+    eos = engine.eos_token_ids
+    engine.eos_token_ids = (ids[cut],)
     try:
         body = {**BASE["completion"], "max_tokens": tokens, "temperature": 0, "prompt": prompt}
         ended = replica.client.post(PATHS["completion"], json=body).json()
         past = replica.client.post(PATHS["completion"], json={**body, "ignore_eos": True}).json()
     finally:
-        tokenizer.eos_token_id = eos
+        engine.eos_token_ids = eos
     assert ended["usage"]["completion_tokens"] == cut + 1
     assert ended["choices"][0]["finish_reason"] == "stop"
     assert past["usage"]["completion_tokens"] == tokens

@@ -11,7 +11,7 @@ import pytest
 
 from osd.decode.grammar import GrammarCompiler
 from osd.toy_models import char_tokenizer
-from serving.tool_parsers import ParsedCall, ToolCallScanner, tool_call_format, unread_format
+from serving.tool_parsers import ParsedCall, ToolCallScanner, tool_call_format
 from tests.serving.test_tool_parsers import scan as scan_as
 
 # Qwen3-Coder's way of writing an earlier call, in the toy tokenizer's alphabet.
@@ -134,11 +134,6 @@ def test_without_schemas_every_value_is_text():
     scanner = ToolCallScanner("qwen3_coder", ["get_weather"])
     _, calls = scanner.feed(OSLO)
     assert calls == [ParsedCall("get_weather", '{"city": "Oslo", "days": "3"}')]
-
-
-def test_harmony_is_said_to_be_unread():
-    assert unread_format("<|start|>assistant<|channel|>commentary to=x<|call|>")
-    assert unread_format(TEMPLATE) is None
 
 
 @pytest.fixture(scope="module")

@@ -154,8 +154,11 @@ def test_parallel_false_keeps_the_first_call():
         ("{{- '[TOOL_CALLS] [' }}", "mistral"),
         # Qwen3-Coder's XML calls inside <tool_call>.
         ("{{- '<tool_call>\n<function=' + name + '>' }}", "qwen3_coder"),
-        # gpt-oss's harmony calls: no parser here reads them.
-        ("{{- '<|start|>assistant to=' }}{{- '<|channel|>commentary' }}{{- '<|call|>' }}", None),
+        # gpt-oss's harmony messages (read by serving.harmony).
+        (
+            "{{- '<|start|>assistant to=' }}{{- '<|channel|>c<|message|>' }}{{- '<|call|>' }}",
+            "openai",
+        ),
         ("{{ messages }}", None),
         (None, None),
     ],

@@ -304,26 +304,6 @@ def test_a_model_without_a_tool_format_refuses_tools_and_says_how_to_serve_them(
         assert ok.status_code == 200, ok.text
 
 
-def test_a_template_with_calls_no_parser_reads_says_which_instead_of_misreading_them():
-    # gpt-oss's harmony calls: a header naming the function on the commentary channel.
-    harmony = TEMPLATE.replace(
-        "<tool_call>\n{{ {'name': call.function.name, 'arguments': call.function.arguments} | "
-        "tojson }}\n</tool_call>",
-        "<|start|>assistant to=functions.{{ call.function.name }}<|channel|>commentary "
-        "json<|message|>{{ call.function.arguments | tojson }}<|call|>",
-    )
-    assert harmony != TEMPLATE
-    with running_replica(toy_config(f"model.chat_template={json.dumps(harmony)}")) as coder:
-        assert coder.runtime.tool_parser is None
-        response = coder.client.post(
-            "/v1/chat/completions",
-            json={"model": "osd", "messages": ASK, "tools": TOOLS, "max_tokens": 2},
-        )
-        error = response.json()["error"]
-        assert response.status_code == 400 and error["param"] == "tools"
-        assert "gpt-oss" in error["message"] and "serve.tool_call_parser" in error["message"]
-
-
 def test_langchain_bind_tools_gets_tool_calls(replica):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_openai import ChatOpenAI

@@ -1,0 +1,145 @@
+"""gpt-oss's harmony through /v1/chat/completions, on a toy pair whose tokenizer has harmony's
+markers as special tokens and whose generation config ends a reply at ``<|return|>`` and
+``<|call|>``: the analysis channel is the message's reasoning, the final channel its content, a
+commentary message to a function a tool call, whole and streamed alike; the markers never reach
+the client; a forced call follows the schema."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from tokenizers import AddedToken
+
+from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
+from serving.harmony import HARMONY_MARKERS
+from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.serving.test_reasoning_api import streamed
+from tests.serving.test_tools_api import ASK, TOOLS, chat, follows_schema
+
+TEMPLATE = (
+    "{%- if tools -%}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
+    "{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.tool_calls -%}{%- for c in m.tool_calls -%}"
+    "{{- '<|start|>assistant to=functions.' + c.function.name + '<|channel|>commentary json"
+    "<|message|>' }}{{- c.function.arguments | tojson }}{{- '<|call|>' }}"
+    "{%- endfor -%}"
+    "{%- else -%}"
+    "{{- '<|start|>' + m.role + '<|message|>' + (m.content or '') + '<|end|>' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{% endif -%}"
+)
+
+
+def harmony_tokenizer():
+    """The toy tokenizer with harmony's markers as special tokens (ids 64 on)."""
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens(
+        [AddedToken(m, special=True) for m in HARMONY_MARKERS], special_tokens=True
+    )
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+def _models(root: Path) -> tuple[Path, Path]:
+    tokenizer = harmony_tokenizer()
+    ids = dict(
+        zip(HARMONY_MARKERS, tokenizer.convert_tokens_to_ids(list(HARMONY_MARKERS)), strict=True)
+    )
+    target = tiny_llama(
+        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
+        eos_token_id=ids["<|return|>"],
+    )  # fmt: skip
+    # gpt-oss's: a reply ends at <|return|> (the tokenizer's end) and at <|call|>.
+    target.generation_config.eos_token_id = [ids["<|return|>"], ids["<|call|>"]]
+    target.save_pretrained(root / "target")
+    tokenizer.eos_token = "<|return|>"
+    tokenizer.save_pretrained(root / "target")
+    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory) -> Iterator[Replica]:
+    target, draft = _models(tmp_path_factory.mktemp("harmony"))
+    config = toy_config(
+        "serve.max_tokens_limit=160", f"model.target={target}", f"model.draft={draft}"
+    )
+    with running_replica(config) as replica:
+        runtime = replica.runtime
+        assert (runtime.tool_parser, runtime.reasoning_parser) == ("openai", "openai_gptoss")
+        yield replica
+
+
+@pytest.fixture(scope="module")
+def client(replica) -> openai.OpenAI:
+    return replica.openai()
+
+
+def harmony(replica, text: str) -> dict:
+    """Fields that make the toy model write ``text``, its markers as their special tokens."""
+    tokenizer = replica.runtime.tokenizer
+    parts = [
+        f"<[{tokenizer.convert_tokens_to_ids(piece)}]>"
+        if piece in HARMONY_MARKERS
+        else json.dumps(piece)
+        for piece in _MARKER.split(text)
+        if piece
+    ]
+    return {"extra_body": {"structured_outputs": {"grammar": "start: " + " ".join(parts)}}}
+
+
+_MARKER = re.compile("(" + "|".join(re.escape(m) for m in HARMONY_MARKERS) + ")")
+
+
+REPLY = (
+    "<|channel|>analysis<|message|>2 < 3, so.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>yes."
+)
+
+
+def test_analysis_is_the_reasoning_and_final_the_content_whole_and_streamed(client, replica):
+    fields = harmony(replica, REPLY)
+    choice = chat(client, **fields).choices[0]
+    assert (choice.message.model_extra or {})["reasoning"] == "2 < 3, so."
+    assert choice.message.content == "yes."
+    assert streamed(client, **fields)[:2] == ("2 < 3, so.", "yes.")
+
+
+def test_a_call_to_a_function_is_a_tool_call(client, replica):
+    call = (
+        "<|channel|>analysis<|message|>look.<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.calc <|constrain|>json<|message|>{"n": 4}'
+    )
+    choice = chat(client, tools=TOOLS, **harmony(replica, call)).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [made] = choice.message.tool_calls
+    assert (made.function.name, json.loads(made.function.arguments)) == ("calc", {"n": 4})
+    thinking, content, calls, finish = streamed(client, tools=TOOLS, **harmony(replica, call))
+    assert (thinking, content, finish) == ("look.", "", "tool_calls")
+    assert [c.function.name for c in calls] == ["calc"]
+
+
+def test_a_forced_call_follows_the_schema_and_a_history_renders(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(2):
+        choice = chat(client, tools=TOOLS, tool_choice=named, seed=seed).choices[0]
+        [made] = choice.message.tool_calls
+        assert follows_schema(made) and choice.finish_reason == "stop"
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
+        {"role": "tool", "tool_call_id": made.id, "content": "sunny"},
+    ]
+    assert chat(client, messages=history, tools=TOOLS, max_tokens=3).choices[0].finish_reason
+
+
+def test_the_models_own_words_never_show_the_markers(client):
+    choice = chat(client, max_tokens=20, seed=4, temperature=1.0).choices[0]
+    text = (choice.message.content or "") + ((choice.message.model_extra or {})["reasoning"] or "")
+    assert "<|" not in text
