@@ -89,6 +89,9 @@ IMPLEMENTED: frozenset[str] = frozenset(
         "parallel_tool_calls",
         # Chat: thinking read apart (serving.reasoning); completions change nothing by them.
         "include_reasoning",  # vLLM's: false leaves the thinking out of the answer
+        # A reasoning model's effort, given to a chat template that takes it (gpt-oss's);
+        # refused by the replica where the template does not.
+        "reasoning_effort",
         "chat_template_kwargs",  # vLLM's: more arguments for the chat template
     }
 )
@@ -205,7 +208,6 @@ REFUSED: Mapping[str, Refused] = {
         "a predicted output as the draft; osd drafts with its own adapters", _is_null
     ),
     "web_search_options": Refused("web search", _is_null),
-    "reasoning_effort": Refused("a reasoning model's effort", _is_one_of("none")),
     "verbosity": Refused("a reasoning model's verbosity", _is_one_of("medium")),
     "moderation": Refused("moderation of the input and output", _is_null),
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)

@@ -496,6 +496,8 @@ class ChatRequest(_Common):
     include_reasoning: StrictBool = True
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: a reasoning model's effort, the chat template's reasoning_effort (gpt-oss's).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: None = None  # completions' field (vLLM's chat echo is not served); refused here

@@ -103,8 +103,13 @@ class ReplicaRuntime:
         self.reasoning_parser = detect_reasoning(template) if reasoning == "auto" else reasoning
         if self.reasoning_parser == "none":
             self.reasoning_parser = None
-        # gpt-oss's harmony: a chat reply's markers are read for thinking, content and calls.
+        # gpt-oss's harmony: a chat reply's markers are read for thinking, content and calls;
+        # a reply ends at <|return|> and at <|call|> (some generation configs name only one).
         self.harmony = self.tool_parser == "openai" or self.reasoning_parser == "openai_gptoss"
+        if self.harmony:
+            ends = [_special_id(engine.tokenizer, marker) for marker in ("<|return|>", "<|call|>")]
+            known = (i for i in ends if i is not None and i not in engine.eos_token_ids)
+            engine.eos_token_ids = (*engine.eos_token_ids, *known)
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
@@ -159,7 +164,7 @@ class ReplicaRuntime:
             messages = self.tool_format.template_messages(messages)
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return _render(tokenizer, messages, tools, request.chat_template_kwargs or {})
+            return _render(tokenizer, messages, tools, self._template_variables(request))
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             raise APIError(
                 400,
@@ -170,6 +175,25 @@ class ReplicaRuntime:
             )
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
+
+    def _template_variables(self, request: ChatRequest) -> dict[str, Any]:
+        """The chat template's variables a request sets: its ``chat_template_kwargs`` and its
+        ``reasoning_effort`` (where the template takes one; else a 400, unless "none")."""
+        variables = dict(request.chat_template_kwargs or {})
+        effort = request.reasoning_effort
+        if effort is None or "reasoning_effort" in variables:
+            return variables
+        if "reasoning_effort" in (getattr(self.tokenizer, "chat_template", None) or ""):
+            variables["reasoning_effort"] = effort
+        elif effort != "none":
+            raise APIError(
+                400,
+                f"reasoning_effort is not supported by this model: its chat template takes no "
+                f"reasoning effort (got {effort!r}); leave it out or send none",
+                param="reasoning_effort",
+                code="unsupported_parameter",
+            )
+        return variables
 
     def check_model(self, model: str) -> None:
         """Raises the 404 of a request for a ``model`` this replica does not serve."""
@@ -476,3 +500,9 @@ def _render(
             code="unsupported_parameter",
         )
     return rendered
+
+
+def _special_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text``'s special token in ``tokenizer``; None: it has none."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return next((i for i, token in added.items() if token.content == text and token.special), None)

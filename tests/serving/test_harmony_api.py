@@ -33,6 +33,7 @@ TEMPLATE = (
     "{{- '<|start|>' + m.role + '<|message|>' + (m.content or '') + '<|end|>' }}"
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{% endif -%}"
+    "{%- if reasoning_effort is defined %}{{ reasoning_effort }}{% endif -%}"
 )
 
 
@@ -55,8 +56,9 @@ def _models(root: Path) -> tuple[Path, Path]:
         vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
         eos_token_id=ids["<|return|>"],
     )  # fmt: skip
-    # gpt-oss's: a reply ends at <|return|> (the tokenizer's end) and at <|call|>.
-    target.generation_config.eos_token_id = [ids["<|return|>"], ids["<|call|>"]]
+    # A reply ends at <|return|> (the tokenizer's end) and at <|call|>, which some of gpt-oss's
+    # generation configs leave out: the replica adds it.
+    target.generation_config.eos_token_id = [ids["<|return|>"]]
     target.save_pretrained(root / "target")
     tokenizer.eos_token = "<|return|>"
     tokenizer.save_pretrained(root / "target")
@@ -73,6 +75,8 @@ def replica(tmp_path_factory) -> Iterator[Replica]:
     with running_replica(config) as replica:
         runtime = replica.runtime
         assert (runtime.tool_parser, runtime.reasoning_parser) == ("openai", "openai_gptoss")
+        ends = runtime.tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+        assert set(ends) <= set(runtime.engine.eos_token_ids)
         yield replica
 
 
@@ -143,3 +147,12 @@ def test_the_models_own_words_never_show_the_markers(client):
     choice = chat(client, max_tokens=20, seed=4, temperature=1.0).choices[0]
     text = (choice.message.content or "") + ((choice.message.model_extra or {})["reasoning"] or "")
     assert "<|" not in text
+
+
+def test_reasoning_effort_reaches_a_template_that_takes_it(client):
+    def prompt_tokens(**fields) -> int:
+        return chat(client, max_tokens=1, **fields).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(reasoning_effort="high") == plain + len("high")
+    assert prompt_tokens(reasoning_effort="low") == plain + len("low")

@@ -86,7 +86,8 @@ NON_DEFAULT: dict[str, tuple[Any, str]] = {
     "modalities": (["text", "audio"], REFUSE),
     "prediction": ({"type": "content", "content": "the cat sat"}, REFUSE),
     "web_search_options": ({"search_context_size": "low"}, REFUSE),
-    "reasoning_effort": ("high", REFUSE),
+    # Given to a chat template that takes it (gpt-oss's); the toy model's has none: a 400.
+    "reasoning_effort": ("high", "template"),
     "verbosity": ("low", REFUSE),
     "moderation": ({"model": "omni-moderation-latest"}, REFUSE),
 }
@@ -182,7 +183,7 @@ def test_a_field_that_asks_for_something_is_used_or_refused_by_name(replica, kin
     value, outcome = NON_DEFAULT[field]
     value = CHAT_VALUES.get(field, value) if kind == "chat" else value
     response = post(replica, kind, **{field: value}, **WITH.get(field, {}))
-    if outcome == REFUSE:
+    if outcome in (REFUSE, "template"):
         assert_refused(response, field)
     else:
         assert_answered(response, field)
