@@ -164,7 +164,7 @@ class ReplicaRuntime:
             messages = self.tool_format.template_messages(messages)
         tokenizer = self.tokenizer
         if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-            return _render(tokenizer, messages, tools, self._template_variables(request))
+            return _render(tokenizer, messages, tools, _template_variables(tokenizer, request))
         if tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
             raise APIError(
                 400,
@@ -175,25 +175,6 @@ class ReplicaRuntime:
             )
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join([*lines, "assistant:"])
-
-    def _template_variables(self, request: ChatRequest) -> dict[str, Any]:
-        """The chat template's variables a request sets: its ``chat_template_kwargs`` and its
-        ``reasoning_effort`` (where the template takes one; else a 400, unless "none")."""
-        variables = dict(request.chat_template_kwargs or {})
-        effort = request.reasoning_effort
-        if effort is None or "reasoning_effort" in variables:
-            return variables
-        if "reasoning_effort" in (getattr(self.tokenizer, "chat_template", None) or ""):
-            variables["reasoning_effort"] = effort
-        elif effort != "none":
-            raise APIError(
-                400,
-                f"reasoning_effort is not supported by this model: its chat template takes no "
-                f"reasoning effort (got {effort!r}); leave it out or send none",
-                param="reasoning_effort",
-                code="unsupported_parameter",
-            )
-        return variables
 
     def check_model(self, model: str) -> None:
         """Raises the 404 of a request for a ``model`` this replica does not serve."""
@@ -464,6 +445,26 @@ def grammar_failure(job: Job, exc: GrammarFailed) -> APIError:
     ask = None if forced else grammar_ask(job.request)
     field = "tool_choice" if ask is None else ask[0]
     return APIError(400, f"{field}: {exc}", param=field)
+
+
+def _template_variables(tokenizer: Any, request: ChatRequest) -> dict[str, Any]:
+    """The chat template's variables a request sets: its ``chat_template_kwargs`` and its
+    ``reasoning_effort`` (where the template takes one; else a 400, unless "none")."""
+    variables = dict(request.chat_template_kwargs or {})
+    effort = request.reasoning_effort
+    if effort is None or "reasoning_effort" in variables:
+        return variables
+    if "reasoning_effort" in (getattr(tokenizer, "chat_template", None) or ""):
+        variables["reasoning_effort"] = effort
+    elif effort != "none":
+        raise APIError(
+            400,
+            f"reasoning_effort is not supported by this model: its chat template takes no "
+            f"reasoning effort (got {effort!r}); leave it out or send none",
+            param="reasoning_effort",
+            code="unsupported_parameter",
+        )
+    return variables
 
 
 def _render(
