@@ -12,6 +12,9 @@ DeepSeek-R1's, Qwen3's thinking models') or where the reply opens it; with ``dee
 always (its models may leave ``<think>`` out). Thinking ends at ``</think>``; a reply cut
 before it is all thinking. Where neither opens it, the reply is all content (Qwen3 with
 ``enable_thinking: false``, whose template closes an empty ``<think></think>`` in the prompt).
+A grammar (structured output, a forced tool call) holds after the thinking where the prompt
+opened it (``osd.decode.grammar``'s ``thinking_first``), else from the reply's start, whose
+text is then all answer.
 
 :class:`ReasoningReader` reads a reply as it streams, holding back only what may be the start
 of a marker and the whitespace around the thinking (which is the template's, not the model's

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -118,12 +119,28 @@ class ReplicaRuntime:
 
     def prompt_opens_thinking(self, job: Job) -> bool:
         """Whether the job's prompt leaves the model inside ``<think>`` (its template opened
-        it), read from the prompt's last tokens. Not where a grammar writes the reply
-        (structured output, a forced tool call): its text is the grammar's, the answer."""
-        if job.stream.request.grammar is not None:
+        it), read from the prompt's last tokens. Not where a grammar writes the whole reply
+        (one compiled without ``thinking_first``): its text is the answer."""
+        grammar = job.stream.request.grammar
+        if grammar is not None and not grammar.thinks:
             return False
         tail = self.tokenizer.decode(job.stream.request.prompt_ids[-8:])
         return prompt_opens_thinking(tail)
+
+    def _thinks_first(
+        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None
+    ) -> bool:
+        """Whether a chat request's grammar should hold only after the model's thinking: its
+        prompt opens ``<think>`` (or the parser is deepseek_r1's, whose models think first)."""
+        if not isinstance(request, ChatRequest) or self.reasoning_parser not in (
+            "qwen3",
+            "deepseek_r1",
+        ):
+            return False
+        if self.reasoning_parser == "deepseek_r1":
+            return True
+        prompt = self.prompt_of(request, tools)
+        return isinstance(prompt, str) and prompt_opens_thinking(prompt[-64:])
 
     def reasoning_reader(self, opened: bool) -> ReasoningReader | None:
         """A reader of one reply's thinking (None: the replica reads none, or reads harmony)."""
@@ -215,11 +232,12 @@ class ReplicaRuntime:
         if ask is None:
             return None
         field, kind, spec = ask
+        compile_it = functools.partial(
+            self.engine.grammars.compile, kind, spec, self._thinks_first(request, tools)
+        )
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
-                self._compiles, self.engine.grammars.compile, kind, spec
-            )
+            return await loop.run_in_executor(self._compiles, compile_it)
         except ValueError as exc:
             raise APIError(400, f"{field}: {exc}", param=field) from None
 

@@ -53,11 +53,14 @@ class Grammar:
     Attributes:
         kind: what it was compiled from (``GRAMMAR_KINDS``).
         source: the llguidance grammar text it was compiled to.
+        thinks: the output is a reasoning model's thinking, any text up to ``</think>``, then
+            the grammar's (``compile``'s ``thinking_first``).
     """
 
     kind: str
     source: str
     _prototype: Any = field(repr=False)
+    thinks: bool = False
 
     def matcher(self) -> Any:
         """A fresh ``llguidance.LLMatcher`` at the start of the grammar."""
@@ -83,7 +86,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, spec: Any = None) -> Grammar:
+    def compile(self, kind: str, spec: Any = None, thinking_first: bool = False) -> Grammar:
         """Compiles one grammar.
 
         Args:
@@ -92,6 +95,9 @@ class GrammarCompiler:
                 whole output matches), ``lark`` (``spec``: a Lark grammar with a ``start``
                 rule, or a GBNF grammar with a ``root`` rule, converted) or ``choice``
                 (``spec``: the strings the output must be one of).
+            thinking_first: the output first thinks, free text up to ``</think>`` (a
+                reasoning model whose prompt opened ``<think>``), and the grammar holds after
+                it and the whitespace that follows, as vLLM applies a grammar after reasoning.
 
         Raises:
             ValueError: an unknown kind, or a spec that does not compile (the message says
@@ -100,6 +106,8 @@ class GrammarCompiler:
         import llguidance
 
         source = _grammar_source(kind, spec)
+        if thinking_first:
+            source = _after_thinking(source)
         if len(source) > MAX_GRAMMAR_CHARS * 4:
             raise ValueError(f"the {kind} grammar is too large")
         key = (kind, source)
@@ -112,7 +120,7 @@ class GrammarCompiler:
         matcher.compute_bitmask()  # the first mask too: some limits are only met computing it
         if matcher.is_error():
             raise ValueError(f"the {kind} does not compile: {_first_line(matcher.get_error())}")
-        grammar = Grammar(kind, source, matcher)
+        grammar = Grammar(kind, source, matcher, thinks=thinking_first)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > _CACHE_SIZE:
@@ -145,6 +153,29 @@ def _grammar_source(kind: str, spec: Any) -> str:
             "start: " + " | ".join(json.dumps(c) for c in choices)
         )
     raise ValueError(f"grammar kind must be one of {list(GRAMMAR_KINDS)}, got {kind!r}")
+
+
+# Any text up to and with </think> (llguidance's stop ends the lexeme at its first match),
+# the whitespace after it, then the grammar, by name.
+_THINKING_FIRST = (
+    'start: thinking WS? @answer\nthinking[stop="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n'
+)
+
+
+def _after_thinking(source: str) -> str:
+    """``source`` (llguidance's grammars as JSON, or Lark text) after a reasoning model's
+    thinking."""
+    try:
+        top = json.loads(source)
+    except ValueError:
+        top = None
+    if isinstance(top, dict) and top.get("grammars"):
+        grammars = top["grammars"]
+    else:
+        grammars = [{"lark_grammar": source}]
+    answer = {**grammars[0], "name": "answer"}
+    first = {"name": "thinking_first", "lark_grammar": _THINKING_FIRST}
+    return json.dumps({"grammars": [first, answer, *grammars[1:]]})
 
 
 def _lark(text: str) -> str:

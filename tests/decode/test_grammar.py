@@ -48,6 +48,35 @@ def test_gbnf_grammars_are_read_as_vllm_reads_them(compiler):
     assert allowed_after(compiler, inlined, "") == {"a", "b"}
 
 
+@pytest.mark.parametrize(
+    ("kind", "spec", "answer"),
+    [
+        ("json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a":5}'),
+        ("regex", "[0-9]+", "42"),
+        ("choice", ["yes", "no"], "no"),
+        ("lark", 'start: "ok" | "no"', "ok"),
+    ],
+)
+def test_a_grammar_can_hold_after_a_reasoning_models_thinking(compiler, kind, spec, answer):
+    grammar = compiler.compile(kind, spec, thinking_first=True)
+    assert grammar.thinks and not compiler.compile(kind, spec).thinks
+    tokenizer = char_tokenizer()
+
+    def accepts(text: str) -> bool:
+        matcher = grammar.matcher()
+        ok = matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False))
+        return bool(ok) and bool(matcher.is_accepting())
+
+    assert accepts(f"2 < 3, <b>so</think>\n\n{answer}") and accepts(f"</think>{answer}")
+    assert not accepts(answer)  # the thinking, even empty, ends first
+    assert not accepts(f"a</think>\n{answer}</think>")  # thinking ends at its first </think>
+    # While thinking, any text; after it, the grammar's.
+    assert len(allowed_after(compiler, grammar, "2 <")) > 40
+    assert allowed_after(compiler, grammar, "x</think>\n") == allowed_after(
+        compiler, compiler.compile(kind, spec), ""
+    ) | {"\n", " "}
+
+
 def test_matchers_are_independent_and_grammars_cached(compiler):
     grammar = compiler.compile("json_object")
     assert compiler.compile("json_object") is grammar

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
+from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_tools_api import ASK, TOOLS, chat
 
-# Qwen3's way, in the toy tokenizer's alphabet: the generation prompt opens <think> unless
-# enable_thinking is false, where it closes an empty one; hermes calls; earlier thinking shown.
+# Qwen3's way, in the toy tokenizer's alphabet: with enable_thinking the generation prompt opens
+# <think> (as Qwen3's thinking models' templates do), with it false it closes an empty one,
+# without it the reply opens its own (Qwen3's hybrids); hermes calls; earlier thinking shown.
 TEMPLATE = (
     "{%- if tools -%}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
     "{% endif -%}"
@@ -27,18 +30,37 @@ TEMPLATE = (
     "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}\n"
     "</tool_call>{% endfor %}\n{% endfor -%}"
     "{%- if add_generation_prompt %}{{ 'assistant: ' }}"
-    "{%- if enable_thinking is defined and not enable_thinking %}"
-    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}"
+    "{%- elif enable_thinking is defined %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif -%}"
 )
-# A grammar writes the replies of most tests: its text is the answer's (the prompt's <think> is
-# not taken as opened), so these open their thinking themselves.
+THINKING = {"enable_thinking": True}  # chat_template_kwargs: the prompt opens <think>
 REPLY = "<think>\nfirst, 2 < 3.\n</think>\n\nthe answer."
 
 
+def _models(root: Path) -> tuple[Path, Path]:
+    """A toy pair whose tokenizer has ``</think>`` as one (ordinary) token, id 64, as Qwen3's."""
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens(["</think>"])
+    target = tiny_llama(
+        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
+        eos_token_id=1,
+    )  # fmt: skip
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
 @pytest.fixture(scope="module")
-def replica() -> Iterator[Replica]:
-    config = toy_config("serve.max_tokens_limit=160", f"model.chat_template={json.dumps(TEMPLATE)}")
+def replica(tmp_path_factory) -> Iterator[Replica]:
+    target, draft = _models(tmp_path_factory.mktemp("thinking"))
+    config = toy_config(
+        "serve.max_tokens_limit=160",
+        f"model.target={target}",
+        f"model.draft={draft}",
+        f"model.chat_template={json.dumps(TEMPLATE)}",
+    )
     with running_replica(config) as replica:
         assert replica.runtime.reasoning_parser == "qwen3"  # detected from the template
         yield replica
@@ -90,7 +112,13 @@ def test_a_prompt_that_opened_thinking_makes_the_reply_thinking_unless_enable_th
     client, replica
 ):
     # The toy model's own words (no grammar): the prompt opened <think>, which it never closes.
-    thinking = {"max_tokens": 12, "seed": 2, "temperature": 1.0}
+    thinking = {
+        "max_tokens": 12,
+        "seed": 2,
+        "temperature": 1.0,
+        "logit_bias": {"64": -100},  # never </think>
+        "extra_body": {"chat_template_kwargs": THINKING},
+    }
     choice = chat(client, **thinking).choices[0]
     reasoning = (choice.message.model_extra or {})["reasoning"]
     assert choice.message.content == "" and reasoning and "</think>" not in reasoning
@@ -133,21 +161,36 @@ def test_a_history_with_thinking_renders_it_under_either_name(replica):
         assert "assistant:<think>look it up</think>sunny." in replica.runtime.tokenizer.decode(ids)
 
 
-def test_a_forced_call_after_an_opened_thinking_is_the_answer(client):
-    # The prompt opened <think>, but a grammar writes the reply: it is the answer, not thinking.
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+JSON_ANSWER = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+}
+
+
+def test_a_grammar_holds_after_the_thinking_an_opened_prompt_asks_for(client):
+    # As vLLM applies a grammar after reasoning: thinking first, free, then the grammar's
+    # answer. The toy model made to end its thinking at once (</think>'s logit raised).
+    fields = {"seed": 3, "logit_bias": {"64": 30}, "extra_body": {"chat_template_kwargs": THINKING}}
+    choice = chat(client, **JSON_ANSWER, **fields, logprobs=True).choices[0]
+    assert choice.logprobs.content[0].token == "</think>"  # the grammar let it think first
+    assert (choice.message.model_extra or {})["reasoning"] is None  # it thought nothing
+    assert set(json.loads(choice.message.content)) == {"a"}
+    assert streamed(client, **JSON_ANSWER, **fields)[1] == choice.message.content
     named = {"type": "function", "function": {"name": "calc"}}
-    choice = chat(client, tools=TOOLS, tool_choice=named, seed=1).choices[0]
-    assert (choice.message.model_extra or {})["reasoning"] is None
+    choice = chat(client, tools=TOOLS, tool_choice=named, **fields).choices[0]
     [made] = choice.message.tool_calls
     assert made.function.name == "calc" and set(json.loads(made.function.arguments)) == {"n"}
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
-    fields = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
-    }
-    answer = chat(client, seed=3, **fields).choices[0].message
-    assert set(json.loads(answer.content)) == {"a"}
+
+
+def test_where_the_prompt_opens_no_thinking_a_grammar_writes_the_whole_answer(client):
+    choice = chat(client, seed=3, **JSON_ANSWER).choices[0]
+    assert (choice.message.model_extra or {})["reasoning"] is None
+    assert set(json.loads(choice.message.content)) == {"a"}
+    named = {"type": "function", "function": {"name": "calc"}}
+    [made] = chat(client, tools=TOOLS, tool_choice=named, seed=1).choices[0].message.tool_calls
+    assert made.function.name == "calc" and set(json.loads(made.function.arguments)) == {"n"}
