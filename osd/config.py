@@ -350,7 +350,7 @@ class ServeConfig:
         )
         _require(
             self.tool_call_parser
-            in ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "none"),
+            in ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "openai", "none"),
             "serve.tool_call_parser",
             self.tool_call_parser,
             "auto, hermes, llama3_json, mistral, qwen3_coder, openai or none",

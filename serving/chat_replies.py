@@ -122,6 +122,8 @@ class ChatReply:
         if self._reasoning is not None or self._harmony is not None:
             thought = whole.thinking or None
             message["reasoning"] = message["reasoning_content"] = thought
+            if thought and not whole.content:  # only thought (cut short): no answer, as vLLM
+                message["content"] = None
         if not whole.calls:
             return message, reason
         message["content"] = whole.content or None
@@ -143,7 +145,9 @@ class ChatReply:
         return Piece(thinking, content, self._deltas(calls))
 
     def _deltas(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
-        assert self._form is not None
+        if not calls:
+            return []
+        assert self._form is not None  # calls are read only where the replica has a format
         deltas = []
         for call in calls:
             deltas.append(

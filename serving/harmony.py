@@ -21,15 +21,17 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
-from serving.tool_parsers import ParsedCall, call_of_arguments, speaks_harmony
+from serving.tool_parsers import ParsedCall, call_of_arguments, held_back, speaks_harmony
 
 __all__ = ["HARMONY_MARKERS", "HarmonyReader", "speaks_harmony"]  # (speaks_harmony: tool_parsers')
 
 START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
 CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
 HARMONY_MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
-# What ends a message's body: its end, a call's or a reply's end, or (tolerated) a new message.
-_BODY_ENDS = (END, CALL, RETURN, START)
+# What ends a message's body: its end, a call's or a reply's end, or (tolerated) a new message's
+# header, without the end before it.
+_BODY_ENDS = (END, CALL, RETURN, START, CHANNEL)
+_BEGINNINGS = (START, CHANNEL, "to=")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
 _MARKERS = re.compile("|".join(re.escape(m) for m in HARMONY_MARKERS))
@@ -69,15 +71,17 @@ class HarmonyReader:
         thinking, content, calls = "", "", list[ParsedCall]()
         while True:
             if self._mode == "begin":
+                # A header: after the prompt's <|start|>assistant, a channel, or the recipient
+                # first (as gpt-oss's template writes an earlier call: " to=functions.x<|ch").
                 head = self._pending.lstrip()
-                if head.startswith((CHANNEL, START)):
+                if head.startswith((CHANNEL, START, "to=")):
                     self._mode = "header"
-                elif final or (head and not (CHANNEL.startswith(head) or START.startswith(head))):
+                elif final or (head and not any(h.startswith(head) for h in _BEGINNINGS)):
                     self._mode = "text"
                 else:
                     return thinking, content, calls
             if self._mode == "text":  # the markers are the format's: never the client's
-                keep = 0 if final else _held_back(self._pending)
+                keep = 0 if final else held_back(self._pending, *HARMONY_MARKERS)
                 out = self._pending[: len(self._pending) - keep]
                 self._pending = self._pending[len(out) :]
                 return thinking, content + _MARKERS.sub("", out), calls
@@ -95,14 +99,16 @@ class HarmonyReader:
             if ends:
                 at, marker = min(ends)
                 piece = self._pending[:at]
-                self._pending = self._pending[at + (0 if marker == START else len(marker)) :]
+                kept = marker in (START, CHANNEL)  # the next header's own
+                self._pending = self._pending[at + (0 if kept else len(marker)) :]
                 self._mode = "header"
             elif final:
                 piece, self._pending = self._pending, ""
             else:
-                keep = _held_back(self._pending)
+                keep = held_back(self._pending, *HARMONY_MARKERS)
                 piece = self._pending[: len(self._pending) - keep]
                 self._pending = self._pending[len(piece) :]
+            piece = _MARKERS.sub("", piece)  # a stray <|message|> or <|constrain|>
             more_thinking, more_content, call = self._body(piece, ended=bool(ends) or final)
             thinking, content = thinking + more_thinking, content + more_content
             calls += call
@@ -133,12 +139,3 @@ class HarmonyReader:
         if self._channel == "analysis":
             return piece, "", []
         return "", piece, []  # final, a preamble, or a channel of another name
-
-
-def _held_back(text: str) -> int:
-    """How many characters at the end of ``text`` could be the start of a marker."""
-    at = text.rfind("<|")
-    if at < 0:
-        return 1 if text.endswith("<") else 0
-    tail = text[at:]
-    return len(tail) if any(m.startswith(tail) for m in HARMONY_MARKERS) else 0

@@ -107,6 +107,12 @@ class ReplicaRuntime:
         # gpt-oss's harmony: a chat reply's markers are read for thinking, content and calls;
         # a reply ends at <|return|> and at <|call|> (some generation configs name only one).
         self.harmony = self.tool_parser == "openai" or self.reasoning_parser == "openai_gptoss"
+        # The markers a chat reply is read by are special tokens (harmony's; GLM's </think>):
+        # chat replies keep special tokens in their text, as vLLM asks of such parsers.
+        self._reads_special = self.harmony or (
+            self.reasoning_parser in ("qwen3", "deepseek_r1")
+            and _special_id(engine.tokenizer, "</think>") is not None
+        )
         if self.harmony:
             ends = [_special_id(engine.tokenizer, marker) for marker in ("<|return|>", "<|call|>")]
             known = (i for i in ends if i is not None and i not in engine.eos_token_ids)
@@ -314,7 +320,7 @@ class ReplicaRuntime:
         special = (
             tools is not None and self.tool_format is not None and self.tool_format.special_ids
         )
-        if special or (self.harmony and isinstance(request, ChatRequest)):
+        if special or (self._reads_special and isinstance(request, ChatRequest)):
             # The markers are special tokens: the parser reads them in the text.
             options = dataclasses.replace(options, skip_special_tokens=False)
         return self.engine.prepare(self.prompt_of(request, tools), options)

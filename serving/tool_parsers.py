@@ -556,6 +556,9 @@ class ToolCallScanner:
             return None
         return _parsed(value["name"], arguments)
 
+    def _closed_xml(self) -> bool:
+        return self._pending.rstrip().endswith("</function>")
+
     def _xml_call(self, body: str) -> ParsedCall | None:
         """Qwen3-Coder's ``<function=name>`` and its ``<parameter=key>`` values (a missing
         ``</parameter>`` or ``</function>`` forgiven, as vLLM's parser does); None: other text
@@ -581,7 +584,14 @@ class ToolCallScanner:
                 end = self._pending.find(_HERMES_CLOSE)
                 if end < 0:
                     if final:  # an unfinished call: the client gets its text
-                        content += self._gap + _HERMES_OPEN + self._pending
+                        # (Qwen3-Coder's that closed its function but not <tool_call> is a
+                        # call, as vLLM reads it)
+                        closed = self._format.name == "qwen3_coder" and self._closed_xml()
+                        call = self._xml_call(self._pending) if closed else None
+                        if call is None:
+                            content += self._gap + _HERMES_OPEN + self._pending
+                        else:
+                            calls += self._accept(call)
                         self._pending, self._in_call = "", False
                     return content, calls
                 body = self._pending[:end]
@@ -742,8 +752,9 @@ def _xml_value(text: str, schema: Any) -> Any:
     types = set(kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else [])
     if text == "null" and ("null" in types or "string" not in types):
         return None
-    if not types and _xml_string(schema):
-        return text
+    words = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if (not types and _xml_string(schema)) or (words and all(isinstance(w, str) for w in words)):
+        return text  # (a string enum's words are text, as the grammar writes them)
     try:
         value = _JSON.decode(text)
     except ValueError:
@@ -818,9 +829,11 @@ def _json_prefix(text: str) -> tuple[list[Any], int]:
     return values, at
 
 
-def held_back(text: str, marker: str) -> int:
-    """How many characters at the end of ``text`` could be the start of ``marker``."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
+def held_back(text: str, *markers: str) -> int:
+    """How many characters at the end of ``text`` could be the start of one of ``markers``."""
+    longest = max(len(marker) for marker in markers)
+    for size in range(min(longest - 1, len(text)), 0, -1):
+        tail = text[-size:]
+        if any(marker.startswith(tail) for marker in markers):
             return size
     return 0

@@ -83,6 +83,11 @@ class GrammarCompiler:
             raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
+        # </think> as a special token (some reasoning models' tokenizers): named by its id.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._think_end = next(
+            (i for i, t in added.items() if t.content == "</think>" and t.special), None
+        )
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -107,7 +112,7 @@ class GrammarCompiler:
 
         source = _grammar_source(kind, spec)
         if thinking_first:
-            source = _after_thinking(source)
+            source = _after_thinking(source, self._think_end)
         if len(source) > MAX_GRAMMAR_CHARS * 4:
             raise ValueError(f"the {kind} grammar is too large")
         key = (kind, source)
@@ -160,11 +165,15 @@ def _grammar_source(kind: str, spec: Any) -> str:
 _THINKING_FIRST = (
     'start: thinking WS? @answer\nthinking[stop="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n'
 )
+# Where </think> is a special token: any text (which cannot spell one), then the token.
+_THINKING_FIRST_SPECIAL = (
+    "start: TEXT? <[{id}]> WS? @answer\nTEXT: /(?s:.+)/\nWS: /[ \\t\\r\\n]+/\n"
+)
 
 
-def _after_thinking(source: str) -> str:
+def _after_thinking(source: str, think_end: int | None = None) -> str:
     """``source`` (llguidance's grammars as JSON, or Lark text) after a reasoning model's
-    thinking."""
+    thinking (``think_end``: ``</think>``'s id where it is a special token)."""
     try:
         top = json.loads(source)
     except ValueError:
@@ -174,7 +183,8 @@ def _after_thinking(source: str) -> str:
     else:
         grammars = [{"lark_grammar": source}]
     answer = {**grammars[0], "name": "answer"}
-    first = {"name": "thinking_first", "lark_grammar": _THINKING_FIRST}
+    lark = _THINKING_FIRST if think_end is None else _THINKING_FIRST_SPECIAL.format(id=think_end)
+    first = {"name": "thinking_first", "lark_grammar": lark}
     return json.dumps({"grammars": [first, answer, *grammars[1:]]})
 
 

@@ -36,6 +36,18 @@ CASES = [
         '<|start|>assistant to=functions.calc<|channel|>commentary json<|message|>{"n": 7}',
         ("", "", [ParsedCall("calc", '{"n": 7}')]),
     ),
+    # The recipient first without <|start|>: the reply goes on from the prompt's assistant.
+    (
+        ' to=functions.calc<|channel|>commentary json<|message|>{"n": 7}',
+        ("", "", [ParsedCall("calc", '{"n": 7}')]),
+    ),
+    # A message whose end the model left out: the next header ends it.
+    (
+        "<|channel|>analysis<|message|>a<|channel|>final<|message|>b",
+        ("a", "b", []),
+    ),
+    # What only looks like a marker's start is text.
+    ("<|channel|>final<|message|>x <| y<|end|>", ("", "x <| y", [])),
     # A preamble (commentary without a recipient) is content.
     (
         "<|channel|>commentary<|message|>let me check.<|end|><|start|>assistant" + CALL,
@@ -58,7 +70,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("text", "expected"), CASES)
-@pytest.mark.parametrize("pieces", [0, 1, 5])
+@pytest.mark.parametrize("pieces", [0, 1, 2, 5, 7])
 def test_replies_read_alike_whole_and_in_pieces(text, expected, pieces):
     assert read(text, pieces) == expected
 
@@ -91,3 +103,18 @@ def test_the_forced_call_grammar_writes_one_call_through_the_special_markers():
 def test_a_harmony_template_is_told_apart():
     assert speaks_harmony("<|start|>{{ x }}<|channel|>final<|message|>{{ y }}<|call|>")
     assert not speaks_harmony("<tool_call>") and not speaks_harmony(None)
+
+
+def test_a_harmony_reply_without_tools_or_a_tool_format_reads_and_the_parser_is_configurable():
+    from osd.config import load_config
+    from serving.chat_replies import ChatReply
+
+    reply = ChatReply(None, None, None, True, harmony=True)  # serve.tool_call_parser=none
+    message, finish = reply.message(THINK + FINAL, "stop")
+    assert (message["content"], message["reasoning"], finish) == (
+        "the answer",
+        "we need 2 < 3 <b>",
+        "stop",
+    )
+    config = load_config(None, ["serve.tool_call_parser=openai"])
+    assert config.serve.tool_call_parser == "openai"

@@ -35,7 +35,7 @@ SCHEMAS = {
         "type": "object",
         "properties": {
             "city": {"type": "string"},
-            "unit": {"enum": ["c", "f"]},
+            "unit": {"enum": ["c", "f", "1"]},
             "days": {"type": "integer"},
         },
         "required": ["city"],
@@ -100,6 +100,11 @@ CASES = [
         call_text("get_weather", city="null", days="three", unit="c"),
         ("", [ParsedCall("get_weather", '{"city": "null", "days": "three", "unit": "c"}')]),
     ),
+    # A string enum without a type: its words are text, as the grammar writes them.
+    (
+        call_text("get_weather", city="x", unit="1"),
+        ("", [ParsedCall("get_weather", '{"city": "x", "unit": "1"}')]),
+    ),
     # A parameter left open before the next, and </function> missing: forgiven (as vLLM).
     (
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n<parameter=days>\n3\n"
@@ -112,6 +117,8 @@ CASES = [
         "<tool_call>\n<function=get_weather>\nhi\n</function>\n</tool_call>",
         ("<tool_call>\n<function=get_weather>\nhi\n</function>\n</tool_call>", []),
     ),
+    # A call whose function closed but whose <tool_call> did not (the reply ended): a call.
+    (OSLO.removesuffix("\n</tool_call>"), ("", [OSLO_CALL])),
     # An unfinished call, cut by max_tokens: its text.
     (
         "<tool_call>\n<function=get_weather>\n<par",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from tokenizers import AddedToken
 
 from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
 from tests.reliability.conftest import Replica, running_replica, toy_config
@@ -38,10 +39,11 @@ THINKING = {"enable_thinking": True}  # chat_template_kwargs: the prompt opens <
 REPLY = "<think>\nfirst, 2 < 3.\n</think>\n\nthe answer."
 
 
-def _models(root: Path) -> tuple[Path, Path]:
-    """A toy pair whose tokenizer has ``</think>`` as one (ordinary) token, id 64, as Qwen3's."""
+def _models(root: Path, special: bool) -> tuple[Path, Path]:
+    """A toy pair whose tokenizer has ``</think>`` as one token, id 64: an ordinary one, as
+    Qwen3's, or a special one, as some reasoning models' (read in the text all the same)."""
     tokenizer = char_tokenizer()
-    tokenizer.add_tokens(["</think>"])
+    tokenizer.add_tokens([AddedToken("</think>", special=special)], special_tokens=special)
     target = tiny_llama(
         vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
         eos_token_id=1,
@@ -52,9 +54,9 @@ def _models(root: Path) -> tuple[Path, Path]:
     return root / "target", root / "draft"
 
 
-@pytest.fixture(scope="module")
-def replica(tmp_path_factory) -> Iterator[Replica]:
-    target, draft = _models(tmp_path_factory.mktemp("thinking"))
+@pytest.fixture(scope="module", params=[False, True], ids=["ordinary", "special"])
+def replica(request, tmp_path_factory) -> Iterator[Replica]:
+    target, draft = _models(tmp_path_factory.mktemp("thinking"), special=request.param)
     config = toy_config(
         "serve.max_tokens_limit=160",
         f"model.target={target}",
@@ -121,7 +123,7 @@ def test_a_prompt_that_opened_thinking_makes_the_reply_thinking_unless_enable_th
     }
     choice = chat(client, **thinking).choices[0]
     reasoning = (choice.message.model_extra or {})["reasoning"]
-    assert choice.message.content == "" and reasoning and "</think>" not in reasoning
+    assert choice.message.content is None and reasoning and "</think>" not in reasoning
     _, content, _, _ = streamed(client, **thinking)
     assert content == ""
     off = {**thinking, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
