@@ -504,6 +504,11 @@ class ToolCallScanner:
         self._schemas = dict(schemas or {})
         self._parallel = parallel
         self._pending = ""  # text not yet given out
+        # Inside a call, what arrives is kept in parts until the call can end (its close in
+        # the text's last characters, or the reply's end): a long call is not copied and
+        # searched again on every piece.
+        self._parts: list[str] = []
+        self._tail = ""  # the open call's last characters, where its close may begin
         self._in_call = False  # hermes: inside <tool_call> ... </tool_call>
         self._gap = ""  # hermes, mistral: the whitespace before the open call (its text if no call)
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
@@ -515,11 +520,23 @@ class ToolCallScanner:
 
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Takes the next piece of the reply; returns (content to send, calls completed)."""
-        self._pending += text
-        return self._read(final=False)
+        if self._in_call:
+            window = self._tail + text
+            closes = self._format.name != "mistral"  # (mistral's calls are read at the end)
+            if not closes or _HERMES_CLOSE not in window:
+                self._parts.append(text)
+                self._tail = window[1 - len(_HERMES_CLOSE) :]
+                return "", []
+        self._pending += "".join(self._parts) + text
+        self._parts.clear()
+        read = self._read(final=False)
+        self._tail = self._pending[1 - len(_HERMES_CLOSE) :]
+        return read
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The reply ended: everything held back goes out (an unfinished call as content)."""
+        self._pending += "".join(self._parts)
+        self._parts.clear()
         return self._read(final=True)
 
     def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
