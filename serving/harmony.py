@@ -13,7 +13,9 @@ chat reply's text (``skip_special_tokens`` off) and reads them here; the client 
 
 :class:`HarmonyReader` reads a reply as it streams, holding back only what may be the start of
 a marker, and a call until its body is complete; fed whole it gives the same answer. A reply
-that does not begin as harmony (``<|channel|>`` or ``<|start|>``) is all content.
+that does not begin as harmony (``<|channel|>``, ``<|start|>`` or a recipient) is all content.
+Structured output on such a replica is the final channel's message, after an optional
+analysis (``osd.decode.grammar``'s ``thinking_first``, as vLLM applies a grammar to it).
 """
 
 from __future__ import annotations

@@ -134,10 +134,14 @@ class ReplicaRuntime:
         return prompt_opens_thinking(tail)
 
     def _thinks_first(
-        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None
+        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None, field: str
     ) -> bool:
-        """Whether a chat request's grammar should hold only after the model's thinking: its
-        prompt opens ``<think>`` (or the parser is deepseek_r1's, whose models think first)."""
+        """Whether a chat request's grammar (asked by ``field``) should hold only after the
+        model's thinking: its prompt opens ``<think>`` (or the parser is deepseek_r1's, whose
+        models think first), or, with harmony, structured output (in the final channel, after
+        an analysis; a forced call's grammar writes harmony's own commentary message)."""
+        if self.harmony:
+            return isinstance(request, ChatRequest) and field != "tools"
         if not isinstance(request, ChatRequest) or self.reasoning_parser not in (
             "qwen3",
             "deepseek_r1",
@@ -239,7 +243,7 @@ class ReplicaRuntime:
             return None
         field, kind, spec = ask
         compile_it = functools.partial(
-            self.engine.grammars.compile, kind, spec, self._thinks_first(request, tools)
+            self.engine.grammars.compile, kind, spec, self._thinks_first(request, tools, field)
         )
         loop = asyncio.get_running_loop()
         try:

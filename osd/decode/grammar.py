@@ -83,11 +83,13 @@ class GrammarCompiler:
             raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
-        # </think> as a special token (some reasoning models' tokenizers): named by its id.
+        # Special tokens a thinking-first grammar names: </think> (some reasoning models'), and
+        # harmony's markers (gpt-oss's, where the thinking is the analysis channel).
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._think_end = next(
-            (i for i, t in added.items() if t.content == "</think>" and t.special), None
-        )
+        special = {t.content: i for i, t in added.items() if t.special}
+        self._think_end = special.get("</think>")
+        harmony = [special.get(m) for m in _HARMONY]
+        self._harmony = None if None in harmony else dict(zip(_HARMONY, harmony, strict=True))
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -112,7 +114,7 @@ class GrammarCompiler:
 
         source = _grammar_source(kind, spec)
         if thinking_first:
-            source = _after_thinking(source, self._think_end)
+            source = _after_thinking(source, self._thinking_first())
         if len(source) > MAX_GRAMMAR_CHARS * 4:
             raise ValueError(f"the {kind} grammar is too large")
         key = (kind, source)
@@ -131,6 +133,19 @@ class GrammarCompiler:
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _thinking_first(self) -> str:
+        """The Lark grammar of the thinking before the answer: harmony's analysis channel
+        where the tokenizer has its markers, else text up to ``</think>`` (named by its id
+        where it is a special token)."""
+        if self._harmony is not None:
+            ids = self._harmony
+            return _THINKING_FIRST_HARMONY.format(
+                c=ids["<|channel|>"], m=ids["<|message|>"], e=ids["<|end|>"], s=ids["<|start|>"]
+            )
+        if self._think_end is not None:
+            return _THINKING_FIRST_SPECIAL.format(id=self._think_end)
+        return _THINKING_FIRST
 
 
 def _grammar_source(kind: str, spec: Any) -> str:
@@ -171,9 +186,18 @@ _THINKING_FIRST_SPECIAL = (
 )
 
 
-def _after_thinking(source: str, think_end: int | None = None) -> str:
+_HARMONY = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+# gpt-oss's: an optional analysis message, then the final channel's message is the grammar's.
+_THINKING_FIRST_HARMONY = (
+    'start: analysis? <[{c}]> "final" <[{m}]> @answer\n'
+    'analysis: <[{c}]> "analysis" <[{m}]> TEXT? <[{e}]> <[{s}]> "assistant"\n'
+    "TEXT: /(?s:.+)/\n"
+)
+
+
+def _after_thinking(source: str, lark: str = _THINKING_FIRST) -> str:
     """``source`` (llguidance's grammars as JSON, or Lark text) after a reasoning model's
-    thinking (``think_end``: ``</think>``'s id where it is a special token)."""
+    thinking, as ``lark`` (whose ``@answer`` is the grammar) writes it."""
     try:
         top = json.loads(source)
     except ValueError:
@@ -183,7 +207,6 @@ def _after_thinking(source: str, think_end: int | None = None) -> str:
     else:
         grammars = [{"lark_grammar": source}]
     answer = {**grammars[0], "name": "answer"}
-    lark = _THINKING_FIRST if think_end is None else _THINKING_FIRST_SPECIAL.format(id=think_end)
     first = {"name": "thinking_first", "lark_grammar": lark}
     return json.dumps({"grammars": [first, answer, *grammars[1:]]})
 

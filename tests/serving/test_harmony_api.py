@@ -156,3 +156,23 @@ def test_reasoning_effort_reaches_a_template_that_takes_it(client):
     plain = prompt_tokens()
     assert prompt_tokens(reasoning_effort="high") == plain + len("high")
     assert prompt_tokens(reasoning_effort="low") == plain + len("low")
+
+
+def test_structured_output_is_the_final_channel_after_an_analysis(client):
+    # As vLLM applies a grammar to gpt-oss's final channel: an analysis may come first (the toy
+    # model made to end it at once: <|end|>'s logit raised), then the schema's JSON.
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    fields = {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        "logit_bias": {"65": 30},  # <|end|>
+    }
+    for seed in range(3):
+        choice = chat(client, seed=seed, logprobs=True, **fields).choices[0]
+        assert choice.logprobs.content[0].token == "<|channel|>"  # harmony's, not the JSON's
+        assert set(json.loads(choice.message.content)) == {"a"}, choice
+        assert "<|" not in ((choice.message.model_extra or {})["reasoning"] or "")
