@@ -18,7 +18,7 @@ from tokenizers import AddedToken
 from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
 from serving.harmony import HARMONY_MARKERS
 from tests.reliability.conftest import Replica, running_replica, toy_config
-from tests.serving.test_reasoning_api import streamed
+from tests.serving.test_reasoning_api import JSON_ANSWER, streamed
 from tests.serving.test_tools_api import ASK, TOOLS, chat, follows_schema
 
 TEMPLATE = (
@@ -161,16 +161,7 @@ def test_reasoning_effort_reaches_a_template_that_takes_it(client):
 def test_structured_output_is_the_final_channel_after_an_analysis(client):
     # As vLLM applies a grammar to gpt-oss's final channel: an analysis may come first (the toy
     # model made to end it at once: <|end|>'s logit raised), then the schema's JSON.
-    schema = {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}},
-        "required": ["a"],
-        "additionalProperties": False,
-    }
-    fields = {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
-        "logit_bias": {"65": 30},  # <|end|>
-    }
+    fields = {**JSON_ANSWER, "logit_bias": {"65": 30}}  # <|end|>
     for seed in range(3):
         choice = chat(client, seed=seed, logprobs=True, **fields).choices[0]
         assert choice.logprobs.content[0].token == "<|channel|>"  # harmony's, not the JSON's
