@@ -242,9 +242,11 @@ class ReplicaRuntime:
         if ask is None:
             return None
         field, kind, spec = ask
-        compile_it = functools.partial(
-            self.engine.grammars.compile, kind, spec, self._thinks_first(request, tools, field)
-        )
+        # A client's Lark grammar that names special tokens by id writes the reply's own
+        # format: the whole reply.
+        raw = field != "tools" and kind == "lark" and isinstance(spec, str) and "<[" in spec
+        thinks_first = not raw and self._thinks_first(request, tools, field)
+        compile_it = functools.partial(self.engine.grammars.compile, kind, spec, thinks_first)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._compiles, compile_it)
