@@ -31,6 +31,7 @@ from osd.decode.engine import SpeculativeDecoder
 from osd.decode.generation import GenerationResult, StreamChunk
 from osd.decode.grammar import Grammar, GrammarFailed
 from osd.decode.loop import BatchedEngine, EngineFull
+from osd.decode.models import special_token_ids
 from osd.decode.request import DecodeRequest
 from osd.errors import ParamError
 from osd.threads import single_threaded_torch
@@ -109,13 +110,13 @@ class ReplicaRuntime:
         self.harmony = self.tool_parser == "openai" or self.reasoning_parser == "openai_gptoss"
         # The markers a chat reply is read by are special tokens (harmony's; GLM's </think>):
         # chat replies keep special tokens in their text, as vLLM asks of such parsers.
+        special = special_token_ids(engine.tokenizer)
         self._reads_special = self.harmony or (
-            self.reasoning_parser in ("qwen3", "deepseek_r1")
-            and _special_id(engine.tokenizer, "</think>") is not None
+            self.reasoning_parser in ("qwen3", "deepseek_r1") and "</think>" in special
         )
         if self.harmony:
-            ends = [_special_id(engine.tokenizer, marker) for marker in ("<|return|>", "<|call|>")]
-            known = (i for i in ends if i is not None and i not in engine.eos_token_ids)
+            ends = [special[m] for m in ("<|return|>", "<|call|>") if m in special]
+            known = (i for i in ends if i not in engine.eos_token_ids)
             engine.eos_token_ids = (*engine.eos_token_ids, *known)
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
@@ -531,9 +532,3 @@ def _render(
             code="unsupported_parameter",
         )
     return rendered
-
-
-def _special_id(tokenizer: Any, text: str) -> int | None:
-    """The id of ``text``'s special token in ``tokenizer``; None: it has none."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return next((i for i, token in added.items() if token.content == text and token.special), None)

@@ -56,6 +56,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from osd.decode.models import special_token_ids
+
 __all__ = [
     "PARSERS",
     "ParsedCall",
@@ -419,8 +421,7 @@ def tool_call_format(
         form = dataclasses.replace(form, opening=(_MISTRAL, "["))
     if tokenizer is None:
         return form
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    special = {token.content: i for i, token in added.items() if getattr(token, "special", False)}
+    special = special_token_ids(tokenizer)
     ids = tuple((piece, special[piece]) for piece in form.pieces if piece in special)
     spaced = _template_spacing(tokenizer)
     return dataclasses.replace(

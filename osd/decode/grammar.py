@@ -27,6 +27,8 @@ from typing import Any, Literal
 
 import torch
 
+from osd.decode.models import special_token_ids
+
 __all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarFailed", "unpack_bitmask"]
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "lark", "choice"]
@@ -85,8 +87,7 @@ class GrammarCompiler:
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
         # Special tokens a thinking-first grammar names: </think> (some reasoning models'), and
         # harmony's markers (gpt-oss's, where the thinking is the analysis channel).
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        special = {t.content: i for i, t in added.items() if t.special}
+        special = special_token_ids(tokenizer)
         self._think_end = special.get("</think>")
         harmony = [special.get(m) for m in _HARMONY]
         self._harmony = None if None in harmony else dict(zip(_HARMONY, harmony, strict=True))

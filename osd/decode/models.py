@@ -58,7 +58,7 @@ from osd.threads import torch_single_threaded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer"]
+__all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer", "special_token_ids"]
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -176,6 +176,13 @@ def load_tokenizer(source: Any) -> Any:
         return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError):
         return None
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's special added tokens by their text (``{"<|call|>": 200012}``); empty
+    for a tokenizer without any, or None."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {token.content: i for i, token in added.items() if getattr(token, "special", False)}
 
 
 def _base_model(model: PreTrainedModel) -> PreTrainedModel:
