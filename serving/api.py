@@ -283,7 +283,9 @@ async def _admit_each_prompt(
     try:
         for one in prompts:
             tools = runtime.tool_plan(one)
-            jobs.append(runtime.admit(one, await runtime.grammar_of(one, tools), tools))
+            prompt = runtime.prompt_of(one, tools)  # rendered once for both
+            grammar = await runtime.grammar_of(one, tools, prompt)
+            jobs.append(runtime.admit(one, grammar, tools, prompt))
     except BaseException:
         for job in jobs:
             runtime.abandon(job)

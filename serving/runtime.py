@@ -126,16 +126,20 @@ class ReplicaRuntime:
 
     def prompt_opens_thinking(self, job: Job) -> bool:
         """Whether the job's prompt leaves the model inside ``<think>`` (its template opened
-        it), read from the prompt's last tokens. Not where a grammar writes the whole reply
-        (one compiled without ``thinking_first``): its text is the answer."""
+        it), read from the prompt's last tokens; where a grammar writes the reply, whether it
+        was compiled ``thinking_first`` (else its text is all answer)."""
         grammar = job.stream.request.grammar
-        if grammar is not None and not grammar.thinks:
-            return False
+        if grammar is not None:  # compiled thinking first exactly where the prompt opened it
+            return grammar.thinks
         tail = self.tokenizer.decode(job.stream.request.prompt_ids[-8:])
         return prompt_opens_thinking(tail)
 
     def _thinks_first(
-        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None, field: str
+        self,
+        request: CompletionRequest | ChatRequest,
+        tools: ToolPlan | None,
+        field: str,
+        prompt: str | list[int] | None,
     ) -> bool:
         """Whether a chat request's grammar (asked by ``field``) should hold only after the
         model's thinking: its prompt opens ``<think>`` (or the parser is deepseek_r1's, whose
@@ -150,7 +154,8 @@ class ReplicaRuntime:
             return False
         if self.reasoning_parser == "deepseek_r1":
             return True
-        prompt = self.prompt_of(request, tools)
+        if prompt is None:
+            prompt = self.prompt_of(request, tools)
         return isinstance(prompt, str) and prompt_opens_thinking(prompt[-64:])
 
     def reasoning_reader(self, opened: bool) -> ReasoningReader | None:
@@ -216,11 +221,15 @@ class ReplicaRuntime:
             )
 
     async def grammar_of(
-        self, request: CompletionRequest | ChatRequest, tools: ToolPlan | None = None
+        self,
+        request: CompletionRequest | ChatRequest,
+        tools: ToolPlan | None = None,
+        prompt: str | list[int] | None = None,
     ) -> Grammar | None:
         """The grammar the request asks for (structured output, or the tool calls that
         ``tool_choice`` requires), compiled off the event loop (a large schema takes up to
-        about a second; repeated ones are cached); None: none.
+        about a second; repeated ones are cached); None: none. ``prompt``: the request's, as
+        :meth:`prompt_of` renders it (rendered here where not given).
 
         Raises:
             APIError: 400 naming the field whose grammar does not compile, or two asks.
@@ -246,7 +255,7 @@ class ReplicaRuntime:
         # A client's Lark grammar that names special tokens by id writes the reply's own
         # format: the whole reply.
         raw = field != "tools" and kind == "lark" and isinstance(spec, str) and "<[" in spec
-        thinks_first = not raw and self._thinks_first(request, tools, field)
+        thinks_first = not raw and self._thinks_first(request, tools, field, prompt)
         compile_it = functools.partial(self.engine.grammars.compile, kind, spec, thinks_first)
         loop = asyncio.get_running_loop()
         try:
@@ -259,8 +268,10 @@ class ReplicaRuntime:
         request: CompletionRequest | ChatRequest,
         grammar: Grammar | None = None,
         tools: ToolPlan | None = None,
+        prompt: str | list[int] | None = None,
     ) -> Job:
-        """Validates and starts a request, or raises :class:`APIError` (4xx) at once."""
+        """Validates and starts a request, or raises :class:`APIError` (4xx) at once
+        (``prompt``: as :meth:`grammar_of` takes it)."""
         serve = self.config.serve
         self.check_model(request.model)
         max_tokens = request.requested_tokens(serve.max_tokens_limit)
@@ -280,7 +291,7 @@ class ReplicaRuntime:
                 code="overloaded",
             )
         try:
-            prepared = self._prepare(request, grammar, tools)
+            prepared = self._prepare(request, grammar, tools, prompt)
             route = self.router.choose(request.draft, request.domain, prepared.prompt_ids)
             if route.reason == "fallback":
                 self.metrics.router_fallbacks.inc()
@@ -315,6 +326,7 @@ class ReplicaRuntime:
         request: CompletionRequest | ChatRequest,
         grammar: Grammar | None,
         tools: ToolPlan | None,
+        prompt: str | list[int] | None,
     ) -> DecodeRequest:
         """The request, checked and tokenized; its adapter is set once the router chose it."""
         options = request.options(
@@ -330,7 +342,9 @@ class ReplicaRuntime:
         if special or (self._reads_special and isinstance(request, ChatRequest)):
             # The markers are special tokens: the parser reads them in the text.
             options = dataclasses.replace(options, skip_special_tokens=False)
-        return self.engine.prepare(self.prompt_of(request, tools), options)
+        if prompt is None:
+            prompt = self.prompt_of(request, tools)
+        return self.engine.prepare(prompt, options)
 
     def _stop_token_ids(self, extra: list[int], ignore_eos: bool) -> list[int] | None:
         """The tokens that end the request: its stop token ids and, unless it ignores it,
