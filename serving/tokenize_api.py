@@ -5,8 +5,8 @@ would read them (clients count tokens and fit prompts with them), and token ids 
 "chat_template_kwargs": {...}}`` (``model`` optional; the chat is rendered as
 ``/v1/chat/completions`` renders it, generation prompt included) and answers ``{"count",
 "max_model_len", "tokens", "token_strs"}`` (``token_strs`` with ``return_token_strs: true``,
-else null). ``POST /detokenize`` takes
-``{"tokens": [...]}`` and answers ``{"prompt": text}``. Other fields are refused by name.
+else null). ``POST /detokenize`` takes ``{"tokens": [...]}`` and answers ``{"prompt": text}``.
+Other fields are refused by name.
 """
 
 from __future__ import annotations

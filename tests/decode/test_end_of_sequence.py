@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from osd import SpeculativeDecoder
-from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
+from osd.testing import char_tokenizer, save_toy_pair
 
 TURN_END = 7  # a token the generation config names as an end of sequence
 
@@ -18,11 +18,7 @@ def saved(tmp_path_factory):
     """A toy pair on disk whose target's generation_config.json ends at 1 (the tokenizer's
     end-of-sequence) and at TURN_END."""
     root = tmp_path_factory.mktemp("eos")
-    target = tiny_llama(vocab_size=64, hidden_size=64, num_layers=2, seed=0, eos_token_id=1)
-    target.generation_config.eos_token_id = [1, TURN_END]
-    target.save_pretrained(root / "target")
-    char_tokenizer().save_pretrained(root / "target")
-    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
+    save_toy_pair(root, char_tokenizer(), ends=[1, TURN_END], logit_scale=1.0)
     return root
 
 

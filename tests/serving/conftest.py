@@ -70,3 +70,10 @@ def ray_serve_app(serve_port, serving_redis):
     """The session's shared Serve app at the root: (base_url, config)."""
     with serve_app(serve_port, serving_redis.url, "osd") as app:
         yield app
+
+
+@pytest.fixture(scope="module")
+def client(replica):
+    """The official OpenAI client on the module's ``replica`` (a fixture each such module
+    defines: its models and template)."""
+    return replica.openai()

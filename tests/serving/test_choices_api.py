@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from osd.buffer.reader import LogReader
@@ -23,11 +22,6 @@ N = 3
 def replica(serving_redis) -> Iterator[Replica]:
     with running_replica(toy_config(), redis_url=serving_redis.url) as replica:
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def create(client, kind: str, **fields):

@@ -11,11 +11,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 from tokenizers import AddedToken
 
-from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
+from osd.testing import char_tokenizer, save_toy_pair
 from serving.harmony import HARMONY_MARKERS
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_reasoning_api import JSON_ANSWER, streamed
@@ -49,21 +48,10 @@ def harmony_tokenizer():
 
 def _models(root: Path) -> tuple[Path, Path]:
     tokenizer = harmony_tokenizer()
-    ids = dict(
-        zip(HARMONY_MARKERS, tokenizer.convert_tokens_to_ids(list(HARMONY_MARKERS)), strict=True)
-    )
-    target = tiny_llama(
-        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
-        eos_token_id=ids["<|return|>"],
-    )  # fmt: skip
     # A reply ends at <|return|> (the tokenizer's end) and at <|call|>, which some of gpt-oss's
     # generation configs leave out: the replica adds it.
-    target.generation_config.eos_token_id = [ids["<|return|>"]]
-    target.save_pretrained(root / "target")
     tokenizer.eos_token = "<|return|>"
-    tokenizer.save_pretrained(root / "target")
-    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
-    return root / "target", root / "draft"
+    return save_toy_pair(root, tokenizer, ends=[tokenizer.eos_token_id])
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +66,6 @@ def replica(tmp_path_factory) -> Iterator[Replica]:
         ends = runtime.tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
         assert set(ends) <= set(runtime.engine.eos_token_ids)
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def harmony(replica, text: str) -> dict:
@@ -140,7 +123,9 @@ def test_a_forced_call_follows_the_schema_and_a_history_renders(client):
         {"role": "assistant", "content": None, "tool_calls": [made.model_dump()]},
         {"role": "tool", "tool_call_id": made.id, "content": "sunny"},
     ]
-    assert chat(client, messages=history, tools=TOOLS, max_tokens=3).choices[0].finish_reason
+    # The history renders (gpt-oss's template takes the call's arguments as an object).
+    answer = chat(client, messages=history, tools=TOOLS, max_tokens=3).choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_the_models_own_words_never_show_the_markers(client):

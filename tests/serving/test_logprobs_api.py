@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import openai
 import pytest
 import torch
 from openai.types import Completion
@@ -21,11 +20,6 @@ MESSAGES = [{"role": "user", "content": "hi there"}]
 def replica() -> Iterator[Replica]:
     with running_replica(toy_config()) as replica:
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def target_logprobs(replica, token_ids: list[int]) -> torch.Tensor:

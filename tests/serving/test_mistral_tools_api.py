@@ -11,11 +11,10 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 from tokenizers import AddedToken
 
-from osd.testing import char_tokenizer, noisy_copy, tiny_llama
+from osd.testing import char_tokenizer, save_toy_pair
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_tools_api import ASK, TOOLS, follows_schema, streamed_calls
 
@@ -61,18 +60,7 @@ def _mistral_models(root: Path, template: str) -> tuple[Path, Path]:
         special_tokens=True,
     )
     tokenizer.chat_template = template
-    target = tiny_llama(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_layers=2,
-        seed=0,
-        logit_scale=4.0,
-        eos_token_id=1,
-    )
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
-    return root / "target", root / "draft"
+    return save_toy_pair(root, tokenizer)
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
@@ -86,11 +74,6 @@ def replica(request, tmp_path_factory) -> Iterator[Replica]:
     with running_replica(config) as replica:
         assert replica.runtime.tool_parser == "mistral"  # detected from the template
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def chat(client, **fields):

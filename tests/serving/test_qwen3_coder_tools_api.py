@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from tests.reliability.conftest import Replica, running_replica, toy_config
@@ -21,11 +20,6 @@ def replica() -> Iterator[Replica]:
     with running_replica(config) as replica:
         assert replica.runtime.tool_parser == "qwen3_coder"  # detected from the template
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def test_required_calls_an_offered_tool_with_typed_valid_arguments(client):

@@ -14,7 +14,7 @@ import openai
 import pytest
 from tokenizers import AddedToken
 
-from osd.toy_models import char_tokenizer, noisy_copy, tiny_llama
+from osd.testing import char_tokenizer, save_toy_pair
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_tools_api import ASK, TOOLS, chat
 
@@ -44,14 +44,7 @@ def _models(root: Path, special: bool) -> tuple[Path, Path]:
     Qwen3's, or a special one, as some reasoning models' (read in the text all the same)."""
     tokenizer = char_tokenizer()
     tokenizer.add_tokens([AddedToken("</think>", special=special)], special_tokens=special)
-    target = tiny_llama(
-        vocab_size=len(tokenizer), hidden_size=64, num_layers=2, seed=0, logit_scale=4.0,
-        eos_token_id=1,
-    )  # fmt: skip
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    noisy_copy(target, 0.1, seed=1).save_pretrained(root / "draft")
-    return root / "target", root / "draft"
+    return save_toy_pair(root, tokenizer)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["ordinary", "special"])
@@ -66,11 +59,6 @@ def replica(request, tmp_path_factory) -> Iterator[Replica]:
     with running_replica(config) as replica:
         assert replica.runtime.reasoning_parser == "qwen3"  # detected from the template
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def written(text: str) -> dict:

@@ -37,11 +37,6 @@ def replica() -> Iterator[Replica]:
         yield replica
 
 
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
-
-
 def follows_schema(text: str) -> bool:
     value = json.loads(text)
     return (

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from serving.protocol import parse_request
@@ -65,11 +64,6 @@ def replica() -> Iterator[Replica]:
     config = toy_config("serve.max_tokens_limit=160", f"model.chat_template={json.dumps(TEMPLATE)}")
     with running_replica(config) as replica:
         yield replica
-
-
-@pytest.fixture(scope="module")
-def client(replica) -> openai.OpenAI:
-    return replica.openai()
 
 
 def follows_schema(call) -> bool:
