@@ -21,15 +21,22 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
-from osd.decode.models import special_token_ids
+from osd.decode.models import added_token_ids
 
-__all__ = ["GRAMMAR_KINDS", "Grammar", "GrammarCompiler", "GrammarFailed", "unpack_bitmask"]
+__all__ = [
+    "GRAMMAR_KINDS",
+    "Grammar",
+    "GrammarCompiler",
+    "GrammarFailed",
+    "consume",
+    "unpack_bitmask",
+]
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "lark", "choice"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "lark", "choice")
@@ -57,12 +64,18 @@ class Grammar:
         source: the llguidance grammar text it was compiled to.
         thinks: the output is a reasoning model's thinking, any text up to ``</think>``, then
             the grammar's (``compile``'s ``thinking_first``).
+        spelled: the tokenizer's added tokens that are not special (Qwen's ``<tool_call>``),
+            each with its text as ordinary tokens. llguidance 1.9 reads such a token as one no
+            grammar text spells, yet where the grammar's next text is the token's text its
+            mask allows that token alone, and its parser then refuses it: :func:`consume`
+            gives the parser the text instead.
     """
 
     kind: str
     source: str
     _prototype: Any = field(repr=False)
     thinks: bool = False
+    spelled: Mapping[int, list[int]] = field(default_factory=dict, repr=False)
 
     def matcher(self) -> Any:
         """A fresh ``llguidance.LLMatcher`` at the start of the grammar."""
@@ -85,9 +98,15 @@ class GrammarCompiler:
             raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
-        # Special tokens a thinking-first grammar names: </think> (some reasoning models'), and
-        # harmony's markers (gpt-oss's, where the thinking is the analysis channel).
-        special = special_token_ids(tokenizer)
+        # Tokens a thinking-first grammar names: </think> where it is an added token (Qwen3's,
+        # R1's), and harmony's markers (gpt-oss's, where the thinking is the analysis channel).
+        special = added_token_ids(tokenizer)
+        ordinary = set(special.values()) - set(getattr(tokenizer, "all_special_ids", []))
+        self._spelled = {
+            i: self._tokenizer.greedy_tokenize(text)
+            for text, i in special.items()
+            if i in ordinary and i < vocab_size
+        }
         self._think_end = special.get("</think>")
         harmony = [special.get(m) for m in _HARMONY]
         self._harmony = None if None in harmony else dict(zip(_HARMONY, harmony, strict=True))
@@ -128,7 +147,7 @@ class GrammarCompiler:
         matcher.compute_bitmask()  # the first mask too: some limits are only met computing it
         if matcher.is_error():
             raise ValueError(f"the {kind} does not compile: {_first_line(matcher.get_error())}")
-        grammar = Grammar(kind, source, matcher, thinks=thinking_first)
+        grammar = Grammar(kind, source, matcher, thinking_first, self._spelled)
         with self._lock:
             self._cache[key] = grammar
             while len(self._cache) > _CACHE_SIZE:
@@ -138,7 +157,7 @@ class GrammarCompiler:
     def _thinking_first(self) -> str:
         """The Lark grammar of the thinking before the answer: harmony's analysis channel
         where the tokenizer has its markers, else text up to ``</think>`` (named by its id
-        where it is a special token)."""
+        where it is an added token)."""
         if self._harmony is not None:
             ids = self._harmony
             return _THINKING_FIRST_HARMONY.format(
@@ -147,6 +166,16 @@ class GrammarCompiler:
         if self._think_end is not None:
             return _THINKING_FIRST_SPECIAL.format(id=self._think_end)
         return _THINKING_FIRST
+
+
+def consume(matcher: Any, token: int, grammar: Grammar | None) -> bool:
+    """``matcher`` (of ``grammar``) consumes ``token``; an added token that is not special,
+    where the parser would refuse it, as its text (``Grammar.spelled``). False: the parser
+    refused it."""
+    spelled = None if grammar is None else grammar.spelled.get(token)
+    if spelled is not None and not matcher.validate_tokens([token]):
+        return bool(matcher.consume_tokens(spelled))
+    return bool(matcher.consume_token(token))
 
 
 def _grammar_source(kind: str, spec: Any) -> str:
@@ -276,15 +305,21 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
 class _TokenTexts:
     """The duck-typed tokenizer llguidance.TokenizerWrapper reads: each token's bytes, from its
     vocabulary entry (SentencePiece's word marker as a space, ``<0xNN>`` as that byte), not from
-    decoding it alone, which drops a leading space and turns a lone byte into U+FFFD."""
+    decoding it alone, which drops a leading space and turns a lone byte into U+FFFD; an added
+    token's text as it is (DeepSeek's ``<｜tool▁sep｜>`` keeps its ``▁``)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_id
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        self.special_token_ids = list(getattr(tokenizer, "all_special_ids", []))
         known = len(tokenizer)
-        self.tokens = [_token_bytes(tokenizer, i) if i < known else b"" for i in range(vocab_size)]
+        added = {i: text for text, i in added_token_ids(tokenizer).items()}
+        # Every added token is special to llguidance, as its reading of HF tokenizers has it.
+        self.special_token_ids = sorted({*getattr(tokenizer, "all_special_ids", []), *added})
+        self.tokens = [
+            added[i].encode() if i in added else _token_bytes(tokenizer, i) if i < known else b""
+            for i in range(vocab_size)
+        ]
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from osd.decode.grammar import GrammarFailed, unpack_bitmask
+from osd.decode.grammar import GrammarFailed, consume, unpack_bitmask
 from osd.decode.rows import Row
 from osd.devices import to_device
 
@@ -139,7 +139,7 @@ class GrammarMasks:
                 if token in branch.row.request.stop_token_ids:
                     branch.ended = True
                     break
-                if not branch.matcher.consume_token(token):
+                if not consume(branch.matcher, token, branch.row.request.grammar):
                     _broken(branch, f"refused token {token}")
                     break
             branch.at = target
@@ -183,7 +183,7 @@ class GrammarMasks:
             for token in emitted[branch.batch_row]:
                 if token in branch.row.request.stop_token_ids:
                     break
-                if not branch.matcher.consume_token(token):
+                if not consume(branch.matcher, token, branch.row.request.grammar):
                     _broken(branch, f"refused token {token}")
                     break
 

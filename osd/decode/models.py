@@ -58,7 +58,14 @@ from osd.threads import torch_single_threaded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BASE_ADAPTER", "CausalLM", "load_causal_lm", "load_tokenizer", "special_token_ids"]
+__all__ = [
+    "BASE_ADAPTER",
+    "CausalLM",
+    "added_token_ids",
+    "load_causal_lm",
+    "load_tokenizer",
+    "special_token_ids",
+]
 
 # peft's name for "no adapter" in a mixed-adapter batch.
 BASE_ADAPTER = "__base__"
@@ -179,10 +186,19 @@ def load_tokenizer(source: Any) -> Any:
 
 
 def special_token_ids(tokenizer: Any) -> dict[str, int]:
-    """The tokenizer's special added tokens by their text (``{"<|call|>": 200012}``); empty
-    for a tokenizer without any, or None."""
+    """The tokenizer's special added tokens by their text (``{"<|call|>": 200012}``): the ones
+    decoding skips unless ``skip_special_tokens`` is off. Empty for a tokenizer without any,
+    or None."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     return {token.content: i for i, token in added.items() if getattr(token, "special", False)}
+
+
+def added_token_ids(tokenizer: Any) -> dict[str, int]:
+    """Every added token of the tokenizer by its text, special or not (Qwen3's ``</think>``,
+    DeepSeek's ``<｜tool▁sep｜>`` are not): llguidance reads each as a token of its own that
+    grammar text cannot spell, so a grammar names them by id (``<[151668]>``)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {token.content: i for i, token in added.items()}
 
 
 def _base_model(model: PreTrainedModel) -> PreTrainedModel:

@@ -139,3 +139,65 @@ def test_byte_level_bpe_tokenizer(tmp_path):
         assert result.finish_reason == "stop", result.text
         value = json.loads(result.text)
         assert value["name"] in ("alpha", "beta") and isinstance(value["size"], bool)
+
+
+@pytest.mark.parametrize("reading", ["byte-level BPE", "characters"])
+def test_an_added_token_that_is_not_special_is_named_by_its_id(reading):
+    """Qwen3's ``</think>`` and DeepSeek's tool-call markers are added tokens but not special
+    ones. llguidance reads every added token as a token no grammar text can spell, in both
+    ways of reading a vocabulary; a thinking-first grammar names ``</think>`` by its id, so the
+    model's own token ends the thinking."""
+    from tokenizers import AddedToken
+
+    from osd.demo.recipe import TokenizerRecipe
+    from osd.demo.vocab import train_tokenizer
+
+    if reading == "characters":
+        tokenizer = char_tokenizer()
+    else:
+        texts = ["so 2 < 3, and ok or no"] * 50
+        tokenizer = train_tokenizer(texts, TokenizerRecipe(vocab_size=300, min_frequency=2))
+    tokenizer.add_tokens([AddedToken("</think>", special=False)])
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    grammar = compiler.compile("lark", 'start: "ok" | "no"', thinking_first=True)
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = grammar.matcher()
+        return bool(matcher.consume_tokens(ids)) and bool(matcher.is_accepting())
+
+    thought = tokenizer.encode("so 2 < 3", add_special_tokens=False)
+    answer = tokenizer.encode("ok", add_special_tokens=False)
+    assert accepts([*thought, end, *answer])
+    assert not accepts([*thought, *answer])
+    # Written as text the grammar does not take it: the text is not the token.
+    matcher = compiler.compile("lark", 'start: "</think>" "ok"').matcher()
+    assert not matcher.consume_tokens([end])
+
+
+@pytest.mark.parametrize("method", ["token", "block", "spectr"])
+def test_grammar_text_that_is_an_added_tokens_text_decodes(method):
+    """A client's grammar writes ``</think>`` as text where the tokenizer has it as an added
+    token that is not special (Qwen3's): llguidance's mask allows that token alone there and its
+    parser refuses it; the parser reads it as its text, and the reply is the grammar's."""
+    from tokenizers import AddedToken
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens([AddedToken("</think>", special=False)])
+    vocab = len(tokenizer)
+    target = tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=1, logit_scale=2.0)
+    draft = tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=2, logit_scale=2.0)
+    decoder = SpeculativeDecoder(target, draft, tokenizer)
+    grammar = decoder.grammars.compile("lark", 'start: "so </think> ok"')
+    assert set(grammar.spelled) == {64}
+    for seed in range(2):
+        result = decoder.generate(
+            "x",
+            max_tokens=20,
+            grammar=grammar,
+            method=method,
+            num_spec_tokens=3,
+            seed=seed,
+            log=False,
+        )
+        assert (result.finish_reason, result.text) == ("stop", "so </think> ok")
