@@ -263,10 +263,12 @@ class ServeConfig:
     cors_allowed_origins: tuple[str, ...] = ()
     # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), qwen3_coder
-    # (Qwen3-Coder's XML), openai (gpt-oss's harmony), none (tools refused), or auto: from the
-    # chat template's text (harmony's <|channel|> and <|call|>: openai; <tool_call> and
-    # <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral; <|python_tag|>:
-    # llama3_json; else none).
+    # (Qwen3-Coder's XML), openai (gpt-oss's harmony), deepseek_v3 (DeepSeek V3, R1),
+    # deepseek_v31 (DeepSeek V3.1), kimi_k2 (Kimi K2), none (tools refused), or auto: from the
+    # chat template's text (harmony's <|channel|> and <|call|>: openai; <｜tool▁calls▁begin｜>:
+    # deepseek_v3 with a ```json fence, else deepseek_v31; <|tool_calls_section_begin|>:
+    # kimi_k2; <tool_call> and <function=: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]:
+    # mistral; <|python_tag|>: llama3_json; else none).
     tool_call_parser: str = "auto"
     # How a chat reply's thinking is read apart from its answer (serving.reasoning, vLLM's
     # --reasoning-parser): qwen3 or deepseek_r1 (<think> ... </think>, answered as the
@@ -349,11 +351,10 @@ class ServeConfig:
             "in [0, 100]",
         )
         _require(
-            self.tool_call_parser
-            in ("auto", "hermes", "llama3_json", "mistral", "qwen3_coder", "openai", "none"),
+            self.tool_call_parser in ("auto", *TOOL_CALL_PARSERS, "none"),
             "serve.tool_call_parser",
             self.tool_call_parser,
-            "auto, hermes, llama3_json, mistral, qwen3_coder, openai or none",
+            f"auto, {', '.join(TOOL_CALL_PARSERS)} or none",
         )
         _require(
             self.reasoning_parser in ("auto", "qwen3", "deepseek_r1", "openai_gptoss", "none"),
@@ -561,6 +562,17 @@ def _require(ok: bool, name: str, value: Any, expected: str) -> None:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
 
 
+# serve.tool_call_parser's formats (serving.tool_parsers reads and writes them).
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "qwen3_coder",
+    "openai",
+    "deepseek_v3",
+    "deepseek_v31",
+    "kimi_k2",
+)
 BUILTIN_CONFIGS = ("demo",)  # shipped in the package: osd/configs/<name>.yaml
 
 

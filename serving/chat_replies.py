@@ -92,6 +92,7 @@ class ChatReply:
         )
         self._named = tools is not None and tools.named
         self._count = 0
+        self._ids: set[str | None] = {None}  # the model's own call ids given out
 
     def feed(self, text: str) -> Piece:
         """The next text of the reply: what it sends."""
@@ -150,10 +151,13 @@ class ChatReply:
         assert self._form is not None  # calls are read only where the replica has a format
         deltas = []
         for call in calls:
+            # The model's own id (Kimi K2's), unless it wrote one twice in this reply.
+            call_id = call.call_id if call.call_id not in self._ids else None
+            self._ids.add(call_id)
             deltas.append(
                 {
                     "index": self._count,
-                    "id": self._form.new_call_id(),
+                    "id": call_id or self._form.new_call_id(),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }

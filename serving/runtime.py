@@ -44,7 +44,7 @@ from serving.protocol import APIError, ChatRequest, CompletionRequest
 from serving.reasoning import ReasoningReader, detect_reasoning, prompt_opens_thinking
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
-from serving.tool_parsers import detect_parser, tool_call_format
+from serving.tool_parsers import PARSERS, detect_parser, tool_call_format
 from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
@@ -177,8 +177,7 @@ class ReplicaRuntime:
                 400,
                 "tools: this server reads no tool calls for its model (its chat template shows "
                 "no known tool-call format); start it with serve.tool_call_parser set to "
-                "hermes, llama3_json, mistral, qwen3_coder or openai where the model writes "
-                "one of those",
+                f"one of {', '.join(PARSERS)} where the model writes one of those",
                 param="tools",
                 code="unsupported_parameter",
             )
@@ -337,7 +336,7 @@ class ReplicaRuntime:
             grammar=grammar,
         )
         special = (
-            tools is not None and self.tool_format is not None and self.tool_format.special_ids
+            tools is not None and self.tool_format is not None and self.tool_format.special_text
         )
         if special or (self._reads_special and isinstance(request, ChatRequest)):
             # The markers are special tokens: the parser reads them in the text.

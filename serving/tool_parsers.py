@@ -1,7 +1,7 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Five formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Eight formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
@@ -22,6 +22,16 @@ Five formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat temp
   ``null``), and stays a string where it does not parse so (vLLM's ``qwen3_coder`` reads it so).
 * ``openai`` (gpt-oss, vLLM's name): harmony's ``commentary`` message to ``functions.name``,
   read with the reply's thinking by :mod:`serving.harmony`; this module writes its grammar.
+* ``deepseek_v3`` (DeepSeek V3, R1-0528) and ``deepseek_v31`` (V3.1 and its successors that
+  keep its format): ``<｜tool▁calls▁begin｜>``, then each call as ``<｜tool▁call▁begin｜>``
+  ``function<｜tool▁sep｜>name`` and its arguments in a ```` ```json ```` fence (V3), or
+  ``name<｜tool▁sep｜>{...}`` (V3.1), then ``<｜tool▁call▁end｜>``; ``<｜tool▁calls▁end｜>`` closes.
+  Their templates write an earlier call's arguments as the text they are given: the history's
+  arguments go to them as JSON text.
+* ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>``, then each call as
+  ``<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
+  then ``<|tool_calls_section_end|>``. The header (``functions.name:0``) is the call's id, as
+  Kimi's template writes ids back and vLLM's parser answers them.
 
 A :class:`ToolCallScanner` reads a reply as it streams, one piece of text at a time, and says
 what can go out: content text, or a whole tool call once its JSON is complete; the non-streamed
@@ -56,7 +66,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from osd.decode.models import special_token_ids
+from osd.config import TOOL_CALL_PARSERS
+from osd.decode.models import added_token_ids, special_token_ids
 
 __all__ = [
     "PARSERS",
@@ -70,7 +81,7 @@ __all__ = [
     "tool_call_format",
 ]
 
-PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "openai")
+PARSERS = TOOL_CALL_PARSERS
 # llguidance's JSON options (as x-guidance): compact, or spaced as Python's json.dumps and
 # Jinja's tojson write it (", " and ": ", what Mistral's templates show the model).
 _COMPACT = {"whitespace_flexible": False}
@@ -79,10 +90,12 @@ _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 @dataclass(frozen=True)
 class ParsedCall:
-    """One tool call read from a reply: the function's name and its arguments as JSON text."""
+    """One tool call read from a reply: the function's name and its arguments as JSON text;
+    ``call_id``: the id the model wrote for it (Kimi K2's ``functions.name:0``), else None."""
 
     name: str
     arguments: str
+    call_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,11 +116,19 @@ class ToolCallFormat:
         opening: pieces of text before the first call (Mistral's ``[TOOL_CALLS] [``).
         closing: pieces of text after the last call.
         arguments_marker: between a call's name and its arguments; None: JSON calls.
-        special_ids: the pieces that are one special token of the tokenizer, with its id: the
-            grammar names the token (text cannot spell a special token).
+        marker_ids: the tokenizer's added tokens in the pieces, with their ids: the grammar
+            names each token (llguidance lets no text spell an added token).
+        special_text: one of them is a special token: replies keep special tokens in their
+            text, where the scanner reads it.
         short_ids: the chat template takes 9-character alphanumeric call ids (Mistral's).
         spaced: the grammar writes JSON with ``", "`` and ``": "`` (else compact).
         markers: the format's other pieces that may be special tokens (harmony's).
+        name_prefix: pieces before a call's name (DeepSeek V3's ``function<｜tool▁sep｜>``,
+            Kimi K2's ``functions.``).
+        call_index: the name is followed by ``:N``, the call's number (Kimi K2's call ids).
+        arguments_end: after a call's arguments (DeepSeek V3's closing code fence).
+        arguments_text: the chat template writes an earlier call's arguments as given, as
+            text (DeepSeek's: ``+ arguments``): the history's arguments go to it as JSON text.
     """
 
     name: str
@@ -118,16 +139,22 @@ class ToolCallFormat:
     opening: tuple[str, ...] = ()
     closing: tuple[str, ...] = ()
     arguments_marker: str | None = None
-    special_ids: tuple[tuple[str, int], ...] = ()
+    marker_ids: tuple[tuple[str, int], ...] = ()
+    special_text: bool = False
     short_ids: bool = False
     spaced: bool = False
     markers: tuple[str, ...] = ()
+    name_prefix: tuple[str, ...] = ()
+    call_index: bool = False
+    arguments_end: str = ""
+    arguments_text: bool = False
 
     @property
     def pieces(self) -> tuple[str, ...]:
         """The format's own text around the calls (any of it may be a special token)."""
         pieces = (*self.opening, self.start, self.end, self.separator, *self.closing)
-        return tuple(p for p in (*pieces, self.arguments_marker or "", *self.markers) if p)
+        around = (*self.name_prefix, self.arguments_marker or "", self.arguments_end)
+        return tuple(p for p in (*pieces, *around, *self.markers) if p)
 
     def grammar(self, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose outputs are one call (or, with ``parallel``, one or more) of
@@ -159,8 +186,11 @@ class ToolCallFormat:
                 rules.append(f"{rule}: %json {json.dumps(self._call_schema(function))}")
             else:
                 schema = {**_parameters(function), "x-guidance": self._json_options}
-                name = self._sequence("", function["name"], self.arguments_marker)
-                rules.append(f"{rule}:{name} %json {json.dumps(schema)}")
+                name = self._sequence("", *self.name_prefix, function["name"])
+                index = ' ":" /[0-9]{1,3}/' if self.call_index else ""
+                marker = self._sequence("", self.arguments_marker)
+                end = self._sequence("", self.arguments_end)
+                rules.append(f"{rule}:{name}{index}{marker} %json {json.dumps(schema)}{end}")
         return "\n".join(rules) + "\n"
 
     @property
@@ -168,9 +198,21 @@ class ToolCallFormat:
         return _SPACED if self.spaced else _COMPACT
 
     def _text(self, piece: str) -> str:
-        """``piece`` in the grammar: its special token, or the text."""
-        special = dict(self.special_ids)
-        return f"<[{special[piece]}]>" if piece in special else json.dumps(piece)
+        """``piece`` in the grammar: its text, each added token in it by its id
+        (``"<tool_call>\n"``: ``<[151657]> "\n"``)."""
+        if not self.marker_ids:
+            return json.dumps(piece) if piece else ""
+        ids = dict(self.marker_ids)
+        tokens = re.compile("|".join(re.escape(m) for m in sorted(ids, key=len, reverse=True)))
+        parts, at = [], 0
+        for found in tokens.finditer(piece):
+            if found.start() > at:
+                parts.append(json.dumps(piece[at : found.start()]))
+            parts.append(f"<[{ids[found.group()]}]>")
+            at = found.end()
+        if at < len(piece):
+            parts.append(json.dumps(piece[at:]))
+        return " ".join(parts)
 
     def _sequence(self, head: str, *pieces: str) -> str:
         return head + "".join(f" {self._text(p)}" for p in pieces if p)
@@ -210,14 +252,25 @@ class ToolCallFormat:
         """``messages`` as this format's chat template takes them: with ``short_ids``, every
         call id of the history (an assistant's ``tool_calls[].id``, a tool's
         ``tool_call_id``) that is not 9 letters and digits becomes 9 that are, the same
-        id always the same (a client may send OpenAI's ids, or another server's)."""
-        if not self.short_ids:
+        id always the same (a client may send OpenAI's ids, or another server's); with
+        ``arguments_text``, an earlier call's arguments object is JSON text again, spaced as
+        the format writes it."""
+        if not (self.short_ids or self.arguments_text):
             return messages
         for message in messages:
             for call in message.get("tool_calls") or []:
-                if isinstance(call.get("id"), str):
+                if self.short_ids and isinstance(call.get("id"), str):
                     call["id"] = _short_id(call["id"])
-            if isinstance(message.get("tool_call_id"), str):
+                function = call.get("function")
+                if self.arguments_text and isinstance(function, dict):
+                    arguments = function.get("arguments")
+                    if not isinstance(arguments, str):
+                        function["arguments"] = json.dumps(
+                            arguments,
+                            ensure_ascii=False,
+                            separators=(", ", ": ") if self.spaced else (",", ":"),
+                        )
+            if self.short_ids and isinstance(message.get("tool_call_id"), str):
                 message["tool_call_id"] = _short_id(message["tool_call_id"])
         return messages
 
@@ -364,6 +417,25 @@ def _xml_string(schema: Mapping[str, Any]) -> bool:
 
 
 _MISTRAL = "[TOOL_CALLS]"
+# DeepSeek V3 / R1 and V3.1's markers (added tokens of their tokenizers).
+_DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+_DEEPSEEK = ToolCallFormat(
+    "deepseek_v31",
+    _DS_CALL,
+    _DS_CALL_END,
+    "arguments",
+    "",
+    (_DS_CALLS,),
+    (_DS_CALLS_END,),
+    arguments_marker=_DS_SEP,
+    spaced=True,
+    arguments_text=True,
+)
+# Kimi K2's (special tokens of its tokenizer).
+_KIMI_SECTION, _KIMI_SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+_KIMI_CALL, _KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+_KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
 # harmony: a call's message is <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
 _HARMONY_HEADER_END = ("<|constrain|>", "json", "<|message|>")
 _HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n")
@@ -384,6 +456,32 @@ _FORMATS = {
         "arguments",
         "",
         markers=("<|constrain|>", "<|message|>"),
+    ),
+    # DeepSeek V3.1 (and V3.1-Terminus, V3.2-Exp): <｜tool▁call▁begin｜>name<｜tool▁sep｜>{...}
+    "deepseek_v31": _DEEPSEEK,
+    # DeepSeek V3 and R1-0528: the call's type and name, then its arguments in a JSON fence.
+    "deepseek_v3": dataclasses.replace(
+        _DEEPSEEK,
+        name="deepseek_v3",
+        separator="\n",
+        name_prefix=("function", _DS_SEP),
+        arguments_marker="\n```json\n",
+        arguments_end="\n```",
+    ),
+    # Kimi K2: <|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}, the
+    # header being the call's id.
+    "kimi_k2": ToolCallFormat(
+        "kimi_k2",
+        _KIMI_CALL,
+        _KIMI_CALL_END,
+        "arguments",
+        "",
+        (_KIMI_SECTION,),
+        (_KIMI_SECTION_END,),
+        arguments_marker=_KIMI_ARGUMENTS,
+        name_prefix=("functions.",),
+        call_index=True,
+        spaced=True,
     ),
 }
 # Mistral Small 3.2, Magistral, Devstral (v11 on): each call its own marker, then the name.
@@ -421,11 +519,17 @@ def tool_call_format(
         form = dataclasses.replace(form, opening=(_MISTRAL, "["))
     if tokenizer is None:
         return form
-    special = special_token_ids(tokenizer)
-    ids = tuple((piece, special[piece]) for piece in form.pieces if piece in special)
-    spaced = _template_spacing(tokenizer)
+    added, special = added_token_ids(tokenizer), special_token_ids(tokenizer)
+    # The added tokens in the format's pieces (a piece may be one, or hold one: hermes's
+    # "<tool_call>\n" holds Qwen's <tool_call>).
+    ids = tuple((text, i) for text, i in added.items() if any(text in p for p in form.pieces))
+    # (a template that writes the arguments as given shows the client's spacing, not its own)
+    spaced = None if form.arguments_text else _template_spacing(tokenizer)
     return dataclasses.replace(
-        form, special_ids=ids, spaced=form.spaced if spaced is None else spaced
+        form,
+        marker_ids=ids,
+        special_text=any(piece in special for piece, _ in ids),
+        spaced=form.spaced if spaced is None else spaced,
     )
 
 
@@ -465,6 +569,10 @@ def detect_parser(chat_template: str | None) -> str | None:
         return None
     if speaks_harmony(chat_template):
         return "openai"  # gpt-oss's (serving.harmony)
+    if _DS_CALLS in chat_template:
+        return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
+    if _KIMI_SECTION in chat_template:
+        return "kimi_k2"
     if "<tool_call>" in chat_template and "<function=" in chat_template:
         return "qwen3_coder"
     if "<tool_call>" in chat_template:
@@ -477,6 +585,10 @@ def detect_parser(chat_template: str | None) -> str | None:
 
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# Formats whose calls sit in a section: its marker, each call's markers, the section's end.
+_SECTIONS = frozenset({"deepseek_v3", "deepseek_v31", "kimi_k2"})
+# Kimi K2's call header: the name, then the call's number.
+_NUMBERED = re.compile(r"(?P<name>.+?):\d+")
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -510,8 +622,20 @@ class ToolCallScanner:
         # searched again on every piece.
         self._parts: list[str] = []
         self._tail = ""  # the open call's last characters, where its close may begin
-        self._in_call = False  # hermes: inside <tool_call> ... </tool_call>
+        self._in_call = False  # hermes: inside <tool_call> ... </tool_call>; sections: inside
         self._gap = ""  # hermes, mistral: the whitespace before the open call (its text if no call)
+        self._opened = ""  # sections: the opening marker, until it went out or a call was read
+        self._section_read = False  # sections: a call of the open section was read
+        form = self._format
+        # What ends a stretch inside a call (or a section) that is worth reading: none
+        # (mistral's calls are read at the end).
+        self._closes: tuple[str, ...] = (
+            (form.end, *form.closing)
+            if form.name in _SECTIONS
+            else ()
+            if form.name == "mistral"
+            else (_HERMES_CLOSE,)
+        )
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
         self.calls: list[ParsedCall] = []
 
@@ -523,16 +647,20 @@ class ToolCallScanner:
         """Takes the next piece of the reply; returns (content to send, calls completed)."""
         if self._in_call:
             window = self._tail + text
-            closes = self._format.name != "mistral"  # (mistral's calls are read at the end)
-            if not closes or _HERMES_CLOSE not in window:
+            if not any(close in window for close in self._closes):
                 self._parts.append(text)
-                self._tail = window[1 - len(_HERMES_CLOSE) :]
+                self._tail = window[-self._longest_close :]
                 return "", []
         self._pending += "".join(self._parts) + text
         self._parts.clear()
         read = self._read(final=False)
-        self._tail = self._pending[1 - len(_HERMES_CLOSE) :]
+        self._tail = self._pending[-self._longest_close :]
         return read
+
+    @property
+    def _longest_close(self) -> int:
+        """How many of the last characters may hold the start of a close (at least one)."""
+        return max((len(close) - 1 for close in self._closes), default=0) or 1
 
     def finish(self) -> tuple[str, list[ParsedCall]]:
         """The reply ended: everything held back goes out (an unfinished call as content)."""
@@ -545,6 +673,8 @@ class ToolCallScanner:
             return self._hermes(final)
         if self._format.name == "mistral":
             return self._mistral(final)
+        if self._format.name in _SECTIONS:
+            return self._section(final)
         return self._llama(final)
 
     def _accept(self, call: ParsedCall | None) -> list[ParsedCall]:
@@ -670,6 +800,91 @@ class ToolCallScanner:
         if parsed is None:
             return text, []
         return "", [call for p in parsed for call in self._accept(p)]
+
+    def _section(self, final: bool) -> tuple[str, list[ParsedCall]]:
+        """DeepSeek's and Kimi K2's calls: a section marker, then each call between its own
+        markers, then the section's end. Content streams until the section (or a call's
+        marker, where a model leaves the section's out); each call goes out once its end
+        arrived. A call that does not read as one of an offered function stays content, and
+        so does an unfinished one; text after the section is content."""
+        form = self._format
+        opening, closing = form.opening[0], form.closing[0]
+        content, calls = "", list[ParsedCall]()
+        while True:
+            if not self._in_call:
+                found = [
+                    (at, m) for m in (opening, form.start) if (at := self._pending.find(m)) >= 0
+                ]
+                if not found:
+                    if final:  # (whitespace alone after calls is the format's)
+                        rest = "" if self.calls and not self._pending.strip() else self._pending
+                        self._pending = ""
+                        return content + rest, calls
+                    keep = held_back(self._pending, opening, form.start)
+                    out = self._pending[: len(self._pending) - keep].rstrip()
+                    self._pending = self._pending[len(out) :]
+                    return content + out, calls  # (trailing whitespace waits)
+                at, marker = min(found)
+                before = self._pending[:at]
+                content += before.rstrip()
+                self._gap = before[len(before.rstrip()) :]
+                self._opened = marker if marker == opening else ""
+                self._pending = self._pending[at + len(self._opened) :]
+                self._in_call, self._section_read = True, False
+                continue
+            body = self._pending.lstrip()
+            if body.startswith(closing):
+                if not self._section_read:  # a section without calls: its text goes out
+                    space = self._pending[: len(self._pending) - len(body)]
+                    content += self._gap + self._opened + space + closing
+                self._pending, self._in_call = body[len(closing) :], False
+                continue
+            if body.startswith(form.start):
+                end = body.find(form.end)
+                if end >= 0:
+                    text = body[: end + len(form.end)]
+                    self._pending = body[len(text) :]
+                    call = self._section_call(body[len(form.start) : end])
+                    if call is None:  # not a call: its text, and the section's, go out
+                        content += self._gap + self._opened + text
+                    else:
+                        calls += self._accept(call)
+                        self._section_read = True
+                    self._opened = self._gap = ""
+                    continue
+            elif body and not (closing.startswith(body) or form.start.startswith(body)):
+                # Text inside the section that is no call: the section ended without its marker.
+                content += "" if self._section_read else self._gap + self._opened
+                self._in_call = False
+                continue
+            if final:  # an unfinished call: the client gets its text
+                content += self._gap + self._opened + self._pending
+                self._pending, self._in_call = "", False
+            return content, calls
+
+    def _section_call(self, body: str) -> ParsedCall | None:
+        """One call between its markers: the name (after the format's prefix, before its
+        ``:N`` with Kimi K2), the arguments' marker and the arguments' JSON object."""
+        form = self._format
+        assert form.arguments_marker is not None
+        header, marker, arguments = body.partition(form.arguments_marker.strip())
+        if not marker:
+            return None
+        name = header.strip()
+        for piece in form.name_prefix:
+            name = name.removeprefix(piece).lstrip()
+        call_id = None
+        if form.call_index:
+            numbered = _NUMBERED.fullmatch(name)
+            if numbered is not None:
+                name, call_id = numbered["name"], header.strip()
+        arguments = arguments.strip()
+        if form.arguments_end:
+            arguments = arguments.removesuffix(form.arguments_end.strip()).rstrip()
+        call = call_of_arguments(name, arguments, self._functions) if arguments else None
+        return (
+            call if call is None or call_id is None else dataclasses.replace(call, call_id=call_id)
+        )
 
     def _mistral(self, final: bool) -> tuple[str, list[ParsedCall]]:
         """Content streams until the first ``[TOOL_CALLS]``; what follows is calls, read when

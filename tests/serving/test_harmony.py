@@ -84,7 +84,7 @@ def test_without_tools_a_call_is_content_and_parallel_false_keeps_the_first():
 def test_the_forced_call_grammar_writes_one_call_through_the_special_markers():
     tokenizer = harmony_tokenizer()
     form = tool_call_format("openai", None, tokenizer)
-    assert {piece for piece, _ in form.special_ids} == {
+    assert {piece for piece, _ in form.marker_ids} == {
         "<|channel|>",
         "<|constrain|>",
         "<|message|>",

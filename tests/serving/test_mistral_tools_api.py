@@ -138,7 +138,7 @@ def test_a_reply_with_the_marker_in_auto_is_read_as_calls(client, replica):
     # auto: the model's own text is read; a grammar makes the toy model write text and a
     # call, its markers the special tokens (a grammar names a token by its id).
     form = replica.runtime.tool_format
-    assert dict(form.special_ids)["[TOOL_CALLS]"] == 64
+    assert dict(form.marker_ids)["[TOOL_CALLS]"] == 64
     arguments = json.dumps(json.dumps({"city": "oslo"}))
     if form.arguments_marker is None:  # v3
         call = json.dumps(' [{"name": "get_weather", "arguments": {"city": "oslo"}}]')

@@ -11,7 +11,13 @@ import pytest
 
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_qwen3_coder_tool_parser import TEMPLATE
-from tests.serving.test_tools_api import ASK, TOOLS, chat, follows_schema, streamed_calls
+from tests.serving.test_tools_api import (
+    ASK,
+    TOOLS,
+    chat,
+    follows_schema,
+    named_call_streams_as_whole,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +41,7 @@ def test_required_calls_an_offered_tool_with_typed_valid_arguments(client):
 
 @pytest.mark.parametrize("method", ["token", "block", "spectr"])
 def test_a_named_function_streamed_equals_the_whole_answer(client, method):
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    fields = {
-        "tools": TOOLS,
-        "tool_choice": named,
-        "seed": 5,
-        "extra_body": {"spec": {"method": method, "k": 3, "proposer": "draft"}},
-    }
-    whole = chat(client, **fields).choices[0]
-    content, calls, finish = streamed_calls(client, **fields)
-    assert finish == whole.finish_reason == "stop"
-    assert content == (whole.message.content or "")
-    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
-    assert [name for name, _ in calls] == ["get_weather"]
-    assert follows_schema(whole.message.tool_calls[0])
+    named_call_streams_as_whole(client, "get_weather", method)
 
 
 def test_a_reply_with_a_call_in_auto_is_read_as_typed_calls(client):

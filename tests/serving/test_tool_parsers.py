@@ -308,7 +308,7 @@ def test_mistral_grammars_name_the_special_markers_and_read_back_as_calls(
 ):
     tokenizer, compiler = marked
     form = tool_call_format("mistral", template, tokenizer)
-    assert dict(form.special_ids) == (
+    assert dict(form.marker_ids) == (
         {"[TOOL_CALLS]": 64}
         if form.arguments_marker is None
         else {"[TOOL_CALLS]": 64, "[ARGS]": 65}
@@ -381,3 +381,22 @@ def test_forced_calls_are_spaced_as_the_template_writes_earlier_calls(compiler, 
     assert _accepts(compiler, source, f"<tool_call>\n{written}\n</tool_call>")
     other = compact if form.spaced else compact.replace('":', '": ')
     assert not _accepts(compiler, source, f"<tool_call>\n{other}\n</tool_call>")
+
+
+def test_hermes_markers_that_are_added_tokens_are_named_by_id():
+    # Qwen 2.5 / 3 add <tool_call> and </tool_call> as tokens that are not special: llguidance
+    # lets no grammar text spell them, so a forced call names them by id, and the reply keeps
+    # no other special tokens for them.
+    from tokenizers import AddedToken
+
+    tokenizer = char_tokenizer()
+    tokenizer.add_tokens([AddedToken(m, special=False) for m in ("<tool_call>", "</tool_call>")])
+    form = tool_call_format("hermes", None, tokenizer)
+    assert dict(form.marker_ids) == {"<tool_call>": 64, "</tool_call>": 65}
+    assert not form.special_text
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    source = form.grammar(FUNCTIONS, parallel=False)
+    text = '<tool_call>\n{"name":"calc","arguments":{}}\n</tool_call>'
+    matcher = compiler.compile("lark", source).matcher()
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == 64 and matcher.consume_tokens(ids) and matcher.is_accepting()

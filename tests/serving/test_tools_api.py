@@ -102,6 +102,25 @@ def streamed_calls(client, **fields) -> tuple[str, list[tuple[str, str]], str | 
     return content, [calls[i] for i in sorted(calls)], finish
 
 
+def named_call_streams_as_whole(client, name: str, method: str | None = None, seed: int = 5):
+    """A call forced by naming ``name`` (with speculation ``method``, or the default): streamed,
+    it equals the whole answer, one call following the tool's schema, ending with ``stop``."""
+    fields: dict = {
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": name}},
+        "seed": seed,
+    }
+    if method is not None:
+        fields["extra_body"] = {"spec": {"method": method, "k": 3, "proposer": "draft"}}
+    whole = chat(client, **fields).choices[0]
+    content, calls, finish = streamed_calls(client, **fields)
+    assert finish == whole.finish_reason == "stop"
+    assert content == (whole.message.content or "")
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert [called for called, _ in calls] == [name]
+    assert follows_schema(whole.message.tool_calls[0])
+
+
 def test_required_always_calls_an_offered_tool_with_valid_arguments(client):
     for seed in range(4):
         choice = chat(
