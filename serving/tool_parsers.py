@@ -1,7 +1,7 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Eight formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Nine formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
@@ -28,6 +28,11 @@ Eight formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat tem
   ``name<｜tool▁sep｜>{...}`` (V3.1), then ``<｜tool▁call▁end｜>``; ``<｜tool▁calls▁end｜>`` closes.
   Their templates write an earlier call's arguments as the text they are given: the history's
   arguments go to them as JSON text.
+* ``glm45`` (GLM-4.5, 4.6; ``glm47``, its other name, for GLM-4.7): ``<tool_call>name``, then
+  ``<arg_key>key</arg_key><arg_value>value</arg_value>`` for each argument, then
+  ``</tool_call>``; GLM-4.5's templates write a newline after the name and after each key and
+  value, GLM-4.7's none (the grammar writes what the model's template shows). A string's
+  value is written as it is, any other as ``tojson`` writes it: read as the schema types it.
 * ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>``, then each call as
   ``<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
   then ``<|tool_calls_section_end|>``. The header (``functions.name:0``) is the call's id, as
@@ -62,7 +67,7 @@ import secrets
 import string
 import urllib.parse
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +104,20 @@ class ParsedCall:
 
 
 @dataclass(frozen=True)
+class XmlMarkup:
+    """How a family writes a call's name and parameters as XML-like text (Qwen3-Coder's,
+    GLM's), for the grammar: the call's body is ``opening`` (``{name}`` the function's), then
+    for each parameter ``key`` (``{key}`` its name), its value, ``value_end`` and ``item_end``,
+    then ``closing``."""
+
+    opening: str
+    key: str
+    value_end: str
+    item_end: str
+    closing: str
+
+
+@dataclass(frozen=True)
 class ToolCallFormat:
     """How one family writes tool calls.
 
@@ -129,6 +148,7 @@ class ToolCallFormat:
         arguments_end: after a call's arguments (DeepSeek V3's closing code fence).
         arguments_text: the chat template writes an earlier call's arguments as given, as
             text (DeepSeek's: ``+ arguments``): the history's arguments go to it as JSON text.
+        xml: the call's body is XML-like parameters (``qwen3_coder``, ``glm45``), not JSON.
     """
 
     name: str
@@ -148,13 +168,15 @@ class ToolCallFormat:
     call_index: bool = False
     arguments_end: str = ""
     arguments_text: bool = False
+    xml: XmlMarkup | None = None
 
     @property
     def pieces(self) -> tuple[str, ...]:
         """The format's own text around the calls (any of it may be a special token)."""
         pieces = (*self.opening, self.start, self.end, self.separator, *self.closing)
         around = (*self.name_prefix, self.arguments_marker or "", self.arguments_end)
-        return tuple(p for p in (*pieces, *around, *self.markers) if p)
+        xml = dataclasses.astuple(self.xml) if self.xml is not None else ()
+        return tuple(p for p in (*pieces, *around, *xml, *self.markers) if p)
 
     def grammar(self, functions: Sequence[Mapping[str, Any]], parallel: bool) -> str:
         """A Lark grammar whose outputs are one call (or, with ``parallel``, one or more) of
@@ -174,8 +196,8 @@ class ToolCallFormat:
             "body: " + " | ".join(bodies),
         ]
         for rule, function in zip(bodies, functions, strict=True):
-            if self.name == "qwen3_coder":
-                rules += _xml_call_rules(rule, function, self._json_options)
+            if self.xml is not None:
+                rules += _xml_call_rules(rule, function, self._json_options, self.xml, self._text)
             elif self.name == "openai":
                 schema = {**_parameters(function), "x-guidance": self._json_options}
                 header = self._sequence(
@@ -358,36 +380,45 @@ def _rerooted(schema: Any, root: str) -> Any:
 
 
 def _xml_call_rules(
-    rule: str, function: Mapping[str, Any], json_options: Mapping[str, Any]
+    rule: str,
+    function: Mapping[str, Any],
+    json_options: Mapping[str, Any],
+    markup: XmlMarkup,
+    text: Callable[[str], str],
 ) -> list[str]:
-    """The grammar's rules for one call of ``function`` in Qwen3-Coder's XML (the ``<tool_call>``
-    around it is the format's): ``<function=name>``, each parameter of the schema in its order
-    (the required ones always, the others optional), ``</function>``. A string's value is text
-    up to ``\n</parameter>`` (its ``enum`` or ``const`` where it has one; a ``maxLength``
-    bounds it), any other value JSON of its schema, spaced as ``tojson`` writes it."""
+    """The grammar's rules for one call of ``function`` written as ``markup`` (the
+    ``<tool_call>`` around it is the format's): its name, each parameter of the schema in its
+    order (the required ones always, the others optional), the closing. A string's value is
+    text up to the value's end (its ``enum`` or ``const`` where it has one; a ``maxLength``
+    bounds it), any other value JSON of its schema, spaced as ``tojson`` writes it. ``text``
+    writes a piece of markup (an added token in it by its id)."""
     parameters = _parameters(function)
     definitions = {key: parameters[key] for key in _DEFINITIONS if key in parameters}
     required = set(parameters.get("required") or ())
     rules, items = [], []
     properties = parameters.get("properties") or {}
+    tail = f" {text(markup.item_end)}" if markup.item_end else ""
     for number, (name, schema) in enumerate(properties.items()):
         value = f"{rule}_{number}"
-        head = json.dumps(f"<parameter={name}>\n")
-        rules.append(_xml_value_rule(value, schema, definitions, json_options))
-        items.append(f'({head} {value} "\\n")' + ("" if name in required else "?"))
-    opening = json.dumps(f"<function={function['name']}>\n")
-    rules.insert(0, f'{rule}: {opening} {" ".join(items)} "</function>"')
+        head = text(markup.key.format(key=name))
+        rules.append(_xml_value_rule(value, schema, definitions, json_options, markup, text))
+        items.append(f"({head} {value}{tail})" + ("" if name in required else "?"))
+    opening = text(markup.opening.format(name=function["name"]))
+    closing = f" {text(markup.closing)}" if markup.closing else ""
+    rules.insert(0, f"{rule}: {opening} {' '.join(items)}{closing}")
     return rules
 
 
-_PARAMETER_END = "\n</parameter>"
-
-
 def _xml_value_rule(
-    rule: str, schema: Any, definitions: Mapping[str, Any], json_options: Mapping[str, Any]
+    rule: str,
+    schema: Any,
+    definitions: Mapping[str, Any],
+    json_options: Mapping[str, Any],
+    markup: XmlMarkup,
+    text: Callable[[str], str],
 ) -> str:
-    """One parameter's value and the ``\n</parameter>`` that closes it."""
-    end = json.dumps(_PARAMETER_END)
+    """One parameter's value and the end that closes it."""
+    end = text(markup.value_end)
     if not isinstance(schema, dict):  # true / false schemas: any text
         schema = {}
     words = schema.get("enum", [schema["const"]] if "const" in schema else None)
@@ -395,16 +426,26 @@ def _xml_value_rule(
         return f"{rule}: ({' | '.join(json.dumps(word) for word in words)}) {end}"
     if _xml_string(schema):
         longest = schema.get("maxLength")
-        if isinstance(longest, int) and longest >= 0:
+        bounded = isinstance(longest, int) and longest >= 0
+        if "<[" in end:  # the end is a token: text (which cannot spell it), then the token
+            span = f"{{0,{longest}}}" if bounded else "*"
+            return f"{rule}: /(?s:.{span})/ {end}"
+        if bounded:
             # One lexeme with its end: llguidance's lexer is greedy (a bounded value, then the
             # end as a lexeme of its own, would take "\n<" into the value), and its stop
             # takes no bounded text.
-            return f"{rule}: /(?s:.{{0,{longest}}})\\n<\\/parameter>/"
+            return f"{rule}: /(?s:.{{0,{longest}}}){_regex_text(markup.value_end)}/"
         return f"{rule}[stop={end}]: /(?s:.*)/"
     if schema.get("type") == "boolean":  # Qwen3-Coder's template writes Python's True, False
         return f'{rule}: ("true" | "false" | "True" | "False") {end}'
     typed = {**definitions, **schema, "x-guidance": dict(json_options)}
     return f"{rule}: %json {json.dumps(typed)} {end}"
+
+
+def _regex_text(text: str) -> str:
+    """``text`` as a literal inside a Lark ``/regex/``."""
+    special = set(".+*?()|[]{}^$#&-~\\/")
+    return "".join("\\n" if c == "\n" else f"\\{c}" if c in special else c for c in text)
 
 
 def _xml_string(schema: Mapping[str, Any]) -> bool:
@@ -417,6 +458,17 @@ def _xml_string(schema: Mapping[str, Any]) -> bool:
 
 
 _MISTRAL = "[TOOL_CALLS]"
+# GLM's: strings as they are, other values as tojson writes them.
+_GLM_KEY = "<arg_key>{key}</arg_key>{between}<arg_value>"
+_GLM = ToolCallFormat(
+    "glm45",
+    "<tool_call>",
+    "</tool_call>",
+    "arguments",
+    "\n",
+    spaced=True,
+    xml=XmlMarkup("{name}\n", _GLM_KEY.format(key="{key}", between="\n"), "</arg_value>", "\n", ""),
+)
 # DeepSeek V3 / R1 and V3.1's markers (added tokens of their tokenizers).
 _DS_CALLS, _DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 _DS_CALL, _DS_CALL_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -448,7 +500,18 @@ _FORMATS = {
         "mistral", "", "", "arguments", ", ", (_MISTRAL, " ["), ("]",), short_ids=True, spaced=True
     ),
     # Qwen3-Coder: hermes's <tool_call> around XML; objects and arrays as tojson writes them.
-    "qwen3_coder": dataclasses.replace(_HERMES, name="qwen3_coder", spaced=True),
+    "qwen3_coder": dataclasses.replace(
+        _HERMES,
+        name="qwen3_coder",
+        spaced=True,
+        xml=XmlMarkup(
+            "<function={name}>\n", "<parameter={key}>\n", "\n</parameter>", "\n", "</function>"
+        ),
+    ),
+    # GLM-4.5 / 4.6: <tool_call>name, then <arg_key>k</arg_key> <arg_value>v</arg_value> for each
+    # argument, a newline after each; GLM-4.7 without them (tool_call_format reads which).
+    "glm45": _GLM,
+    "glm47": dataclasses.replace(_GLM, name="glm47"),
     "openai": ToolCallFormat(
         "openai",
         "<|channel|>",
@@ -513,6 +576,8 @@ def tool_call_format(
     if name not in _FORMATS:
         raise ValueError(f"tool_call_parser must be one of {list(PARSERS)}, got {name!r}")
     form = _FORMATS[name]
+    if form.name in _GLM_NAMES and tokenizer is not None:
+        form = dataclasses.replace(form, xml=_glm_markup(tokenizer) or form.xml)
     if name == "mistral" and chat_template and "[ARGS]" in chat_template:
         form = _MISTRAL_V11
     elif name == "mistral" and chat_template and f"{_MISTRAL} [" not in chat_template:
@@ -536,10 +601,9 @@ def tool_call_format(
 _PROBE_ARGUMENTS = {"osd_probe_a": 1, "osd_probe_b": 2}
 
 
-def _template_spacing(tokenizer: Any) -> bool | None:
-    """Whether the tokenizer's chat template writes an earlier call's arguments spaced (True)
-    or compact (False); None: it shows none (no template, one that refuses the probe, or one
-    that writes calls another way)."""
+def _probe_call_text(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template's text of a conversation with one earlier call (of
+    ``osd_probe``, arguments ``_PROBE_ARGUMENTS``); None: no template, or one that refuses it."""
     call = {"name": "osd_probe", "arguments": dict(_PROBE_ARGUMENTS)}
     probe = {"id": "osdprobe1", "type": "function", "function": call}
     messages = [
@@ -547,14 +611,42 @@ def _template_spacing(tokenizer: Any) -> bool | None:
         {"role": "assistant", "content": "", "tool_calls": [probe]},
     ]
     try:
-        text = str(tokenizer.apply_chat_template(messages, tokenize=False))
+        return str(tokenizer.apply_chat_template(messages, tokenize=False))
     except Exception:  # noqa: BLE001 - a template may refuse anything; then it shows nothing
+        return None
+
+
+def _template_spacing(tokenizer: Any) -> bool | None:
+    """Whether the tokenizer's chat template writes an earlier call's arguments spaced (True)
+    or compact (False); None: it shows none (no template, one that refuses the probe, or one
+    that writes calls another way)."""
+    text = _probe_call_text(tokenizer)
+    if text is None:
         return None
     if json.dumps(_PROBE_ARGUMENTS) in text:
         return True
     if json.dumps(_PROBE_ARGUMENTS, separators=(",", ":")) in text:
         return False
     return None
+
+
+_GLM_NAMES = ("glm45", "glm47")
+_GLM_PROBE = re.compile(
+    r"<tool_call>osd_probe(?P<name>\s*)<arg_key>osd_probe_a</arg_key>(?P<key>\s*)"
+    r"<arg_value>1</arg_value>(?P<item>\s*)<arg_key>"
+)
+
+
+def _glm_markup(tokenizer: Any) -> XmlMarkup | None:
+    """GLM's layout as the tokenizer's chat template writes an earlier call: the whitespace
+    after the name, between a key and its value, after a value (GLM-4.5's newlines, GLM-4.7's
+    none); None where the template shows none."""
+    text = _probe_call_text(tokenizer)
+    found = None if text is None else _GLM_PROBE.search(text)
+    if found is None:
+        return None
+    key = _GLM_KEY.format(key="{key}", between=found["key"])
+    return XmlMarkup("{name}" + found["name"], key, "</arg_value>", found["item"], "")
 
 
 def speaks_harmony(chat_template: str | None) -> bool:
@@ -575,6 +667,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "kimi_k2"
     if "<tool_call>" in chat_template and "<function=" in chat_template:
         return "qwen3_coder"
+    if "<arg_key>" in chat_template:
+        return "glm45"
     if "<tool_call>" in chat_template:
         return "hermes"
     if _MISTRAL in chat_template:
@@ -669,7 +763,7 @@ class ToolCallScanner:
         return self._read(final=True)
 
     def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
-        if self._format.name in ("hermes", "qwen3_coder"):
+        if self._format.name in ("hermes", "qwen3_coder", *_GLM_NAMES):
             return self._hermes(final)
         if self._format.name == "mistral":
             return self._mistral(final)
@@ -714,9 +808,7 @@ class ToolCallScanner:
         function = _XML_FUNCTION.fullmatch(body.strip())
         if function is None or function["name"] not in self._functions:
             return None
-        schema = self._schemas.get(function["name"]) or {}
-        properties = schema.get("properties") if isinstance(schema, dict) else None
-        properties = properties if isinstance(properties, dict) else {}
+        properties = self._properties(function["name"])
         arguments: dict[str, Any] = {}
         for parameter in _XML_PARAMETER.finditer(function["parameters"]):
             value = parameter["value"].removeprefix("\n").removesuffix("\n")
@@ -724,6 +816,38 @@ class ToolCallScanner:
         if _XML_PARAMETER.sub("", function["parameters"]).strip():
             return None
         return _parsed(function["name"], arguments)
+
+    def _body_call(self, body: str) -> ParsedCall | None:
+        """The call between ``<tool_call>`` and ``</tool_call>``, read as the format writes it."""
+        if self._format.name == "qwen3_coder":
+            return self._xml_call(body)
+        if self._format.name in _GLM_NAMES:
+            return self._glm_call(body)
+        return self._read_call(body.strip(), ("arguments", "parameters"))
+
+    def _glm_call(self, body: str) -> ParsedCall | None:
+        """GLM's name and its ``<arg_key>`` / ``<arg_value>`` pairs (a string's value as it is
+        written, any other as its schema types it); None: other text among them, or a function
+        not offered."""
+        name, opened, rest = body.partition("<arg_key>")
+        name = name.strip()
+        if name not in self._functions:
+            return None
+        rest = opened + rest
+        properties = self._properties(name)
+        arguments: dict[str, Any] = {}
+        for pair in _GLM_ARGUMENT.finditer(rest):
+            key = pair["key"].strip()
+            arguments[key] = _xml_value(pair["value"], properties.get(key))
+        if _GLM_ARGUMENT.sub("", rest).strip():
+            return None
+        return _parsed(name, arguments)
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        """The parameters' schemas of function ``name`` by parameter (empty: unknown)."""
+        schema = self._schemas.get(name) or {}
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        return properties if isinstance(properties, dict) else {}
 
     def _hermes(self, final: bool) -> tuple[str, list[ParsedCall]]:
         content, calls = "", list[ParsedCall]()
@@ -745,11 +869,7 @@ class ToolCallScanner:
                 body = self._pending[:end]
                 self._pending = self._pending[end + len(_HERMES_CLOSE) :]
                 self._in_call = False
-                parsed = (
-                    self._xml_call(body)
-                    if self._format.name == "qwen3_coder"
-                    else self._read_call(body.strip(), ("arguments", "parameters"))
-                )
+                parsed = self._body_call(body)
                 if parsed is None:
                     content += self._gap + _HERMES_OPEN + body + _HERMES_CLOSE
                 else:
@@ -971,6 +1091,9 @@ _XML_FUNCTION = re.compile(
 )
 _XML_PARAMETER = re.compile(
     r"<parameter=(?P<key>[^>\n]+)>(?P<value>.*?)(?:</parameter>|(?=<parameter=)|$)", re.DOTALL
+)
+_GLM_ARGUMENT = re.compile(
+    r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>", re.DOTALL
 )
 _NOT_READ = object()
 
