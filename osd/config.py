@@ -265,11 +265,13 @@ class ServeConfig:
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), qwen3_coder
     # (Qwen3-Coder's XML), openai (gpt-oss's harmony), deepseek_v3 (DeepSeek V3, R1),
     # deepseek_v31 (DeepSeek V3.1), kimi_k2 (Kimi K2), glm45 or glm47 (GLM-4.5 to 4.7, the
-    # layout read from the template), none (tools refused), or auto: from the
-    # chat template's text (harmony's <|channel|> and <|call|>: openai; <｜tool▁calls▁begin｜>:
+    # layout read from the template), pythonic or llama4_pythonic ([name(key=value), ...]), none
+    # (tools refused), or auto: from the chat template's text (harmony's <|channel|> and
+    # <|call|>: openai; <｜tool▁calls▁begin｜>:
     # deepseek_v3 with a ```json fence, else deepseek_v31; <|tool_calls_section_begin|>:
     # kimi_k2; <tool_call> and <function=: qwen3_coder; <arg_key>: glm45; <tool_call>:
-    # hermes; [TOOL_CALLS]: mistral; <|python_tag|>: llama3_json; else none).
+    # hermes; [TOOL_CALLS]: mistral; func_name1(: pythonic; <|python_tag|>: llama3_json; else
+    # none).
     tool_call_parser: str = "auto"
     # How a chat reply's thinking is read apart from its answer (serving.reasoning, vLLM's
     # --reasoning-parser): qwen3 or deepseek_r1 (<think> ... </think>, answered as the
@@ -575,6 +577,8 @@ TOOL_CALL_PARSERS = (
     "kimi_k2",
     "glm45",
     "glm47",
+    "pythonic",
+    "llama4_pythonic",
 )
 BUILTIN_CONFIGS = ("demo",)  # shipped in the package: osd/configs/<name>.yaml
 

@@ -1,13 +1,14 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Nine formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Ten formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
 * ``llama3_json`` (Llama 3.1 / 3.2 / 3.3): the whole reply is one JSON object
   ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is read too), several separated by
-  ``;``, optionally after ``<|python_tag|>``.
+  ``;``, optionally after ``<|python_tag|>`` (or between Llama 4's ``<|python_start|>`` and
+  ``<|python_end|>``).
 * ``mistral``: text, then ``[TOOL_CALLS]`` and the calls: before v11 (Mistral 7B v0.3,
   Mixtral, Nemo) a JSON list ``[{"name": ..., "arguments": {...}}, ...]``; from v11 (Small 3.2,
   Magistral, Devstral) ``[TOOL_CALLS]name[ARGS]{...}`` for each call. Both are read; the
@@ -33,6 +34,10 @@ Nine formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat temp
   ``</tool_call>``; GLM-4.5's templates write a newline after the name and after each key and
   value, GLM-4.7's none (the grammar writes what the model's template shows). A string's
   value is written as it is, any other as ``tojson`` writes it: read as the schema types it.
+* ``pythonic`` (``llama4_pythonic``, its other name): the whole reply is a Python list of
+  calls with keyword arguments, ``[name(key=value, ...), ...]`` (Llama 4's between
+  ``<|python_start|>`` and ``<|python_end|>`` too), read when complete; values are Python
+  literals (JSON's ``true``, ``false``, ``null`` read too, numbers kept as written).
 * ``kimi_k2`` (Kimi K2): ``<|tool_calls_section_begin|>``, then each call as
   ``<|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``,
   then ``<|tool_calls_section_end|>``. The header (``functions.name:0``) is the call's id, as
@@ -198,6 +203,8 @@ class ToolCallFormat:
         for rule, function in zip(bodies, functions, strict=True):
             if self.xml is not None:
                 rules += _xml_call_rules(rule, function, self._json_options, self.xml, self._text)
+            elif self.name in _PYTHONIC_NAMES:
+                rules += _python_call_rules(rule, function, self._json_options)
             elif self.name == "openai":
                 schema = {**_parameters(function), "x-guidance": self._json_options}
                 header = self._sequence(
@@ -448,6 +455,68 @@ def _regex_text(text: str) -> str:
     return "".join("\\n" if c == "\n" else f"\\{c}" if c in special else c for c in text)
 
 
+def _python_call_rules(
+    rule: str, function: Mapping[str, Any], json_options: Mapping[str, Any]
+) -> list[str]:
+    """The grammar's rules for one pythonic call of ``function``: ``name(key=value, ...)``,
+    its keyword arguments in the schema's order (the required ones always, the others
+    optional), each value a Python literal of its schema: a string enum's words quoted,
+    ``True`` / ``False`` for a boolean, ``None`` for null, else JSON of its schema (a JSON
+    string, number, list or object is a Python literal too; ``true`` inside one is read as
+    Python's ``True``)."""
+    parameters = _parameters(function)
+    definitions = {key: parameters[key] for key in _DEFINITIONS if key in parameters}
+    required = set(parameters.get("required") or ())
+    rules, items = [], []
+    for number, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
+        value = f"{rule}_{number}"
+        rules.append(f"{value}: {_python_value_rule(schema, definitions, json_options)}")
+        items.append((f"{json.dumps(name + '=')} {value}", name in required))
+    opening = json.dumps(function["name"] + "(")
+    rules.insert(0, f'{rule}: {opening} {_listed(items)} ")"')
+    return rules
+
+
+def _python_value_rule(
+    schema: Any, definitions: Mapping[str, Any], json_options: Mapping[str, Any]
+) -> str:
+    if not isinstance(schema, dict):  # true / false schemas: any JSON
+        schema = {}
+    words = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if words and all(isinstance(word, str) for word in words):
+        return "(" + " | ".join(json.dumps(json.dumps(word)) for word in words) + ")"
+    kind = schema.get("type")
+    if kind == "boolean":
+        return '("True" | "False")'
+    if kind == "null":
+        return '"None"'
+    typed = {**definitions, **schema, "x-guidance": dict(json_options)}
+    return f"%json {json.dumps(typed)}"
+
+
+def _listed(items: list[tuple[str, bool]]) -> str:
+    """A Lark expression of ``items`` (each an expression and whether it must be there) in
+    their order, ``", "`` between two that are there."""
+
+    def rest(k: int) -> str:  # items k on, after one that is there
+        if k == len(items):
+            return ""
+        item, needed = items[k]
+        return (f'", " {item} ' if needed else f'(", " {item})? ') + rest(k + 1)
+
+    def first(k: int) -> str:  # items k on, none there before
+        if k == len(items):
+            return ""
+        item, needed = items[k]
+        head = f"{item} {rest(k + 1)}".strip()
+        if needed:
+            return head
+        after = first(k + 1)
+        return f"(({head}) | {after})" if after else f"({head})?"
+
+    return first(0)
+
+
 def _xml_string(schema: Mapping[str, Any]) -> bool:
     """Whether a parameter's value is written as text (a string, or a schema without a type:
     the template writes strings as they are)."""
@@ -458,6 +527,8 @@ def _xml_string(schema: Mapping[str, Any]) -> bool:
 
 
 _MISTRAL = "[TOOL_CALLS]"
+_PYTHONIC = ToolCallFormat("pythonic", "", "", "arguments", ", ", ("[",), ("]",), spaced=True)
+_PYTHONIC_NAMES = ("pythonic", "llama4_pythonic")
 # GLM's: strings as they are, other values as tojson writes them.
 _GLM_KEY = "<arg_key>{key}</arg_key>{between}<arg_value>"
 _GLM = ToolCallFormat(
@@ -512,6 +583,9 @@ _FORMATS = {
     # argument, a newline after each; GLM-4.7 without them (tool_call_format reads which).
     "glm45": _GLM,
     "glm47": dataclasses.replace(_GLM, name="glm47"),
+    # Pythonic (Llama 3.2 and 4 with such templates, ToolACE): [name(key=value, ...), ...]
+    "pythonic": _PYTHONIC,
+    "llama4_pythonic": dataclasses.replace(_PYTHONIC, name="llama4_pythonic"),
     "openai": ToolCallFormat(
         "openai",
         "<|channel|>",
@@ -673,6 +747,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "hermes"
     if _MISTRAL in chat_template:
         return "mistral"
+    if "func_name1(" in chat_template:  # pythonic templates show [func_name1(params_name1=...)]
+        return "pythonic"
     if "<|python_tag|>" in chat_template or "ipython" in chat_template:
         return "llama3_json"
     return None
@@ -769,7 +845,9 @@ class ToolCallScanner:
             return self._mistral(final)
         if self._format.name in _SECTIONS:
             return self._section(final)
-        return self._llama(final)
+        if self._format.name in _PYTHONIC_NAMES:
+            return self._whole(final, ("[", _PYTHON_START), self._pythonic_calls)
+        return self._whole(final, ("{", _PYTHON_TAG, _PYTHON_START), self._llama_calls)
 
     def _accept(self, call: ParsedCall | None) -> list[ParsedCall]:
         if call is None or (self.calls and not self._parallel):
@@ -898,12 +976,20 @@ class ToolCallScanner:
             self._pending = self._pending[len(stripped) :]
             return content, calls
 
-    def _llama(self, final: bool) -> tuple[str, list[ParsedCall]]:
+    def _whole(
+        self,
+        final: bool,
+        starts: tuple[str, ...],
+        read: Callable[[str], list[ParsedCall] | None],
+    ) -> tuple[str, list[ParsedCall]]:
+        """A reply that is calls or text as a whole (llama3_json's, pythonic): calls where
+        it starts with one of ``starts`` (held back and read once complete), else text,
+        streamed as it comes."""
         if self._mode is None:
             head = self._pending.lstrip()
-            if head.startswith(("{", _PYTHON_TAG)):
+            if head.startswith(starts):
                 self._mode = "calls"
-            elif head and not _PYTHON_TAG.startswith(head):
+            elif head and not any(start.startswith(head) for start in starts):
                 self._mode = "text"
             elif not final:
                 return "", []
@@ -916,7 +1002,7 @@ class ToolCallScanner:
             return "", []
         text = self._pending.strip()
         self._pending = ""
-        parsed = self._llama_calls(text.removeprefix(_PYTHON_TAG).strip())
+        parsed = read(text)
         if parsed is None:
             return text, []
         return "", [call for p in parsed for call in self._accept(p)]
@@ -1057,7 +1143,17 @@ class ToolCallScanner:
                     calls.append(call)
         return (calls, rest.strip()) if calls else None
 
+    def _pythonic_calls(self, text: str) -> list[ParsedCall] | None:
+        read = [
+            _parsed(name, arguments) if name in self._functions else None
+            for name, arguments in _python_calls(text) or []
+        ]
+        calls = [call for call in read if call is not None]
+        return calls if calls and len(calls) == len(read) else None
+
     def _llama_calls(self, text: str) -> list[ParsedCall] | None:
+        text = text.removeprefix(_PYTHON_TAG).removeprefix(_PYTHON_START)
+        text = text.strip().removesuffix(_PYTHON_END).strip()  # (Llama 4's)
         calls = [
             self._call_of(value, ("parameters", "arguments")) for value in _json_values(text) or []
         ]
@@ -1183,6 +1279,73 @@ def _json_prefix(text: str) -> tuple[list[Any], int]:
         rest = re.match(r"[\s,;]*", text[after:])
         at = after + (rest.end() if rest else 0)
     return values, at
+
+
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_PYTHON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """A pythonic reply's calls, ``[name(key=value, ...), ...]`` (Llama 4's between
+    ``<|python_start|>`` and ``<|python_end|>`` too): each call's name and arguments, values
+    read as Python literals (and JSON's ``true``, ``false``, ``null``); None: anything else."""
+    text = text.strip()
+    if text.startswith(_PYTHON_START):
+        text = text.removeprefix(_PYTHON_START).strip().removesuffix(_PYTHON_END).strip()
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        arguments: dict[str, Any] = {}
+        for keyword in node.keywords:
+            if keyword.arg is None or keyword.arg in arguments:
+                return None
+            try:
+                arguments[keyword.arg] = _python_literal(keyword.value, text)
+            except (ValueError, RecursionError):
+                return None
+        calls.append((node.func.id, arguments))
+    return calls
+
+
+def _python_literal(node: ast.expr, source: str) -> Any:
+    """A literal's value as JSON holds it (a number with a fraction as written)."""
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or value is None or isinstance(value, str | int):
+            return value
+        written = ast.get_source_segment(source, node) or ""
+        if isinstance(value, float) and _JSON_NUMBER.fullmatch(written):
+            return _Number(written)  # (as written: 1e999 stays 1e999, not infinity)
+        if isinstance(value, float) and math.isfinite(value):
+            return value
+        raise ValueError("not a JSON value")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = _python_literal(node.operand, source)
+        if isinstance(value, _Number):
+            return _Number("-" + value.text)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return -value
+        raise ValueError("not a number")
+    if isinstance(node, ast.Name) and node.id in _PYTHON_NAMES:
+        return _PYTHON_NAMES[node.id]
+    if isinstance(node, ast.List | ast.Tuple):
+        return [_python_literal(item, source) for item in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [key.value if isinstance(key, ast.Constant) else None for key in node.keys]
+        if not all(isinstance(key, str) for key in keys):
+            raise ValueError("keys are not strings")
+        return {k: _python_literal(v, source) for k, v in zip(keys, node.values, strict=True)}
+    raise ValueError("not a literal")
+
+
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 def held_back(text: str, *markers: str) -> int:

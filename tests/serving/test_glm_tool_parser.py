@@ -6,7 +6,6 @@ the tokenizer adds them; and through /v1/chat/completions."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
 import pytest
@@ -15,14 +14,15 @@ from tokenizers import AddedToken
 from osd.decode.grammar import GrammarCompiler
 from osd.toy_models import char_tokenizer
 from serving.tool_parsers import ParsedCall, detect_parser, tool_call_format
-from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.reliability.conftest import Replica
 from tests.serving.test_tool_parsers import scan
 from tests.serving.test_tools_api import (
     ASK,
     TOOLS,
     chat,
-    follows_schema,
     named_call_streams_as_whole,
+    required_calls_follow_schema,
+    template_replica,
 )
 
 
@@ -178,21 +178,12 @@ def test_grammars_write_the_templates_layout_and_read_back(added, newline):
 
 @pytest.fixture(scope="module")
 def replica() -> Iterator[Replica]:
-    config = toy_config(
-        "serve.max_tokens_limit=160", f"model.chat_template={json.dumps(template(chr(10)))}"
-    )
-    with running_replica(config) as replica:
-        assert replica.runtime.tool_parser == "glm45"  # detected from the template
+    with template_replica(template(chr(10)), "glm45") as replica:
         yield replica
 
 
-def test_required_calls_an_offered_tool_with_typed_valid_arguments(client):
-    for seed in range(3):
-        choice = chat(client, tools=TOOLS, tool_choice="required", seed=seed).choices[0]
-        assert choice.finish_reason in ("tool_calls", "length"), choice
-        if choice.finish_reason == "tool_calls":
-            assert choice.message.content is None
-            assert all(follows_schema(call) for call in choice.message.tool_calls)
+def test_required_calls_offered_tools_with_valid_arguments(client):
+    required_calls_follow_schema(client)
 
 
 @pytest.mark.parametrize("method", ["token", "block"])

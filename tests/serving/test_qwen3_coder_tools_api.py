@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.reliability.conftest import Replica
 from tests.serving.test_qwen3_coder_tool_parser import TEMPLATE
 from tests.serving.test_tools_api import (
     ASK,
@@ -17,14 +17,13 @@ from tests.serving.test_tools_api import (
     chat,
     follows_schema,
     named_call_streams_as_whole,
+    template_replica,
 )
 
 
 @pytest.fixture(scope="module")
 def replica() -> Iterator[Replica]:
-    config = toy_config("serve.max_tokens_limit=160", f"model.chat_template={json.dumps(TEMPLATE)}")
-    with running_replica(config) as replica:
-        assert replica.runtime.tool_parser == "qwen3_coder"  # detected from the template
+    with template_replica(TEMPLATE, "qwen3_coder") as replica:  # the parser from the template
         yield replica
 
 

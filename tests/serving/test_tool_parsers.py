@@ -279,7 +279,7 @@ def test_a_function_without_parameters_takes_no_arguments(compiler):
 
 def test_an_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        tool_call_format("pythonic")
+        tool_call_format("granite")
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ combination a 400 naming its field."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 
@@ -59,11 +60,31 @@ ASK = [{"role": "user", "content": "weather in oslo?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "oslo"}}\n</tool_call>'
 
 
+@contextlib.contextmanager
+def template_replica(template: str, parser: str | None = None) -> Iterator[Replica]:
+    """A toy replica whose chat template is ``template``; ``parser``: the tool-call parser
+    it must have detected from it."""
+    config = toy_config("serve.max_tokens_limit=160", f"model.chat_template={json.dumps(template)}")
+    with running_replica(config) as replica:
+        assert parser is None or replica.runtime.tool_parser == parser
+        yield replica
+
+
 @pytest.fixture(scope="module")
 def replica() -> Iterator[Replica]:
-    config = toy_config("serve.max_tokens_limit=160", f"model.chat_template={json.dumps(TEMPLATE)}")
-    with running_replica(config) as replica:
+    with template_replica(TEMPLATE) as replica:
         yield replica
+
+
+def required_calls_follow_schema(client, seeds: int = 3) -> None:
+    """``tool_choice: required`` answers with calls of offered tools (or runs out of tokens
+    calling): no content, arguments that follow the schema."""
+    for seed in range(seeds):
+        choice = chat(client, tools=TOOLS, tool_choice="required", seed=seed).choices[0]
+        assert choice.finish_reason in ("tool_calls", "length"), choice
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.content is None
+            assert all(follows_schema(call) for call in choice.message.tool_calls)
 
 
 def follows_schema(call) -> bool:
