@@ -246,7 +246,10 @@ class ReplicaRuntime:
                     param="tool_choice",
                 )
             assert self.tool_format is not None  # tool_plan refused tools without a parser
-            source = self.tool_format.grammar(tools.forced, tools.parallel)
+            try:
+                source = self.tool_format.grammar(tools.forced, tools.parallel)
+            except ValueError as exc:
+                raise APIError(400, f"tools: {exc}", param="tools") from None
             ask = ("tools", "lark", source)
         if ask is None:
             return None

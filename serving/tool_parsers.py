@@ -66,6 +66,7 @@ import ast
 import dataclasses
 import hashlib
 import json
+import keyword
 import math
 import re
 import secrets
@@ -463,17 +464,29 @@ def _python_call_rules(
     optional), each value a Python literal of its schema: a string enum's words quoted,
     ``True`` / ``False`` for a boolean, ``None`` for null, else JSON of its schema (a JSON
     string, number, list or object is a Python literal too; ``true`` inside one is read as
-    Python's ``True``)."""
+    Python's ``True``).
+
+    Raises:
+        ValueError: a function or parameter name that Python cannot write there (``get-x``,
+            ``from``): the call would not read back.
+    """
     parameters = _parameters(function)
+    properties = parameters.get("properties") or {}
+    for name in (function["name"], *properties):
+        if not str(name).isidentifier() or keyword.iskeyword(name):
+            raise ValueError(
+                f"pythonic tool calls write names as Python does; {name!r} is not a Python "
+                "identifier, so a forced call of it could not be read back"
+            )
     definitions = {key: parameters[key] for key in _DEFINITIONS if key in parameters}
     required = set(parameters.get("required") or ())
     rules, items = [], []
-    for number, (name, schema) in enumerate((parameters.get("properties") or {}).items()):
+    for number, (name, schema) in enumerate(properties.items()):
         value = f"{rule}_{number}"
         rules.append(f"{value}: {_python_value_rule(schema, definitions, json_options)}")
         items.append((f"{json.dumps(name + '=')} {value}", name in required))
-    opening = json.dumps(function["name"] + "(")
-    rules.insert(0, f'{rule}: {opening} {_listed(items)} ")"')
+    arguments = _listed(rule, items, rules)
+    rules.insert(0, f'{rule}: {json.dumps(function["name"] + "(")} {arguments} ")"')
     return rules
 
 
@@ -484,7 +497,8 @@ def _python_value_rule(
         schema = {}
     words = schema.get("enum", [schema["const"]] if "const" in schema else None)
     if words and all(isinstance(word, str) for word in words):
-        return "(" + " | ".join(json.dumps(json.dumps(word)) for word in words) + ")"
+        quoted = (json.dumps(json.dumps(word, ensure_ascii=False)) for word in words)
+        return "(" + " | ".join(quoted) + ")"
     kind = schema.get("type")
     if kind == "boolean":
         return '("True" | "False")'
@@ -494,26 +508,29 @@ def _python_value_rule(
     return f"%json {json.dumps(typed)}"
 
 
-def _listed(items: list[tuple[str, bool]]) -> str:
+def _listed(rule: str, items: list[tuple[str, bool]], rules: list[str]) -> str:
     """A Lark expression of ``items`` (each an expression and whether it must be there) in
-    their order, ``", "`` between two that are there."""
+    their order, ``", "`` between two that are there; its rules (two a item, none nested)
+    go to ``rules``."""
+    count = len(items)
 
     def rest(k: int) -> str:  # items k on, after one that is there
-        if k == len(items):
-            return ""
-        item, needed = items[k]
-        return (f'", " {item} ' if needed else f'(", " {item})? ') + rest(k + 1)
+        return f" {rule}_rest{k}" if k < count else ""
 
     def first(k: int) -> str:  # items k on, none there before
-        if k == len(items):
-            return ""
-        item, needed = items[k]
-        head = f"{item} {rest(k + 1)}".strip()
-        if needed:
-            return head
-        after = first(k + 1)
-        return f"(({head}) | {after})" if after else f"({head})?"
+        return f"{rule}_first{k}" if k < count else ""
 
+    for k, (item, needed) in enumerate(items):
+        rules.append(
+            f"{rule}_rest{k}: " + (f'", " {item}' if needed else f'(", " {item})?') + rest(k + 1)
+        )
+        head = f"{item}{rest(k + 1)}"
+        if needed:
+            rules.append(f"{rule}_first{k}: {head}")
+        elif k + 1 < count:
+            rules.append(f"{rule}_first{k}: {head} | {first(k + 1)}")
+        else:
+            rules.append(f"{rule}_first{k}: ({head})?")
     return first(0)
 
 
@@ -582,7 +599,11 @@ _FORMATS = {
     # GLM-4.5 / 4.6: <tool_call>name, then <arg_key>k</arg_key> <arg_value>v</arg_value> for each
     # argument, a newline after each; GLM-4.7 without them (tool_call_format reads which).
     "glm45": _GLM,
-    "glm47": dataclasses.replace(_GLM, name="glm47"),
+    "glm47": dataclasses.replace(
+        _GLM,
+        name="glm47",
+        xml=XmlMarkup("{name}", _GLM_KEY.format(key="{key}", between=""), "</arg_value>", "", ""),
+    ),
     # Pythonic (Llama 3.2 and 4 with such templates, ToolACE): [name(key=value, ...), ...]
     "pythonic": _PYTHONIC,
     "llama4_pythonic": dataclasses.replace(_PYTHONIC, name="llama4_pythonic"),
@@ -1303,11 +1324,11 @@ def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         arguments: dict[str, Any] = {}
-        for keyword in node.keywords:
-            if keyword.arg is None or keyword.arg in arguments:
+        for given in node.keywords:
+            if given.arg is None or given.arg in arguments:
                 return None
             try:
-                arguments[keyword.arg] = _python_literal(keyword.value, text)
+                arguments[given.arg] = _python_literal(given.value, text)
             except (ValueError, RecursionError):
                 return None
         calls.append((node.func.id, arguments))
@@ -1329,7 +1350,8 @@ def _python_literal(node: ast.expr, source: str) -> Any:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         value = _python_literal(node.operand, source)
         if isinstance(value, _Number):
-            return _Number("-" + value.text)
+            text = value.text
+            return _Number(text[1:] if text.startswith("-") else "-" + text)
         if isinstance(value, int | float) and not isinstance(value, bool):
             return -value
         raise ValueError("not a number")

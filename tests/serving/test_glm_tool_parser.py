@@ -118,8 +118,10 @@ def test_glm_is_detected_and_its_layout_read_from_the_template():
     assert (four_five.opening, four_five.item_end) == ("{name}\n", "\n")
     assert (four_seven.opening, four_seven.item_end) == ("{name}", "")
     assert four_seven.key == "<arg_key>{key}</arg_key><arg_value>"
-    # A template that shows no GLM call: GLM-4.5's layout.
-    assert tool_call_format("glm45", None, char_tokenizer()).xml == tool_call_format("glm45").xml
+    # A template that shows no GLM call: the layout of the parser's name.
+    for name, shown in [("glm45", four_five), ("glm47", four_seven)]:
+        assert tool_call_format(name, None, char_tokenizer()).xml == tool_call_format(name).xml
+        assert tool_call_format(name).xml == shown
 
 
 FUNCTIONS = [

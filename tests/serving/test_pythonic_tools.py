@@ -9,6 +9,7 @@ from __future__ import annotations
 import string
 from collections.abc import Iterator
 
+import openai
 import pytest
 
 from osd.decode.grammar import GrammarCompiler
@@ -17,6 +18,7 @@ from serving.tool_parsers import ParsedCall, detect_parser, tool_call_format
 from tests.reliability.conftest import Replica
 from tests.serving.test_tool_parsers import ONE_PLUS_TWO, OSLO, scan
 from tests.serving.test_tools_api import (
+    chat,
     named_call_streams_as_whole,
     required_calls_follow_schema,
     template_replica,
@@ -49,6 +51,7 @@ CASES = [
     ("[calc(x=1, x=2)]", None),
     ("[calc(x=os.system)]", None),
     ("[calc(x=1", None),
+    ("[calc(x=--1.5, y=-1)]", ("", [ParsedCall("calc", '{"x": 1.5, "y": -1}')])),
 ]
 
 
@@ -104,6 +107,32 @@ def test_grammars_write_keyword_arguments_in_order_as_python_literals():
     assert detect_parser("Respond as [func_name1(params_name1=params_value1)]") == "pythonic"
 
 
+def test_many_optional_parameters_compile_flat():
+    properties = {f"p{i}": {"type": "integer"} for i in range(150)}
+    source = tool_call_format("pythonic").grammar(
+        [{"name": "f", "parameters": {"type": "object", "properties": properties}}], False
+    )
+    compiler = GrammarCompiler(char_tokenizer(), 64)
+    matcher = compiler.compile("lark", source).matcher()
+    ids = char_tokenizer()("[f(p7=1, p149=2)]", add_special_tokens=False)["input_ids"]
+    assert matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        {"name": "get-weather"},
+        {
+            "name": "send",
+            "parameters": {"type": "object", "properties": {"from": {"type": "string"}}},
+        },
+    ],
+)
+def test_names_python_cannot_write_are_refused_for_a_forced_call(function):
+    with pytest.raises(ValueError, match="not a Python identifier"):
+        tool_call_format("pythonic").grammar([function], False)
+
+
 TEMPLATE = (
     "{%- if tools -%}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
     "reply as [func_name1(params_name1=params_value1)]\n{% endif -%}"
@@ -128,3 +157,10 @@ def test_required_calls_offered_tools_with_valid_arguments(client):
 
 def test_a_named_function_streamed_equals_the_whole_answer(client):
     named_call_streams_as_whole(client, "calc", "block")
+
+
+def test_a_forced_call_of_a_name_python_cannot_write_is_a_400(client):
+    tool = {"type": "function", "function": {"name": "get-weather"}}
+    with pytest.raises(openai.BadRequestError, match="not a Python identifier") as raised:
+        chat(client, tools=[tool], tool_choice="required")
+    assert raised.value.body["param"] == "tools"  # type: ignore[index]
