@@ -867,7 +867,7 @@ class ToolCallScanner:
         if self._format.name in _SECTIONS:
             return self._section(final)
         if self._format.name in _PYTHONIC_NAMES:
-            return self._whole(final, ("[", _PYTHON_START), self._pythonic_calls)
+            return self._whole(final, ("[", _PYTHON_START), self._pythonic_calls, _may_call)
         return self._whole(final, ("{", _PYTHON_TAG, _PYTHON_START), self._llama_calls)
 
     def _accept(self, call: ParsedCall | None) -> list[ParsedCall]:
@@ -1002,10 +1002,12 @@ class ToolCallScanner:
         final: bool,
         starts: tuple[str, ...],
         read: Callable[[str], list[ParsedCall] | None],
+        may_call: Callable[[str], bool] | None = None,
     ) -> tuple[str, list[ParsedCall]]:
         """A reply that is calls or text as a whole (llama3_json's, pythonic): calls where
         it starts with one of ``starts`` (held back and read once complete), else text,
-        streamed as it comes."""
+        streamed as it comes. ``may_call``: whether the held text may still begin calls
+        (where not, it is text from there on: pythonic's ``[1, 2] are ...``)."""
         if self._mode is None:
             head = self._pending.lstrip()
             if head.startswith(starts):
@@ -1016,6 +1018,8 @@ class ToolCallScanner:
                 return "", []
             else:
                 self._mode = "text"
+        if self._mode == "calls" and may_call is not None and not may_call(self._pending):
+            self._mode = "text"
         if self._mode == "text":
             content, self._pending = self._pending, ""
             return content, []
@@ -1303,6 +1307,23 @@ def _json_prefix(text: str) -> tuple[list[Any], int]:
 
 
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+# The start of a pythonic call list, whole or in part.
+_PYTHONIC_HEAD = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
+_PYTHONIC_HEAD_PART = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?")
+
+
+def _may_call(text: str) -> bool:
+    """Whether a reply that begins with ``text`` may be pythonic calls: it begins with
+    ``[name(``, or with what may still grow into that."""
+    text = text.lstrip()
+    if text.startswith(_PYTHON_START):
+        text = text.removeprefix(_PYTHON_START).lstrip()
+    if not text or _PYTHONIC_HEAD.match(text):
+        return True
+    part = _PYTHONIC_HEAD_PART.match(text)
+    return part is not None and part.end() == len(text)
+
+
 _PYTHON_NAMES = {"true": True, "false": False, "null": None}
 
 

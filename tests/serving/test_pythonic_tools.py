@@ -51,6 +51,7 @@ CASES = [
     ("[calc(x=1, x=2)]", None),
     ("[calc(x=os.system)]", None),
     ("[calc(x=1", None),
+    (" [Note] the list [1, 2] ", None),  # (streams once it cannot be calls, spaces kept)
     ("[calc(x=--1.5, y=-1)]", ("", [ParsedCall("calc", '{"x": 1.5, "y": -1}')])),
 ]
 
@@ -60,6 +61,18 @@ CASES = [
 @pytest.mark.parametrize("parser", ["pythonic", "llama4_pythonic"])
 def test_pythonic_replies_read_alike_whole_and_in_pieces(parser, text, expected, pieces):
     assert scan(parser, text, pieces) == (expected or (text, []))
+
+
+def test_a_reply_that_cannot_be_calls_streams_from_there():
+    from serving.tool_parsers import ToolCallScanner
+
+    scanner = ToolCallScanner("pythonic", ["calc"])
+    assert scanner.feed(" [No") == ("", [])  # may still be [Now(...)]
+    assert scanner.feed("te] one") == (" [Note] one", [])
+    assert scanner.feed(" two") == (" two", []) and scanner.finish() == ("", [])
+    calls = ToolCallScanner("pythonic", ["calc"])
+    assert calls.feed("[calc(") == ("", []) and calls.feed("x=1)]") == ("", [])
+    assert calls.finish() == ("", [ParsedCall("calc", '{"x": 1}')])
 
 
 FUNCTIONS = [
