@@ -1258,24 +1258,11 @@ def _xml_value(text: str, schema: Any) -> Any:
 def _literal(text: str) -> Any:
     """``text`` as a Python literal of JSON's types (``{'a': (1, 2)}``: ``{"a": [1, 2]}``), as
     vLLM falls back to; None where it is not one."""
+    text = text.strip()
     try:
-        return _json_like(ast.literal_eval(text.strip()))
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _python_literal(ast.parse(text, mode="eval").body, text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
         return None
-
-
-def _json_like(value: Any) -> Any:
-    if isinstance(value, dict):
-        if not all(isinstance(key, str) for key in value):
-            raise ValueError("keys are not strings")
-        return {key: _json_like(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_like(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("not a JSON number")
-    if value is None or isinstance(value, str | int | float):
-        return value
-    raise ValueError(f"{type(value).__name__} is not JSON")
 
 
 # A v11 call after its marker: the name, an optional call id, the arguments' marker.
@@ -1368,8 +1355,10 @@ def _python_literal(node: ast.expr, source: str) -> Any:
         if isinstance(value, float) and math.isfinite(value):
             return value
         raise ValueError("not a JSON value")
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
         value = _python_literal(node.operand, source)
+        if isinstance(node.op, ast.UAdd) and isinstance(value, _Number | int | float):
+            return value
         if isinstance(value, _Number):
             text = value.text
             return _Number(text[1:] if text.startswith("-") else "-" + text)

@@ -98,17 +98,17 @@ class GrammarCompiler:
             raise ValueError("structured output needs a tokenizer with an end-of-sequence token")
         self.eos_token_id = int(tokenizer.eos_token_id)
         self._tokenizer = _ll_tokenizer(tokenizer, vocab_size)
-        # Tokens a thinking-first grammar names: </think> where it is an added token (Qwen3's,
-        # R1's), and harmony's markers (gpt-oss's, where the thinking is the analysis channel).
-        special = added_token_ids(tokenizer)
-        ordinary = set(special.values()) - set(getattr(tokenizer, "all_special_ids", []))
+        added = added_token_ids(tokenizer)
+        special = set(getattr(tokenizer, "all_special_ids", []))
         self._spelled = {
             i: self._tokenizer.greedy_tokenize(text)
-            for text, i in special.items()
-            if i in ordinary and i < vocab_size
+            for text, i in added.items()
+            if i not in special and i < vocab_size
         }
-        self._think_end = special.get("</think>")
-        harmony = [special.get(m) for m in _HARMONY]
+        # Tokens a thinking-first grammar names: </think> where it is an added token (Qwen3's,
+        # R1's), and harmony's markers (gpt-oss's, where the thinking is the analysis channel).
+        self._think_end = added.get("</think>")
+        harmony = [added.get(m) for m in _HARMONY]
         self._harmony = None if None in harmony else dict(zip(_HARMONY, harmony, strict=True))
         self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
@@ -210,7 +210,7 @@ def _grammar_source(kind: str, spec: Any) -> str:
 _THINKING_FIRST = (
     'start: thinking WS? @answer\nthinking[stop="</think>"]: /(?s:.*)/\nWS: /[ \\t\\r\\n]+/\n'
 )
-# Where </think> is a special token: any text (which cannot spell one), then the token.
+# Where </think> is an added token: any text (which cannot spell it), then the token.
 _THINKING_FIRST_SPECIAL = (
     "start: TEXT? <[{id}]> WS? @answer\nTEXT: /(?s:.+)/\nWS: /[ \\t\\r\\n]+/\n"
 )
@@ -225,7 +225,7 @@ _THINKING_FIRST_HARMONY = (
 )
 
 
-def _after_thinking(source: str, lark: str = _THINKING_FIRST) -> str:
+def _after_thinking(source: str, lark: str) -> str:
     """``source`` (llguidance's grammars as JSON, or Lark text) after a reasoning model's
     thinking, as ``lark`` (whose ``@answer`` is the grammar) writes it."""
     try:

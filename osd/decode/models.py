@@ -189,16 +189,19 @@ def special_token_ids(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's special added tokens by their text (``{"<|call|>": 200012}``): the ones
     decoding skips unless ``skip_special_tokens`` is off. Empty for a tokenizer without any,
     or None."""
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {token.content: i for i, token in added.items() if getattr(token, "special", False)}
+    return added_token_ids(tokenizer, only_special=True)
 
 
-def added_token_ids(tokenizer: Any) -> dict[str, int]:
+def added_token_ids(tokenizer: Any, only_special: bool = False) -> dict[str, int]:
     """Every added token of the tokenizer by its text, special or not (Qwen3's ``</think>``,
     DeepSeek's ``<｜tool▁sep｜>`` are not): llguidance reads each as a token of its own that
     grammar text cannot spell, so a grammar names them by id (``<[151668]>``)."""
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return {token.content: i for i, token in added.items()}
+    return {
+        token.content: i
+        for i, token in added.items()
+        if not only_special or getattr(token, "special", False)
+    }
 
 
 def _base_model(model: PreTrainedModel) -> PreTrainedModel:

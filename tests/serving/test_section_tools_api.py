@@ -32,8 +32,8 @@ from tests.serving.test_tools_api import (
     ASK,
     TOOLS,
     chat,
-    follows_schema,
     named_call_streams_as_whole,
+    required_calls_follow_schema,
 )
 
 _HEAD = (
@@ -96,14 +96,8 @@ def _ids_are_the_formats(replica, calls) -> bool:
 
 
 def test_required_calls_an_offered_tool_through_the_markers(client, replica):
-    for seed in range(3):
-        choice = chat(client, tools=TOOLS, tool_choice="required", seed=seed).choices[0]
-        assert choice.finish_reason in ("tool_calls", "length"), choice
-        if choice.finish_reason == "length":
-            continue  # (the toy model may call on until max_tokens)
-        assert choice.message.tool_calls and choice.message.content is None, choice
-        assert _ids_are_the_formats(replica, choice.message.tool_calls)
-        assert all(follows_schema(call) for call in choice.message.tool_calls)
+    calls = required_calls_follow_schema(client)  # (the toy model may call on until max_tokens)
+    assert _ids_are_the_formats(replica, calls)
 
 
 @pytest.mark.parametrize("method", ["token", "block"])

@@ -76,15 +76,20 @@ def replica() -> Iterator[Replica]:
         yield replica
 
 
-def required_calls_follow_schema(client, seeds: int = 3) -> None:
+def required_calls_follow_schema(client, seeds: int = 3) -> list:
     """``tool_choice: required`` answers with calls of offered tools (or runs out of tokens
-    calling): no content, arguments that follow the schema."""
+    calling, but not every time): no content, arguments that follow the schema. Returns the
+    calls."""
+    calls = []
     for seed in range(seeds):
         choice = chat(client, tools=TOOLS, tool_choice="required", seed=seed).choices[0]
         assert choice.finish_reason in ("tool_calls", "length"), choice
         if choice.finish_reason == "tool_calls":
-            assert choice.message.content is None
+            assert choice.message.tool_calls and choice.message.content is None, choice
             assert all(follows_schema(call) for call in choice.message.tool_calls)
+            calls += choice.message.tool_calls
+    assert calls, "every answer ran out of tokens before its calls ended"
+    return calls
 
 
 def follows_schema(call) -> bool:
