@@ -264,20 +264,21 @@ class ServeConfig:
     # How replies are read for tool calls (serving.tool_parsers, vLLM's --tool-call-parser):
     # hermes (Hermes, Qwen), llama3_json (Llama 3.x), mistral (Mistral, Mixtral), qwen3_coder
     # (Qwen3-Coder's XML), openai (gpt-oss's harmony), deepseek_v3 (DeepSeek V3, R1),
-    # deepseek_v31 (DeepSeek V3.1), kimi_k2 (Kimi K2), glm45 or glm47 (GLM-4.5 to 4.7, the
-    # layout read from the template), pythonic or llama4_pythonic ([name(key=value), ...]), none
-    # (tools refused), or auto: from the chat template's text (harmony's <|channel|> and
-    # <|call|>: openai; <｜tool▁calls▁begin｜>:
+    # deepseek_v31 (DeepSeek V3.1), kimi_k2 (Kimi K2), gemma4 (Gemma 4), glm45 or glm47
+    # (GLM-4.5 to 4.7, the layout read from the template), pythonic or llama4_pythonic
+    # ([name(key=value), ...]), none (tools refused), or auto: from the chat template's
+    # text (harmony's <|channel|> and <|call|>: openai; <｜tool▁calls▁begin｜>:
     # deepseek_v3 with a ```json fence, else deepseek_v31; <|tool_calls_section_begin|>:
-    # kimi_k2; <tool_call> and <function=: qwen3_coder; <arg_key>: glm45; <tool_call>:
-    # hermes; [TOOL_CALLS]: mistral; func_name1(: pythonic; <|python_tag|>: llama3_json; else
-    # none).
+    # kimi_k2; <|tool_call>: gemma4; <tool_call> and <function=: qwen3_coder; <arg_key>:
+    # glm45; <tool_call>: hermes; [TOOL_CALLS]: mistral; func_name1(: pythonic;
+    # <|python_tag|>: llama3_json; else none).
     tool_call_parser: str = "auto"
     # How a chat reply's thinking is read apart from its answer (serving.reasoning, vLLM's
     # --reasoning-parser): qwen3 or deepseek_r1 (<think> ... </think>, answered as the
-    # message's reasoning), openai_gptoss (harmony's analysis channel), none (the thinking
-    # stays in the content), or auto: from the chat template (harmony: openai_gptoss;
-    # </think>: qwen3; else none).
+    # message's reasoning), gemma4 (<|channel>thought ... <channel|>), openai_gptoss
+    # (harmony's analysis channel), none (the thinking stays in the content), or auto: from
+    # the chat template (harmony: openai_gptoss; </think>: qwen3; <channel|>: gemma4; else
+    # none).
     reasoning_parser: str = "auto"
     # How HTTP reaches the replicas (serving.ingress): haproxy (Ray Serve's high-throughput
     # mode: HAProxy in front, each replica serving HTTP itself on its own event loop) or proxy
@@ -360,10 +361,11 @@ class ServeConfig:
             f"auto, {', '.join(TOOL_CALL_PARSERS)} or none",
         )
         _require(
-            self.reasoning_parser in ("auto", "qwen3", "deepseek_r1", "openai_gptoss", "none"),
+            self.reasoning_parser
+            in ("auto", "qwen3", "deepseek_r1", "gemma4", "openai_gptoss", "none"),
             "serve.reasoning_parser",
             self.reasoning_parser,
-            "auto, qwen3, deepseek_r1, openai_gptoss or none",
+            "auto, qwen3, deepseek_r1, gemma4, openai_gptoss or none",
         )
         _require(
             self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"
@@ -575,6 +577,7 @@ TOOL_CALL_PARSERS = (
     "deepseek_v3",
     "deepseek_v31",
     "kimi_k2",
+    "gemma4",
     "glm45",
     "glm47",
     "pythonic",

@@ -41,10 +41,11 @@ from serving.jobs import Job
 from serving.live_monitor import LiveMonitor
 from serving.metrics import ReplicaMetrics
 from serving.protocol import APIError, ChatRequest, CompletionRequest
+from serving.reasoning import MARKERS as REASONING_MARKERS
 from serving.reasoning import ReasoningReader, detect_reasoning, prompt_opens_thinking
 from serving.router import ROUTER_MONITOR_KEY, AdapterRouter
 from serving.structured_output import grammar_ask
-from serving.tool_parsers import PARSERS, detect_parser, tool_call_format
+from serving.tool_parsers import GEMMA_TOOL_RESPONSE, PARSERS, detect_parser, tool_call_format
 from serving.tools import ToolPlan, plan_tools, template_messages
 
 __all__ = ["Job", "ReplicaRuntime"]
@@ -112,12 +113,19 @@ class ReplicaRuntime:
         # chat replies keep special tokens in their text, as vLLM asks of such parsers.
         special = special_token_ids(engine.tokenizer)
         self._reads_special = self.harmony or (
-            self.reasoning_parser in ("qwen3", "deepseek_r1") and "</think>" in special
+            self.reasoning_parser in REASONING_MARKERS
+            and REASONING_MARKERS[self.reasoning_parser][1] in special
         )
-        if self.harmony:
-            ends = [special[m] for m in ("<|return|>", "<|call|>") if m in special]
-            known = (i for i in ends if i not in engine.eos_token_ids)
-            engine.eos_token_ids = (*engine.eos_token_ids, *known)
+        # A reply ends where the model hands over to what its template writes next: harmony's
+        # <|return|> and <|call|>; Gemma 4's <|tool_response>, after its calls.
+        ends: tuple[str, ...] = ("<|return|>", "<|call|>") if self.harmony else ()
+        if self.tool_parser == "gemma4":
+            ends = (GEMMA_TOOL_RESPONSE,)
+        known = (special[m] for m in ends if m in special)
+        engine.eos_token_ids = (
+            *engine.eos_token_ids,
+            *(i for i in known if i not in engine.eos_token_ids),
+        )
         self._streaming = 0  # streamed jobs not ended yet (the stream interval's budget)
 
     @property
@@ -132,7 +140,7 @@ class ReplicaRuntime:
         if grammar is not None:  # compiled thinking first exactly where the prompt opened it
             return grammar.thinks
         tail = self.tokenizer.decode(job.stream.request.prompt_ids[-8:])
-        return prompt_opens_thinking(tail)
+        return prompt_opens_thinking(tail, self.reasoning_parser or "qwen3")
 
     def _thinks_first(
         self,

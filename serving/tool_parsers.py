@@ -1,7 +1,7 @@
 """Tool-call parsers: a model family's tool-call text read back as OpenAI's ``tool_calls``, and
 the grammar that makes a model call (``tool_choice`` "required" or a named function).
 
-Ten formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
+Eleven formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat template's text):
 
 * ``hermes`` (Hermes, Qwen 2.5 / 3, the demo pair): each call is
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, after optional text.
@@ -43,6 +43,11 @@ Ten formats, chosen by ``serve.tool_call_parser`` (``auto``: from the chat templ
   then ``<|tool_calls_section_end|>``. The header (``functions.name:0``) is the call's id, as
   Kimi's template writes ids back and vLLM's parser answers them.
 
+* ``gemma4`` (Gemma 4): each call is ``<|tool_call>call:name{key:value,...}<tool_call|>``, in
+  Gemma's own notation (:func:`serving.call_values.gemma_arguments`): bare keys, strings
+  between ``<|"|>``, other values bare; the template sorts the keys. After its calls the
+  model writes ``<|tool_response>``, where the reply ends.
+
 A :class:`ToolCallScanner` reads a reply as it streams, one piece of text at a time, and says
 what can go out: content text, or a whole tool call once its JSON is complete; the non-streamed
 answer is the same scanner fed the whole text, so both agree. What does not parse as a call of
@@ -79,6 +84,10 @@ from typing import Any
 
 from osd.config import TOOL_CALL_PARSERS
 from osd.decode.models import added_token_ids, special_token_ids
+from serving.call_values import GEMMA_QUOTE, JSON_NUMBER, gemma_arguments
+from serving.call_values import JSON as _JSON
+from serving.call_values import Number as _Number
+from serving.call_values import dumps as _dumps
 
 __all__ = [
     "PARSERS",
@@ -206,6 +215,8 @@ class ToolCallFormat:
                 rules += _xml_call_rules(rule, function, self._json_options, self.xml, self._text)
             elif self.name in _PYTHONIC_NAMES:
                 rules += _python_call_rules(rule, function, self._json_options)
+            elif self.name == "gemma4":
+                rules += _gemma_call_rules(rule, function, self._text(GEMMA_QUOTE))
             elif self.name == "openai":
                 schema = {**_parameters(function), "x-guidance": self._json_options}
                 header = self._sequence(
@@ -333,38 +344,6 @@ def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
 _DEFINITIONS = ("$defs", "definitions")
 # Keywords whose values are data, not schemas: a "$ref" inside one is a value to match.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-
-
-class _Number:
-    """A JSON number with a fraction or exponent, as the model wrote it: a float would make
-    ``3e9999`` ``Infinity`` (not JSON: strict parsers refuse the call) and round long
-    decimals. (Integers are exact as ints.)"""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# Calls are read with numbers kept as written, and NaN / Infinity refused (Python's json takes
-# them; a call that holds one stays text).
-_JSON = json.JSONDecoder(parse_float=_Number, parse_constant=_not_json)
-
-
-def _dumps(value: Any) -> str:
-    """``value`` (as :data:`_JSON` reads it) as JSON text, numbers as they were written."""
-    if isinstance(value, _Number):
-        return value.text
-    if isinstance(value, dict):
-        items = (f"{json.dumps(k, ensure_ascii=False)}: {_dumps(v)}" for k, v in value.items())
-        return "{" + ", ".join(items) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_dumps(item) for item in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _rerooted(schema: Any, root: str) -> Any:
@@ -508,11 +487,95 @@ def _python_value_rule(
     return f"%json {json.dumps(typed)}"
 
 
-def _listed(rule: str, items: list[tuple[str, bool]], rules: list[str]) -> str:
+def _gemma_call_rules(rule: str, function: Mapping[str, Any], quote: str) -> list[str]:
+    """The grammar's rules for one Gemma 4 call of ``function``: ``call:name{key:value,...}``,
+    its arguments in the order of their keys (Gemma's template sorts them), each value in
+    Gemma's notation (:func:`_gemma_value_rule`); ``quote``: ``<|"|>`` in the grammar."""
+    rules: list[str] = []
+    arguments = _gemma_object(rule, _parameters(function), quote, rules, {})
+    rules.insert(0, f"{rule}: {json.dumps('call:' + function['name'])} {arguments}")
+    return rules
+
+
+def _gemma_object(
+    rule: str,
+    schema: Mapping[str, Any],
+    quote: str,
+    rules: list[str],
+    definitions: Mapping[str, Any],
+) -> str:
+    """``{key:value,...}`` of an object's ``properties`` (sorted by key; the required ones
+    always, the others optional), each value's rules added to ``rules``."""
+    definitions = {**definitions, **{k: schema[k] for k in _DEFINITIONS if k in schema}}
+    required = set(schema.get("required") or ())
+    items = []
+    properties = schema.get("properties") or {}
+    for number, name in enumerate(sorted(properties)):
+        value = f"{rule}_{number}"
+        rules.append(
+            f"{value}: {_gemma_value_rule(value, properties[name], quote, rules, definitions)}"
+        )
+        items.append((f"{json.dumps(name + ':')} {value}", name in required))
+    listed = _listed(rule, items, rules, separator=",") if items else ""
+    return f'"{{" {listed} "}}"'
+
+
+def _gemma_value_rule(
+    rule: str,
+    schema: Any,
+    quote: str,
+    rules: list[str],
+    definitions: Mapping[str, Any],
+) -> str:
+    """One value in Gemma's notation: a string between ``<|"|>`` (a string enum's words), a
+    boolean or null as a word, a number as JSON writes it, an object of ``properties`` in
+    braces, a list of ``items`` in brackets. A schema Gemma's notation cannot hold exactly
+    (a pattern, a combination, a reference, bounded lists) is JSON of the schema, which the
+    reader takes too (JSON's strings and keys in quotes)."""
+    if not isinstance(schema, dict):  # true / false schemas: any JSON
+        schema = {}
+    words = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if words and all(isinstance(word, str) for word in words):
+        return "(" + " | ".join(f"{quote} {json.dumps(word)} {quote}" for word in words) + ")"
+    kind = schema.get("type")
+    plain = not any(key in schema for key in ("anyOf", "oneOf", "allOf", "$ref", "not"))
+    if plain and kind == "string" and not any(k in schema for k in ("pattern", "format")):
+        least, most = schema.get("minLength", 0), schema.get("maxLength")
+        bounded = isinstance(most, int) and most >= 0
+        if isinstance(least, int) and least <= (most if bounded else least):
+            span = f"{{{least},{most}}}" if bounded else f"{{{least},}}"
+            if quote.startswith("<["):  # the quote is a token: text cannot spell it
+                return f"{quote} /(?s:.{span})/ {quote}"
+            if bounded:  # one lexeme with its end (as _xml_value_rule's, for the same reason)
+                return f"{quote} /(?s:.{span}){_regex_text(GEMMA_QUOTE)}/"
+            if not least:
+                rules.append(f"{rule}_text[stop={json.dumps(GEMMA_QUOTE)}]: /(?s:.*)/")
+                return f"{quote} {rule}_text"
+    if plain and kind == "boolean":
+        return '("true" | "false")'
+    if plain and kind == "null":
+        return '"null"'
+    if plain and kind == "object" and "properties" in schema:
+        return _gemma_object(rule, schema, quote, rules, definitions)
+    items = schema.get("items")
+    bounds = ("minItems", "maxItems", "uniqueItems", "prefixItems", "contains")
+    listed = isinstance(items, dict) and not any(bound in schema for bound in bounds)
+    if plain and kind == "array" and listed:
+        item = f"{rule}_item"
+        rules.append(f"{item}: {_gemma_value_rule(item, items, quote, rules, definitions)}")
+        return f'"[" ({item} ("," {item})*)? "]"'
+    typed = {**definitions, **schema, "x-guidance": dict(_COMPACT)}
+    return f"%json {json.dumps(typed)}"
+
+
+def _listed(
+    rule: str, items: list[tuple[str, bool]], rules: list[str], separator: str = ", "
+) -> str:
     """A Lark expression of ``items`` (each an expression and whether it must be there) in
-    their order, ``", "`` between two that are there; its rules (two a item, none nested)
-    go to ``rules``."""
+    their order, ``separator`` between two that are there; its rules (two a item, none
+    nested) go to ``rules``."""
     count = len(items)
+    between = json.dumps(separator)
 
     def rest(k: int) -> str:  # items k on, after one that is there
         return f" {rule}_rest{k}" if k < count else ""
@@ -522,7 +585,9 @@ def _listed(rule: str, items: list[tuple[str, bool]], rules: list[str]) -> str:
 
     for k, (item, needed) in enumerate(items):
         rules.append(
-            f"{rule}_rest{k}: " + (f'", " {item}' if needed else f'(", " {item})?') + rest(k + 1)
+            f"{rule}_rest{k}: "
+            + (f"{between} {item}" if needed else f"({between} {item})?")
+            + rest(k + 1)
         )
         head = f"{item}{rest(k + 1)}"
         if needed:
@@ -579,6 +644,10 @@ _KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
 # harmony: a call's message is <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>
 _HARMONY_HEADER_END = ("<|constrain|>", "json", "<|message|>")
 _HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", "\n")
+# Gemma 4's (special tokens of its tokenizer); after its calls the model writes
+# <|tool_response>, where its template has the tools' answers follow.
+_GEMMA_CALL, _GEMMA_CALL_END = "<|tool_call>", "<tool_call|>"
+GEMMA_TOOL_RESPONSE = "<|tool_response>"
 _FORMATS = {
     "hermes": _HERMES,
     "llama3_json": ToolCallFormat("llama3_json", "", "", "parameters", "; "),
@@ -625,6 +694,10 @@ _FORMATS = {
         name_prefix=("function", _DS_SEP),
         arguments_marker="\n```json\n",
         arguments_end="\n```",
+    ),
+    # Gemma 4: <|tool_call>call:name{key:<|"|>text<|"|>,n:3}<tool_call|> for each call.
+    "gemma4": ToolCallFormat(
+        "gemma4", _GEMMA_CALL, _GEMMA_CALL_END, "arguments", "", markers=(GEMMA_QUOTE,)
     ),
     # Kimi K2: <|tool_call_begin|>functions.name:0<|tool_call_argument_begin|>{...}, the
     # header being the call's id.
@@ -760,6 +833,8 @@ def detect_parser(chat_template: str | None) -> str | None:
         return "deepseek_v3" if "```json" in chat_template else "deepseek_v31"
     if _KIMI_SECTION in chat_template:
         return "kimi_k2"
+    if _GEMMA_CALL in chat_template:
+        return "gemma4"
     if "<tool_call>" in chat_template and "<function=" in chat_template:
         return "qwen3_coder"
     if "<arg_key>" in chat_template:
@@ -818,6 +893,11 @@ class ToolCallScanner:
         self._opened = ""  # sections: the opening marker, until it went out or a call was read
         self._section_read = False  # sections: a call of the open section was read
         form = self._format
+        # The markers around each call where calls are read one by one between them
+        # (hermes's, and the formats that take its <tool_call>; Gemma 4's own).
+        gemma = form.name == "gemma4"
+        self._open = _GEMMA_CALL if gemma else _HERMES_OPEN
+        self._close = _GEMMA_CALL_END if gemma else _HERMES_CLOSE
         # What ends a stretch inside a call (or a section) that is worth reading: none
         # (mistral's calls are read at the end).
         self._closes: tuple[str, ...] = (
@@ -825,7 +905,7 @@ class ToolCallScanner:
             if form.name in _SECTIONS
             else ()
             if form.name == "mistral"
-            else (_HERMES_CLOSE,)
+            else (self._close,)
         )
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
         self.calls: list[ParsedCall] = []
@@ -860,7 +940,7 @@ class ToolCallScanner:
         return self._read(final=True)
 
     def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
-        if self._format.name in ("hermes", "qwen3_coder", *_GLM_NAMES):
+        if self._format.name in ("hermes", "qwen3_coder", "gemma4", *_GLM_NAMES):
             return self._hermes(final)
         if self._format.name == "mistral":
             return self._mistral(final)
@@ -922,6 +1002,8 @@ class ToolCallScanner:
             return self._xml_call(body)
         if self._format.name in _GLM_NAMES:
             return self._glm_call(body)
+        if self._format.name == "gemma4":
+            return self._gemma_call(body)
         return self._read_call(body.strip(), ("arguments", "parameters"))
 
     def _glm_call(self, body: str) -> ParsedCall | None:
@@ -942,6 +1024,15 @@ class ToolCallScanner:
             return None
         return _parsed(name, arguments)
 
+    def _gemma_call(self, body: str) -> ParsedCall | None:
+        """Gemma 4's ``call:name{...}`` (:func:`serving.call_values.gemma_arguments`); None:
+        other text around it, arguments that do not read, or a function not offered."""
+        call = _GEMMA_BODY.fullmatch(body.strip())
+        if call is None or call["name"] not in self._functions:
+            return None
+        arguments = gemma_arguments(call["arguments"])
+        return None if arguments is None else _parsed(call["name"], arguments)
+
     def _properties(self, name: str) -> dict[str, Any]:
         """The parameters' schemas of function ``name`` by parameter (empty: unknown)."""
         schema = self._schemas.get(name) or {}
@@ -952,7 +1043,7 @@ class ToolCallScanner:
         content, calls = "", list[ParsedCall]()
         while True:
             if self._in_call:
-                end = self._pending.find(_HERMES_CLOSE)
+                end = self._pending.find(self._close)
                 if end < 0:
                     if final:  # an unfinished call: the client gets its text
                         # (Qwen3-Coder's that closed its function but not <tool_call> is a
@@ -960,34 +1051,34 @@ class ToolCallScanner:
                         closed = self._format.name == "qwen3_coder" and self._closed_xml()
                         call = self._xml_call(self._pending) if closed else None
                         if call is None:
-                            content += self._gap + _HERMES_OPEN + self._pending
+                            content += self._gap + self._open + self._pending
                         else:
                             calls += self._accept(call)
                         self._pending, self._in_call = "", False
                     return content, calls
                 body = self._pending[:end]
-                self._pending = self._pending[end + len(_HERMES_CLOSE) :]
+                self._pending = self._pending[end + len(self._close) :]
                 self._in_call = False
                 parsed = self._body_call(body)
                 if parsed is None:
-                    content += self._gap + _HERMES_OPEN + body + _HERMES_CLOSE
+                    content += self._gap + self._open + body + self._close
                 else:
                     calls += self._accept(parsed)
                 continue
-            start = self._pending.find(_HERMES_OPEN)
+            start = self._pending.find(self._open)
             if start >= 0:
                 # Whitespace between content and a call (or between calls) is the format's.
                 before = self._pending[:start]
                 content += before.rstrip()
                 self._gap = before[len(before.rstrip()) :]
-                self._pending = self._pending[start + len(_HERMES_OPEN) :]
+                self._pending = self._pending[start + len(self._open) :]
                 self._in_call = True
                 continue
             if final:
                 rest = self._pending if not self.calls else self._pending.strip()
                 content, self._pending = content + rest, ""
                 return content, calls
-            keep = held_back(self._pending, _HERMES_OPEN)
+            keep = held_back(self._pending, self._open)
             out = self._pending[: len(self._pending) - keep]
             # Trailing whitespace waits: it is dropped if a call follows.
             stripped = out.rstrip()
@@ -1207,6 +1298,7 @@ def _parsed(name: str, arguments: dict[str, Any]) -> ParsedCall | None:
     return ParsedCall(name, text)
 
 
+_GEMMA_BODY = re.compile(r"call:(?P<name>[^{\s]+)\{(?P<arguments>.*)\}", re.DOTALL)
 _XML_FUNCTION = re.compile(
     r"<function=(?P<name>[^>\n]+)>(?P<parameters>.*?)(?:</function>\s*)?", re.DOTALL
 )
@@ -1350,7 +1442,7 @@ def _python_literal(node: ast.expr, source: str) -> Any:
         if isinstance(value, bool) or value is None or isinstance(value, str | int):
             return value
         written = ast.get_source_segment(source, node) or ""
-        if isinstance(value, float) and _JSON_NUMBER.fullmatch(written):
+        if isinstance(value, float) and JSON_NUMBER.fullmatch(written):
             return _Number(written)  # (as written: 1e999 stays 1e999, not infinity)
         if isinstance(value, float) and math.isfinite(value):
             return value
@@ -1375,9 +1467,6 @@ def _python_literal(node: ast.expr, source: str) -> Any:
             raise ValueError("keys are not strings")
         return {k: _python_literal(v, source) for k, v in zip(keys, node.values, strict=True)}
     raise ValueError("not a literal")
-
-
-_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 
 
 def held_back(text: str, *markers: str) -> int:

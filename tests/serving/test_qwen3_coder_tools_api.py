@@ -12,8 +12,8 @@ import pytest
 from tests.reliability.conftest import Replica
 from tests.serving.test_qwen3_coder_tool_parser import TEMPLATE
 from tests.serving.test_tools_api import (
-    ASK,
     TOOLS,
+    call_history,
     chat,
     follows_schema,
     named_call_streams_as_whole,
@@ -58,20 +58,6 @@ def test_a_reply_with_a_call_in_auto_is_read_as_typed_calls(client):
 
 
 def test_a_history_with_calls_renders(client):
-    history = [
-        *ASK,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "calc", "arguments": '{"n": 7}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "49"},
-    ]
+    history = call_history("calc", '{"n": 7}', "49")
     answer = chat(client, messages=history, tools=TOOLS, max_tokens=4)
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")

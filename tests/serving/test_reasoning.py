@@ -40,6 +40,16 @@ CASES = [
     (("<think>reason</think>answer", False, "deepseek_r1"), ("reason", "answer", True)),
     # The answer keeps its own whitespace and markup, but not what follows </think>.
     (("<think>a</think>\n\n  x\n</think>", False, "qwen3"), ("a", "x\n</think>", True)),
+    # Gemma 4's channel, its name ("thought") the format's; the reply opens it or does not.
+    (
+        ("<|channel>thought\nhmm, 2 < 3<channel|>Hello", False, "gemma4"),
+        ("hmm, 2 < 3", "Hello", True),
+    ),
+    (("<|channel>thought\n<channel|>Hi", False, "gemma4"), ("", "Hi", False)),
+    (("<|channel>musing<channel|>Hi", False, "gemma4"), ("musing", "Hi", True)),
+    (("<|channel>thought\nstill", False, "gemma4"), ("still", "", True)),
+    (("thought about it", False, "gemma4"), ("", "thought about it", False)),
+    (("<think>x</think>y", False, "gemma4"), ("", "<think>x</think>y", False)),
 ]
 
 
@@ -69,10 +79,12 @@ def test_thinking_streams_as_it_comes_holding_back_only_a_possible_marker():
 )
 def test_a_prompt_that_opens_thinking_is_told_apart(tail, opened):
     assert prompt_opens_thinking(tail) is opened
+    assert not prompt_opens_thinking(tail, "gemma4")  # Gemma 4's replies open their channel
 
 
 def test_the_parser_is_detected_from_the_chat_template():
     assert detect_reasoning("{{ '<think>' }}...{{ '</think>' }}") == "qwen3"
+    assert detect_reasoning("{{ '<|channel>thought\\n' + t + '<channel|>' }}") == "gemma4"
     assert detect_reasoning("{{ messages }}") is None and detect_reasoning(None) is None
     with pytest.raises(ValueError, match="reasoning_parser"):
         ReasoningReader("granite", False)

@@ -76,6 +76,16 @@ def replica() -> Iterator[Replica]:
         yield replica
 
 
+def call_history(name: str, arguments: str, result: str, call_id: str = "call_1") -> list:
+    """``ASK``, an assistant's call of ``name`` with ``arguments`` (JSON text), its result."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
+
+
 def required_calls_follow_schema(client, seeds: int = 3) -> list:
     """``tool_choice: required`` answers with calls of offered tools (or runs out of tokens
     calling, but not every time): no content, arguments that follow the schema. Returns the
