@@ -44,6 +44,26 @@ def _config(name: str, **overrides: Any) -> Callable[[], PretrainedConfig]:
     return make
 
 
+def _gemma3_vision() -> PretrainedConfig:
+    """Gemma 3 of text and images (its 4B to 27B checkpoints): the decoder's layout lives in the
+    text config, which the engine must read there; a tiny vision tower beside it."""
+    text = _config(
+        "Gemma3TextConfig",
+        head_dim=8,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=8,
+        pad_token_id=0,
+    )()
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4,
+    )  # fmt: skip
+    return transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=63
+    )
+
+
 def _gpt2() -> PretrainedConfig:
     return transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=HIDDEN, n_layer=3, n_head=4, n_positions=512,
@@ -95,6 +115,20 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
         final_logit_softcapping=3.0,
         query_pre_attn_scalar=8,
     ),
+    "gemma3-vision": _gemma3_vision,
+    # Gemma 4: per-layer inputs, the last layer sharing an earlier one's keys and values, the
+    # full layers' heads wider than the sliding ones'.
+    "gemma4": _config(
+        "Gemma4TextConfig",
+        head_dim=8,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        num_kv_shared_layers=1,
+        per_layer_config={"01": {"head_dim": 16}, "02": {"head_dim": 16}},
+        pad_token_id=0,
+    ),
     "phi3": _config("Phi3Config", sliding_window=WINDOW),
     "gpt2": _gpt2,
     "gpt-neox": _neox,
@@ -129,8 +163,8 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
 
 # The families with sliding-window or chunked layers (of WINDOW tokens).
 WINDOWED = {
-    "qwen2-sliding", "mistral-sliding", "gemma2", "gemma3", "phi3", "gpt-oss", "cohere2",
-    "llama4-chunked",
+    "qwen2-sliding", "mistral-sliding", "gemma2", "gemma3", "gemma3-vision", "gemma4", "phi3",
+    "gpt-oss", "cohere2", "llama4-chunked",
 }  # fmt: skip
 
 

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionLayout", "UnsupportedModel", "attention_layout", "layout_masks"]
+__all__ = [
+    "AttentionLayout",
+    "UnsupportedModel",
+    "attention_layout",
+    "layout_masks",
+    "text_config",
+]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 
@@ -91,15 +97,19 @@ def attention_layout(model: Any) -> AttentionLayout:
     Raises:
         UnsupportedModel: the model has a layer the engine cannot serve exactly.
     """
-    config = model.config
+    top = model.config
+    # A model of text and images (Gemma 3 and 4, Mistral 3) keeps its decoder's layout in its
+    # text config; what the engine serves is that decoder.
+    config = text_config(top)
     name = type(model).__name__
     model_type = getattr(config, "model_type", "")
     if model_type in _RECURRENT:
         raise UnsupportedModel(
             f"{name} has {_RECURRENT[model_type]}, which osd cannot serve exactly"
         )
-    if getattr(config, "is_encoder_decoder", False) or getattr(
-        config, "add_cross_attention", False
+    if any(
+        getattr(c, "is_encoder_decoder", False) or getattr(c, "add_cross_attention", False)
+        for c in (top, config)
     ):
         raise UnsupportedModel(f"{name} has cross-attention, which osd cannot serve")
     if getattr(config, "cross_attention_layers", None):
@@ -141,6 +151,13 @@ def attention_layout(model: Any) -> AttentionLayout:
     return AttentionLayout(windows, by_kind=len(kinds) > 1, spans=spans)
 
 
+def text_config(config: Any) -> Any:
+    """The config of a model's text decoder: ``config`` itself, or a model of text and images'
+    (Gemma 3 and 4) text config, where its layers' layout and its context are declared."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 # Where configs declare their context, in the order they are read.
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
 
@@ -152,6 +169,7 @@ def context_length(config: Any) -> int | None:
     recomputes its whole cache (Phi-3's ``prepare_inputs_for_generation``), and it picks the
     factors per forward from the longest row, which a cache kept across steps and rows of
     different lengths cannot follow exactly. None: the config declares none."""
+    config = text_config(config)
     declared = next(
         (v for v in (getattr(config, n, None) for n in _CONTEXT_FIELDS) if isinstance(v, int)),
         None,

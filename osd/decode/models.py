@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from osd.decode.attention import AttentionLayout, attention_layout, context_length
+from osd.decode.attention import AttentionLayout, attention_layout, context_length, text_config
 from osd.decode.compiled_forward import FEW_TOKENS, CompiledModel
 from osd.decode.kv_cache import (
     ForwardPlan,
@@ -256,7 +256,8 @@ class CausalLM:
 
     def __post_init__(self) -> None:
         self.attention = attention_layout(_base_model(self.model))
-        declared = getattr(_base_model(self.model).config, "max_position_embeddings", None)
+        config = text_config(_base_model(self.model).config)
+        declared = getattr(config, "max_position_embeddings", None)
         if declared and self.max_positions and self.max_positions < declared:
             logger.warning(
                 "%s: LongRoPE, served up to its original %d positions of %d (past them "
