@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
+
+from osd.decode.models import auto_model_class
 
 __all__ = ["FAMILIES", "WINDOW", "WINDOWED", "build_family", "family_pair", "noisy_family_copy"]
 
@@ -62,6 +64,34 @@ def _gemma3_vision() -> PretrainedConfig:
     return transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=63
     )
+
+
+def _mistral3_vision() -> PretrainedConfig:
+    """Mistral Small 3.1 / 3.2 (text and images): transformers builds no causal LM of it; the
+    engine loads the model of text and images and serves its text."""
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        head_dim=8, image_size=16, patch_size=4,
+    )  # fmt: skip
+    text = _config("MistralConfig", sliding_window=None, head_dim=8)()
+    return transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=63, spatial_merge_size=1
+    )
+
+
+def _qwen25_vl() -> PretrainedConfig:
+    """Qwen2.5-VL: no causal LM either, and multimodal RoPE (three position sections, one
+    position each for text)."""
+    rope = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    vision = transformers.Qwen2_5_VLVisionConfig(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN,
+        fullatt_block_indexes=[0],
+    )  # fmt: skip
+    text = _config("Qwen2_5_VLTextConfig", rope_parameters=rope)()
+    return transformers.Qwen2_5_VLConfig(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), image_token_id=63,
+        video_token_id=62, vision_start_token_id=61,
+    )  # fmt: skip
 
 
 def _gpt2() -> PretrainedConfig:
@@ -129,6 +159,8 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
         per_layer_config={"01": {"head_dim": 16}, "02": {"head_dim": 16}},
         pad_token_id=0,
     ),
+    "mistral3-vision": _mistral3_vision,
+    "qwen2.5-vl": _qwen25_vl,
     "phi3": _config("Phi3Config", sliding_window=WINDOW),
     "gpt2": _gpt2,
     "gpt-neox": _neox,
@@ -175,7 +207,7 @@ def build_family(name: str, seed: int, logit_scale: float = 4.0, **overrides: An
         setattr(config, key, value)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
         with torch.no_grad():
             model.get_output_embeddings().weight.mul_(logit_scale)
     return model.eval()

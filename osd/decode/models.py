@@ -41,7 +41,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    DynamicCache,
+    PreTrainedModel,
+)
 
 from osd.decode.attention import AttentionLayout, attention_layout, context_length, text_config
 from osd.decode.compiled_forward import FEW_TOKENS, CompiledModel
@@ -62,6 +69,7 @@ __all__ = [
     "BASE_ADAPTER",
     "CausalLM",
     "added_token_ids",
+    "auto_model_class",
     "load_causal_lm",
     "load_tokenizer",
     "special_token_ids",
@@ -154,6 +162,22 @@ def _adapters_for_this_thread(names: list[str], device: torch.device) -> Iterato
         _selected.adapter_names, _selected.groups = previous
 
 
+def auto_model_class(config: Any) -> Any:
+    """The auto class that builds a model of ``config``: ``AutoModelForCausalLM``, or for a
+    model of text and images that transformers builds no causal LM of (Mistral 3, Qwen2.5-VL,
+    Qwen3-VL), ``AutoModelForImageTextToText``, whose forward takes text alone as a causal LM's
+    does (the engine serves the text; the load check holds it to its own forward)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    kind = type(config)
+    if kind not in MODEL_FOR_CAUSAL_LM_MAPPING and kind in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_causal_lm(
     model: PreTrainedModel | str, *, device: str | None = None, dtype: str | None = None
 ) -> PreTrainedModel:
@@ -168,7 +192,8 @@ def load_causal_lm(
     torch_dtype = getattr(torch, dtype) if dtype else None
     if isinstance(model, str):
         kwargs: dict[str, Any] = {"dtype": torch_dtype} if torch_dtype else {}
-        loaded: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        auto = auto_model_class(AutoConfig.from_pretrained(model))
+        loaded: PreTrainedModel = auto.from_pretrained(model, **kwargs)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     else:
         loaded = model.to(torch_dtype) if torch_dtype is not None else model

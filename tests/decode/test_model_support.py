@@ -11,7 +11,7 @@ from osd.decode.attention import AttentionLayout, UnsupportedModel, attention_la
 from osd.decode.attention_probe import cached_forward_error, check_cached_forward
 from osd.decode.kv_cache import plan_forward
 from osd.decode.loop import BatchedEngine
-from osd.decode.models import CausalLM
+from osd.decode.models import CausalLM, load_causal_lm
 from osd.decode.scheduler import BatchLimits
 from osd.toy_models import char_tokenizer
 from tests.families import build_family, family_pair
@@ -165,6 +165,8 @@ def test_longrope_is_served_up_to_its_original_context_and_exactly():
         ("mistral-sliding", {"sliding_attention": 8}),
         ("gemma2", {"full_attention": None, "sliding_attention": 8}),
         ("llama4-chunked", {"chunked_attention": 8, "full_attention": None}),
+        # Models of text and images: their text config's.
+        ("gemma3-vision", {"full_attention": None, "sliding_attention": 8}),
     ],
 )
 def test_layouts_come_from_the_config(family, windows):
@@ -292,3 +294,14 @@ def test_the_context_is_read_where_each_family_declares_it():
     assert context_length(transformers.MptConfig(max_seq_len=96)) == 96  # MPT's own name
     assert context_length(transformers.GPT2Config(n_positions=80)) == 80
     assert context_length(transformers.LlamaConfig(max_position_embeddings=64)) == 64
+    assert context_length(build_family("gemma3-vision", 0).config) == 512  # its text config's
+
+
+@pytest.mark.parametrize("family", ["mistral3-vision", "gemma3-vision"])
+def test_a_checkpoint_of_text_and_images_loads_as_the_model_that_serves_its_text(family, tmp_path):
+    # Mistral 3 has no causal LM class in transformers (AutoModelForCausalLM refuses its
+    # config); Gemma 3 has one, its model of text and images.
+    build_family(family, 0).save_pretrained(tmp_path)
+    loaded = load_causal_lm(str(tmp_path), device="cpu")
+    assert type(loaded).__name__.endswith("ForConditionalGeneration")
+    check_cached_forward(CausalLM(loaded, 64), "target")
