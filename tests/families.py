@@ -159,6 +159,23 @@ FAMILIES: dict[str, Callable[[], PretrainedConfig]] = {
         per_layer_config={"01": {"head_dim": 16}, "02": {"head_dim": 16}},
         pad_token_id=0,
     ),
+    # DeepSeek V3's multi-head latent attention (Kimi K2's, DeepSeek-V2-Lite's, GLM-4.7-Flash's):
+    # keys of 12 (8 + 4 rotary) and values of 6 a head, from a compressed KV; MoE after layer 0.
+    "deepseek-v3": _config(
+        "DeepseekV3Config",
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "mistral3-vision": _mistral3_vision,
     "qwen2.5-vl": _qwen25_vl,
     "phi3": _config("Phi3Config", sliding_window=WINDOW),

@@ -114,11 +114,6 @@ def attention_layout(model: Any) -> AttentionLayout:
         raise UnsupportedModel(f"{name} has cross-attention, which osd cannot serve")
     if getattr(config, "cross_attention_layers", None):
         raise UnsupportedModel(f"{name} has cross-attention layers, which osd cannot serve")
-    if getattr(config, "kv_lora_rank", None):
-        raise UnsupportedModel(
-            f"{name} has multi-head latent attention (keys and values of different head "
-            "sizes), which osd's KV cache does not hold"
-        )
     if getattr(config, "alibi", False) or model_type == "bloom":
         raise UnsupportedModel(
             f"{name} has ALiBi position biases, which osd's attention masks do not carry"

@@ -529,14 +529,11 @@ class SlotKVCache:
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones."""
+        """Writes (B, H, T, D) keys/values per the plan; returns (B, H, S, D) readable ones
+        (keys and values may have heads of different sizes: multi-head latent attention's)."""
         assert self._plan is not None and self._plan.packed is None, "a plan of every column"
-        heads, head_dim = key_states.shape[1], key_states.shape[3]
-        return self.update_packed(
-            key_states.transpose(1, 2).reshape(-1, heads, head_dim),
-            value_states.transpose(1, 2).reshape(-1, heads, head_dim),
-            layer_idx,
-        )
+        keys, values = (s.transpose(1, 2).flatten(0, 1) for s in (key_states, value_states))
+        return self.update_packed(keys, values, layer_idx)
 
     def update_packed(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
@@ -546,12 +543,10 @@ class SlotKVCache:
         plan = self._plan
         assert plan is not None, "bind() a plan before the forward"
         kept = self._kept(layer_idx)
-        heads, head_dim = key_states.shape[1], key_states.shape[2]
         if layer_idx == len(self._keys):
-            capacity = self._capacity[kept]
-            shape = (self.num_slots + 1, capacity, heads, head_dim)
-            self._keys.append(key_states.new_zeros(shape))
-            self._values.append(value_states.new_zeros(shape))
+            rows = (self.num_slots + 1, self._capacity[kept])
+            self._keys.append(key_states.new_zeros((*rows, *key_states.shape[1:])))
+            self._values.append(value_states.new_zeros((*rows, *value_states.shape[1:])))
             self.growths += layer_idx == 0  # first allocated: that step zeroed it all
         batch = plan.read_slot.shape[0]
         # Rows in consecutive slots read their keys in place (a strided view), unless this
@@ -563,15 +558,15 @@ class SlotKVCache:
             (self._keys[layer_idx], key_states),
             (self._values[layer_idx], value_states),
         ):
-            flat = store.view(-1, heads, head_dim)  # (slots * capacity, H, D)
+            flat = store.view(-1, *new.shape[1:])  # (slots * capacity, H, D)
             flat.index_copy_(0, self._write_index[kept], new)
             if in_place and first is not None:
-                rows = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view
+                read = store[first : first + batch, : plan.kv_len]  # (B, S, H, D), a view
             else:
-                rows = flat.index_select(0, self._read_index[kept]).view(
-                    batch, plan.kv_len, heads, head_dim
+                read = flat.index_select(0, self._read_index[kept]).view(
+                    batch, plan.kv_len, *new.shape[1:]
                 )
-            out.append(rows.transpose(1, 2))
+            out.append(read.transpose(1, 2))
         return out[0], out[1]
 
     def copy_positions(self, src: torch.Tensor, dst: torch.Tensor, pos: torch.Tensor) -> None:

@@ -88,27 +88,6 @@ def test_cross_attention_is_refused():
         ),
         (
             lambda: tiny(
-                "DeepseekV3Config",
-                vocab_size=64,
-                hidden_size=32,
-                intermediate_size=32,
-                moe_intermediate_size=16,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                num_key_value_heads=2,
-                kv_lora_rank=16,
-                q_lora_rank=None,
-                qk_rope_head_dim=8,
-                qk_nope_head_dim=8,
-                v_head_dim=16,
-                n_routed_experts=2,
-                num_experts_per_tok=1,
-                first_k_dense_replace=1,
-            ),
-            "multi-head latent attention",
-        ),
-        (
-            lambda: tiny(
                 "FalconConfig",
                 vocab_size=64,
                 hidden_size=32,
@@ -119,12 +98,12 @@ def test_cross_attention_is_refused():
             "ALiBi",
         ),
     ],
-    ids=["gpt-neo-local", "deepseek-mla", "falcon-alibi"],
+    ids=["gpt-neo-local", "falcon-alibi"],
 )
 def test_attention_osd_cannot_hold_is_refused_naming_it(build, feature):
     """Found by a sweep of transformers' families: GPT-Neo's local layers decoded other tokens
     in batches of rows of different lengths (its load check passed: the probe is shorter
-    than the window); MLA and ALiBi failed inside the load check with an unrelated error."""
+    than the window); ALiBi failed inside the load check with an unrelated error."""
     model = build()
     with pytest.raises(UnsupportedModel, match=f"{type(model).__name__} has .*{feature}"):
         attention_layout(model)
@@ -286,6 +265,44 @@ def test_heads_of_different_sizes_need_a_tokenizer_both_cover(padded_pair):
     target, draft, _ = padded_pair
     with pytest.raises(ValueError, match="different vocabularies"):
         SpeculativeDecoder(target, draft)
+
+
+_MLA = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "kv_lora_rank": 8,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 2,
+    "num_experts_per_tok": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+
+
+@pytest.mark.parametrize("config", ["DeepseekV2Config", "Glm4MoeLiteConfig"])
+def test_multi_head_latent_attention_is_served_keys_and_values_of_their_own_sizes(config):
+    # DeepSeek-V2 / V3 (the matrix's deepseek-v3), Kimi K2, GLM-4.7-Flash. transformers
+    # caches MLA's compressed KV (kv_lora_rank 8) as the "keys" and the rotary key
+    # (qk_rope_head_dim 4) as the "values", one head each: the slot cache keeps each at its
+    # own size, 12 floats a position and layer instead of two heads of 12 and 16.
+    lm = CausalLM(tiny(config, **_MLA), 64)
+    check_cached_forward(lm, "target")
+    assert lm.kv_bytes_per_slot(8) == 8 * 2 * (8 + 4) * 4  # positions, layers, floats, bytes
+
+
+def test_deepseek_v32s_indexed_attention_is_refused():
+    indexed = {**_MLA, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4}
+    with pytest.raises(UnsupportedModel, match="indexed_attention"):
+        attention_layout(tiny("DeepseekV32Config", **indexed))
 
 
 def test_the_context_is_read_where_each_family_declares_it():
