@@ -510,12 +510,16 @@ def _gemma_object(
     required = set(schema.get("required") or ())
     items = []
     properties = schema.get("properties") or {}
-    for number, name in enumerate(sorted(properties)):
+    # (Jinja's dictsort, which Gemma's template uses, ignores case)
+    for number, name in enumerate(sorted(properties, key=str.lower)):
         value = f"{rule}_{number}"
         rules.append(
             f"{value}: {_gemma_value_rule(value, properties[name], quote, rules, definitions)}"
         )
-        items.append((f"{json.dumps(name + ':')} {value}", name in required))
+        key = json.dumps(name + ":")
+        if not name or not _GEMMA_BARE_KEY.fullmatch(name):  # (read back only when quoted)
+            key = f'{quote} {json.dumps(name)} {quote} ":"'
+        items.append((f"{key} {value}", name in required))
     listed = _listed(rule, items, rules, separator=",") if items else ""
     return f'"{{" {listed} "}}"'
 
@@ -1298,6 +1302,8 @@ def _parsed(name: str, arguments: dict[str, Any]) -> ParsedCall | None:
     return ParsedCall(name, text)
 
 
+# A key Gemma's notation can write bare: none of the characters that end a key or a value.
+_GEMMA_BARE_KEY = re.compile(r"[^:,{}\[\]\"\s]+")
 _GEMMA_BODY = re.compile(r"call:(?P<name>[^{\s]+)\{(?P<arguments>.*)\}", re.DOTALL)
 _XML_FUNCTION = re.compile(
     r"<function=(?P<name>[^>\n]+)>(?P<parameters>.*?)(?:</function>\s*)?", re.DOTALL

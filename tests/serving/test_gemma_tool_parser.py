@@ -10,6 +10,7 @@ import json
 import string
 
 import pytest
+from tokenizers import AddedToken
 
 from osd.decode.grammar import GrammarCompiler
 from osd.toy_models import char_tokenizer
@@ -152,3 +153,29 @@ def test_typed_arguments_written_by_the_grammar_read_back_as_their_schema_types(
     }
     too_long = arguments.replace(quoted("ab"), quoted("abcde"), 1)
     assert not _accepts(tokenizer, compiler, source, call("book", too_long))
+
+
+def test_keys_sorted_as_jinjas_dictsort_and_odd_ones_quoted_read_back():
+    tokenizer = char_tokenizer(string.ascii_letters + string.digits + " ,:{}<>_|")
+    tokenizer.add_tokens([AddedToken(m, special=True) for m in MARKERS], special_tokens=True)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    odd = {
+        "name": "calc",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "Zed": {"type": "integer"},
+                "a b:c": {"type": "integer"},
+                "n": {"type": "integer"},
+            },
+            "required": ["Zed", "a b:c", "n"],
+        },
+    }
+    source = tool_call_format("gemma4", None, tokenizer).grammar([odd], parallel=False)
+    # Gemma's template sorts keys with Jinja's dictsort, which ignores case.
+    text = call("calc", f"{quoted('a b:c')}:1,n:2,Zed:3")
+    assert _accepts(tokenizer, compiler, source, text)
+    assert not _accepts(tokenizer, compiler, source, call("calc", "a b:c:1,n:2,Zed:3"))
+    assert not _accepts(tokenizer, compiler, source, call("calc", f"Zed:3,{quoted('a b:c')}:1,n:2"))
+    content, calls = scan("gemma4", text)
+    assert content == "" and json.loads(calls[0].arguments) == {"a b:c": 1, "n": 2, "Zed": 3}
