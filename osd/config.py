@@ -361,11 +361,10 @@ class ServeConfig:
             f"auto, {', '.join(TOOL_CALL_PARSERS)} or none",
         )
         _require(
-            self.reasoning_parser
-            in ("auto", "qwen3", "deepseek_r1", "gemma4", "openai_gptoss", "none"),
+            self.reasoning_parser in ("auto", *REASONING_PARSERS, "none"),
             "serve.reasoning_parser",
             self.reasoning_parser,
-            "auto, qwen3, deepseek_r1, gemma4, openai_gptoss or none",
+            f"auto, {', '.join(REASONING_PARSERS)} or none",
         )
         _require(
             self.ingress in ("haproxy", "proxy"), "serve.ingress", self.ingress, "haproxy or proxy"
@@ -583,6 +582,8 @@ TOOL_CALL_PARSERS = (
     "pythonic",
     "llama4_pythonic",
 )
+# serve.reasoning_parser's readers of thinking (serving.reasoning, serving.harmony).
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "gemma4", "openai_gptoss")
 BUILTIN_CONFIGS = ("demo",)  # shipped in the package: osd/configs/<name>.yaml
 
 

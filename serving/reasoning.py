@@ -39,6 +39,8 @@ MARKERS = {
     "deepseek_r1": (THINK_OPEN, THINK_CLOSE, ""),
     "gemma4": (GEMMA_OPEN, GEMMA_CLOSE, GEMMA_LABEL),
 }
+# The parsers this module reads (serve.reasoning_parser's others: openai_gptoss, read by
+# serving.harmony).
 REASONING_PARSERS = tuple(MARKERS)
 
 
@@ -54,10 +56,10 @@ def detect_reasoning(chat_template: str | None) -> str | None:
 
 
 def prompt_opens_thinking(prompt_tail: str, parser: str = "qwen3") -> bool:
-    """Whether a prompt ending in ``prompt_tail`` leaves the model inside thinking (``<think>``
-    for qwen3's and deepseek_r1's; Gemma 4's templates never open its channel)."""
-    opening = MARKERS.get(parser, MARKERS["qwen3"])[0]
-    return parser != "gemma4" and prompt_tail.rstrip().endswith(opening)
+    """Whether a prompt ending in ``prompt_tail`` leaves the model inside thinking: it ends
+    with the parser's opening marker (``<think>`` for qwen3's and deepseek_r1's; Gemma 4's
+    templates never end with its ``<|channel>``)."""
+    return prompt_tail.rstrip().endswith(MARKERS.get(parser, MARKERS["qwen3"])[0])
 
 
 class ReasoningReader:

@@ -49,14 +49,8 @@ def _config(name: str, **overrides: Any) -> Callable[[], PretrainedConfig]:
 def _gemma3_vision() -> PretrainedConfig:
     """Gemma 3 of text and images (its 4B to 27B checkpoints): the decoder's layout lives in the
     text config, which the engine must read there; a tiny vision tower beside it."""
-    text = _config(
-        "Gemma3TextConfig",
-        head_dim=8,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=8,
-        pad_token_id=0,
-    )()
+    text = FAMILIES["gemma3"]()  # the text-only family's decoder
+    text.pad_token_id = 0  # (the model of text and images masks image ids with it)
     vision = transformers.SiglipVisionConfig(
         hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         image_size=8, patch_size=4,

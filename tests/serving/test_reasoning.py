@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from serving.reasoning import ReasoningReader, detect_reasoning, prompt_opens_thinking
+from serving.reasoning import (
+    REASONING_PARSERS,
+    ReasoningReader,
+    detect_reasoning,
+    prompt_opens_thinking,
+)
 
 
 def read(text: str, opened: bool = False, parser: str = "qwen3", pieces: int = 0):
@@ -80,6 +85,12 @@ def test_thinking_streams_as_it_comes_holding_back_only_a_possible_marker():
 def test_a_prompt_that_opens_thinking_is_told_apart(tail, opened):
     assert prompt_opens_thinking(tail) is opened
     assert not prompt_opens_thinking(tail, "gemma4")  # Gemma 4's replies open their channel
+
+
+def test_the_config_takes_exactly_the_parsers_the_server_reads():
+    from osd.config import REASONING_PARSERS as TAKEN
+
+    assert {*REASONING_PARSERS, "openai_gptoss"} == set(TAKEN)  # (harmony's: serving.harmony)
 
 
 def test_the_parser_is_detected_from_the_chat_template():
