@@ -616,7 +616,7 @@ async def _job_events(
                 else:
                     piece = reply.feed(chunk.text)
                     if finish is not None:
-                        piece, finish = piece + reply.finish(), reply.finish_reason(finish)
+                        piece, finish = piece + reply.finish(finish), reply.finish_reason(finish)
                 if piece.content or piece.thinking or piece.calls or finish or first[i]:
                     yield _event(head, [choice(i, piece, finish)], **usage())
                     echo[i], first[i] = "", False

@@ -101,12 +101,12 @@ class ChatReply:
         thinking, answer = ("", text) if self._reasoning is None else self._reasoning.feed(text)
         return self._read(thinking, answer, final=False)
 
-    def finish(self) -> Piece:
-        """The reply ended: what was held back."""
+    def finish(self, reason: str | None = "stop") -> Piece:
+        """The reply ended (``reason``: its finish reason): what was held back."""
         if self._harmony is not None:
             return self._harmony_piece(*self._harmony.finish())
         thinking, answer = ("", "") if self._reasoning is None else self._reasoning.finish()
-        return self._read(thinking, answer, final=True)
+        return self._read(thinking, answer, final=True, cut=reason == "length")
 
     def finish_reason(self, reason: str | None) -> str | None:
         """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
@@ -118,7 +118,7 @@ class ChatReply:
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The whole reply: (OpenAI's message, finish reason)."""
-        whole = self.feed(text) + self.finish()
+        whole = self.feed(text) + self.finish(reason)
         message: dict[str, Any] = {"role": "assistant", "content": whole.content}
         if self._reasoning is not None or self._harmony is not None:
             thought = whole.thinking or None
@@ -134,14 +134,14 @@ class ChatReply:
     def _harmony_piece(self, thinking: str, content: str, calls: list[ParsedCall]) -> Piece:
         return Piece(thinking if self._include else "", content, self._deltas(calls))
 
-    def _read(self, thinking: str, answer: str, final: bool) -> Piece:
+    def _read(self, thinking: str, answer: str, final: bool, cut: bool = False) -> Piece:
         if not self._include:
             thinking = ""
         if self._scanner is None:
             return Piece(thinking, answer)
         content, calls = self._scanner.feed(answer)
         if final:
-            tail, last = self._scanner.finish()
+            tail, last = self._scanner.finish(cut)
             content, calls = content + tail, calls + last
         return Piece(thinking, content, self._deltas(calls))
 

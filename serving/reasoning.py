@@ -7,7 +7,8 @@ read), the rest as ``content``. Tool calls are read from the content alone.
 where the chat template writes ``</think>``, ``gemma4`` where it writes ``<channel|>``,
 ``openai_gptoss`` where it writes harmony's messages), ``qwen3``, ``deepseek_r1``, ``gemma4``
 (Gemma 4's ``<|channel>thought\n ... <channel|>``, which its replies open themselves, the
-channel's name left out of the thinking), ``openai_gptoss`` (gpt-oss's analysis channel, read
+channel's name left out of the thinking; a reply that starts with the name alone, as some
+checkpoints write it, thinks too), ``openai_gptoss`` (gpt-oss's analysis channel, read
 by :mod:`serving.harmony`) or ``none`` (the thinking stays in the content). A reply is thinking
 from its start where the prompt ends inside ``<think>`` (templates that open it for the model:
 DeepSeek-R1's, Qwen3's thinking models') or where the reply opens it; with ``deepseek_r1``
@@ -97,7 +98,13 @@ class ReasoningReader:
             head = self._pending.lstrip()
             if head.startswith(self._open):  # (where already opened, a model's repetition)
                 self._pending, self._state = head[len(self._open) :], "thinking"
-            elif final or (head and not self._open.startswith(head)):
+            elif self._label and head.startswith(self._label):
+                # The channel's name without its opening (some Gemma 4 checkpoints write it):
+                # thinking, as vLLM's parser reads it.
+                self._pending, self._state = head, "thinking"
+            elif final or (
+                head and not self._open.startswith(head) and not self._label.startswith(head)
+            ):
                 self._state = "thinking" if self._state == "opened" else "answer"
             else:
                 return "", ""

@@ -912,6 +912,7 @@ class ToolCallScanner:
             else (self._close,)
         )
         self._mode: str | None = None  # llama3_json: "calls" or "text", once decided
+        self._cut = False  # the reply ended at its token limit (finish)
         self.calls: list[ParsedCall] = []
 
     @property
@@ -937,10 +938,13 @@ class ToolCallScanner:
         """How many of the last characters may hold the start of a close (at least one)."""
         return max((len(close) - 1 for close in self._closes), default=0) or 1
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
-        """The reply ended: everything held back goes out (an unfinished call as content)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ParsedCall]]:
+        """The reply ended: everything held back goes out (an unfinished call as content,
+        unless its format forgives the missing close: :meth:`_unclosed_call`; never where
+        the reply was ``cut`` by its token limit)."""
         self._pending += "".join(self._parts)
         self._parts.clear()
+        self._cut = cut
         return self._read(final=True)
 
     def _read(self, final: bool) -> tuple[str, list[ParsedCall]]:
@@ -1037,6 +1041,19 @@ class ToolCallScanner:
         arguments = gemma_arguments(call["arguments"])
         return None if arguments is None else _parsed(call["name"], arguments)
 
+    def _unclosed_call(self) -> ParsedCall | None:
+        """A call the reply ended in before its close, read where it is whole, as vLLM
+        reads it: Qwen3-Coder's that closed its function but not ``<tool_call>``; Gemma 4's
+        whose arguments' braces closed (its end-of-turn token, which ends the reply, written
+        instead of ``<tool_call|>``). None: the client gets its text."""
+        if self._cut:
+            return None
+        if self._format.name == "qwen3_coder" and self._closed_xml():
+            return self._xml_call(self._pending)
+        if self._format.name == "gemma4":
+            return self._gemma_call(self._pending)
+        return None
+
     def _properties(self, name: str) -> dict[str, Any]:
         """The parameters' schemas of function ``name`` by parameter (empty: unknown)."""
         schema = self._schemas.get(name) or {}
@@ -1050,10 +1067,7 @@ class ToolCallScanner:
                 end = self._pending.find(self._close)
                 if end < 0:
                     if final:  # an unfinished call: the client gets its text
-                        # (Qwen3-Coder's that closed its function but not <tool_call> is a
-                        # call, as vLLM reads it)
-                        closed = self._format.name == "qwen3_coder" and self._closed_xml()
-                        call = self._xml_call(self._pending) if closed else None
+                        call = self._unclosed_call()
                         if call is None:
                             content += self._gap + self._open + self._pending
                         else:
@@ -1304,7 +1318,8 @@ def _parsed(name: str, arguments: dict[str, Any]) -> ParsedCall | None:
 
 # A key Gemma's notation can write bare: none of the characters that end a key or a value.
 _GEMMA_BARE_KEY = re.compile(r"[^:,{}\[\]\"\s]+")
-_GEMMA_BODY = re.compile(r"call:(?P<name>[^{\s]+)\{(?P<arguments>.*)\}", re.DOTALL)
+# (``call`` left out, as some Gemma 4 checkpoints write it: vLLM's parser reads it too)
+_GEMMA_BODY = re.compile(r"(?:call)?:(?P<name>[^{\s:]+)\{(?P<arguments>.*)\}", re.DOTALL)
 _XML_FUNCTION = re.compile(
     r"<function=(?P<name>[^>\n]+)>(?P<parameters>.*?)(?:</function>\s*)?", re.DOTALL
 )

@@ -15,7 +15,9 @@ from tokenizers import AddedToken
 from osd.decode.grammar import GrammarCompiler
 from osd.toy_models import char_tokenizer
 from serving.call_values import gemma_arguments
+from serving.chat_replies import ChatReply, Piece
 from serving.tool_parsers import ParsedCall, detect_parser, tool_call_format
+from serving.tools import ToolPlan
 from tests.serving.test_section_tool_parsers import _accepts, _marked
 from tests.serving.test_tool_parsers import FUNCTIONS, scan
 
@@ -56,13 +58,19 @@ CASES = [
         ),
     ),
     (call("calc", ""), ("", [ParsedCall("calc", "{}")])),
+    # Whole calls as some checkpoints write them, read as vLLM reads them: the reply ended
+    # (at the end-of-turn token) where ``<tool_call|>`` was due; ``call`` left out.
+    (f"Sure.\n{OPEN}call:calc{{n:3}}", ("Sure.", [ParsedCall("calc", '{"n": 3}')])),
+    (f"{OPEN}:calc{{n:3}}{CLOSE}", ("", [ParsedCall("calc", '{"n": 3}')])),
     # Not calls: an unknown function, an unterminated string, a key without a value, no
-    # braces, an unfinished call; their text stays content.
+    # braces, a call the reply cut short; their text stays content.
     (f"x {call('rm', 'a:1')} y", None),
     (call("calc", f"a:{QUOTE}open"), None),
     (call("calc", "a:1,b"), None),
     (f"{OPEN}calc(n=3){CLOSE}", None),
-    (f"{OPEN}call:calc{{n:3}}", None),
+    (f"{OPEN}call:calc{{n:3,m:{{k:1}}", None),
+    (f"{OPEN}call:calc{{n:3", None),
+    (f"{OPEN}call:rm{{n:3}}", None),
 ]
 
 
@@ -179,3 +187,28 @@ def test_keys_sorted_as_jinjas_dictsort_and_odd_ones_quoted_read_back():
     assert not _accepts(tokenizer, compiler, source, call("calc", f"Zed:3,{quoted('a b:c')}:1,n:2"))
     content, calls = scan("gemma4", text)
     assert content == "" and json.loads(calls[0].arguments) == {"a b:c": 1, "n": 2, "Zed": 3}
+
+
+@pytest.mark.parametrize("pieces", [0, 1, 5])
+def test_a_call_the_end_of_turn_closed_is_a_call_but_not_one_the_token_limit_cut(pieces):
+    """Gemma 4 may end its turn where ``<tool_call|>`` was due (the end-of-turn token, not in
+    the text, ends the reply): a whole call is read, with ``tool_calls`` as its finish; the
+    same text cut by ``max_tokens`` keeps ``length`` and its text as content."""
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    text = f"Sure.\n{OPEN}call:calc{{n:3}}"
+    for reason, content, finish in [("stop", "Sure.", "tool_calls"), ("length", text, "length")]:
+        reply = ChatReply(None, tool_call_format("gemma4"), ToolPlan(tools, (), parallel=True))
+        step = pieces or len(text)
+        streamed = Piece()
+        for at in range(0, len(text), step):
+            streamed += reply.feed(text[at : at + step])
+        streamed += reply.finish(reason)
+        assert streamed.content == content and reply.finish_reason(reason) == finish
+        assert [call["function"]["arguments"] for call in streamed.calls] == (
+            ['{"n": 3}'] if reason == "stop" else []
+        )
+        whole = ChatReply(None, tool_call_format("gemma4"), ToolPlan(tools, (), parallel=True))
+        message, whole_finish = whole.message(text, reason)
+        assert whole_finish == finish and (message["content"] or "") == (
+            "Sure." if reason == "stop" else text
+        )

@@ -54,6 +54,12 @@ CASES = [
     (("<|channel>musing<channel|>Hi", False, "gemma4"), ("musing", "Hi", True)),
     (("<|channel>thought\nstill", False, "gemma4"), ("still", "", True)),
     (("thought about it", False, "gemma4"), ("", "thought about it", False)),
+    # The channel's name without its opening, as some checkpoints write it (vLLM reads it so).
+    (("thought\nhmm<channel|>Hi", False, "gemma4"), ("hmm", "Hi", True)),
+    (("thought\nhmm", False, "gemma4"), ("hmm", "", True)),
+    (("thought", False, "gemma4"), ("", "thought", False)),
+    (("thoughtful", False, "gemma4"), ("", "thoughtful", False)),
+    (("thought\nx", False, "qwen3"), ("", "thought\nx", False)),
     (("<think>x</think>y", False, "gemma4"), ("", "<think>x</think>y", False)),
 ]
 
