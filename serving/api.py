@@ -42,6 +42,7 @@ from serving.protocol import (
     now,
     parse_request,
 )
+from serving.responses_api import read_responses_request, response_events, responses_error
 from serving.runtime import Job, ReplicaRuntime, grammar_failure
 from serving.tokenize_api import detokenize, tokenize
 
@@ -211,6 +212,10 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await _counted(runtime, "/v1/chat/completions", _handle(runtime, request, "chat"))
 
+    @app.post("/v1/responses", response_model=None, dependencies=authorized)
+    async def responses(request: Request) -> Response:
+        return await _counted(runtime, "/v1/responses", _handle_responses(runtime, request))
+
     return app
 
 
@@ -261,6 +266,40 @@ async def _handle(
     if every is None:  # nobody reads the answer: its rows stopped at their next step
         return Response(status_code=499)
     return JSONResponse(_response(runtime, jobs, kind, every))
+
+
+async def _handle_responses(runtime: ReplicaRuntime, http: Request) -> Response:
+    """OpenAI's Responses API, run as the chat request it reads into
+    (:mod:`serving.responses_api`)."""
+    asked = read_responses_request(await _read_json(http, runtime.config.serve.max_body_bytes))
+    try:
+        request = parse_request("chat", asked.chat)
+        runtime.check_model(request.model)
+        jobs = await _admit_each_prompt(runtime, request)
+    except APIError as exc:
+        raise responses_error(exc) from None
+    if request.stream:
+        return _JobStream(runtime, jobs, response_events(asked, _sse(runtime, jobs, "chat")))
+    every = await _unless_client_leaves(http, _results_of(runtime, jobs))
+    if every is None:
+        return Response(status_code=499)
+    [job], [[result]] = jobs, every
+    [reply] = _replies(runtime, job)
+    finish: str | None = result.finish_reason
+    pieces = [Piece(content=result.text)]
+    if reply is not None:  # in the order the reply said them
+        pieces = [reply.feed(result.text), reply.finish(finish)]
+        finish = reply.finish_reason(finish)
+    logprobs = LogprobFormatter(runtime.engine.tokenizer, True)
+    return JSONResponse(
+        asked.response(
+            [piece.delta() for piece in pieces],
+            finish,
+            logprobs.format(result.token_ids, result.logprobs),
+            _summed_usage(jobs, every),
+            _prompts_stats(jobs, every),
+        )
+    )
 
 
 async def _admit_each_prompt(

@@ -184,3 +184,15 @@ def test_where_the_prompt_opens_no_thinking_a_grammar_writes_the_whole_answer(cl
     named = {"type": "function", "function": {"name": "calc"}}
     [made] = chat(client, tools=TOOLS, tool_choice=named, seed=1).choices[0].message.tool_calls
     assert made.function.name == "calc" and set(json.loads(made.function.arguments)) == {"n"}
+
+
+def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(client):
+    fields = {"model": "osd", "input": "weather in oslo?", "max_output_tokens": 150}
+    fields["extra_body"] = written(REPLY)["extra_body"]
+    whole = client.responses.create(**fields)
+    with client.responses.stream(**fields) as stream:
+        final = stream.get_final_response()
+    for response in (whole, final):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "first, 2 < 3."
+        assert response.output_text == "the answer." and response.status == "completed"
