@@ -216,6 +216,20 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def responses(request: Request) -> Response:
         return await _counted(runtime, "/v1/responses", _handle_responses(runtime, request))
 
+    stored = "/v1/responses/{response_id:path}"
+
+    @app.api_route(stored, methods=["GET", "POST", "DELETE"], dependencies=authorized)
+    async def stored_response(response_id: str) -> Response:
+        # Retrieve, delete, cancel, list input items: all of stored responses, which osd keeps
+        # none of (every response says store: false).
+        raise APIError(
+            404,
+            f"response {response_id.split('/')[0]!r} is not stored: osd stores no responses "
+            "(every one answers store: false); send the conversation in input",
+            param="response_id",
+            code="response_not_found",
+        )
+
     return app
 
 

@@ -35,6 +35,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.openai_fields import HARMLESS
 from serving.protocol import APIError
 
 __all__ = [
@@ -291,8 +292,10 @@ def read_responses_request(data: Any) -> ResponsesRequest:
                 "unknown_parameter",
             )
         kind = RESPONSES_FIELDS.get(name)
-        if kind is None:
-            chat[name] = value  # vLLM's extras and osd's own: the chat request judges them
+        if kind is None or (kind == _HARMLESS and name in HARMLESS):
+            # vLLM's extras and osd's own: the chat request judges them (the harmless ones
+            # it knows too: their types)
+            chat[name] = value
         elif isinstance(kind, tuple) and not kind[0](value):
             raise _unsupported(name, kind[1], value)
     if "model" not in data:

@@ -37,8 +37,16 @@ def test_the_official_client_needs_one_of_the_keys(caplog):
                 )
             assert refused.value.status_code == 401
             assert refused.value.body["code"] == "invalid_api_key"
+        answer = client(replica, "k-first-0123456789").responses.create(
+            model="osd", input="the cat", max_output_tokens=4
+        )
+        assert answer.usage.output_tokens >= 1
+        with pytest.raises(openai.AuthenticationError):
+            client(replica, "nope").responses.create(model="osd", input="x")
         none = replica.client.post("/v1/completions", json={"model": "osd", "prompt": "x"})
         assert none.status_code == 401 and none.headers["www-authenticate"] == "Bearer"
+        stored = replica.client.get("/v1/responses/resp_1")
+        assert stored.status_code == 401  # not even whether it exists, without a key
         assert none.json()["error"]["type"] == "invalid_request_error"
         # Liveness and metrics stay open to probes and scrapers.
         assert replica.client.get("/health").status_code == 200

@@ -188,6 +188,7 @@ def test_logprobs_come_with_the_output_text_when_included(client):
         ({"extra_body": {"max_token": 3}}, "max_token", "unknown_parameter"),
         ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
         ({"text": {"verbosity": "low"}}, "text.verbosity", "unsupported_parameter"),
+        ({"extra_body": {"user": 5}}, "user", "invalid_type"),
     ],
 )
 def test_what_osd_does_not_do_is_refused_by_name(client, fields, param, code):
@@ -269,3 +270,14 @@ def test_the_chat_requests_errors_name_the_responses_fields(client):
     with pytest.raises(openai.BadRequestError) as refused:
         respond(client, input=[])
     assert refused.value.body["param"] == "input"
+
+
+def test_stored_responses_are_not_found_with_a_reason(client):
+    for call in (
+        lambda: client.responses.retrieve("resp_1"),
+        lambda: client.responses.delete("resp_1"),
+        lambda: client.responses.cancel("resp_1"),
+    ):
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert "osd stores no responses" in missing.value.body["message"]
