@@ -222,6 +222,13 @@ def create_api(runtime: ReplicaRuntime) -> FastAPI:
     async def stored_response(response_id: str) -> Response:
         # Retrieve, delete, cancel, list input items: all of stored responses, which osd keeps
         # none of (every response says store: false).
+        if response_id.strip("/") in ("", "input_tokens", "compact"):
+            raise APIError(
+                404,
+                f"/v1/responses/{response_id} is not served by osd (it serves POST "
+                "/v1/responses: the token count is the answer's usage.input_tokens)",
+                code="not_found",
+            )
         raise APIError(
             404,
             f"response {response_id.split('/')[0]!r} is not stored: osd stores no responses "
@@ -301,15 +308,17 @@ async def _handle_responses(runtime: ReplicaRuntime, http: Request) -> Response:
     [reply] = _replies(runtime, job)
     finish: str | None = result.finish_reason
     pieces = [Piece(content=result.text)]
-    if reply is not None:  # in the order the reply said them
-        pieces = [reply.feed(result.text), reply.finish(finish)]
+    if reply is not None:
+        # Read as a stream of characters: each piece is text, thinking or a call, in the
+        # order the reply said them (a piece read whole holds all its text before its calls).
+        pieces = [reply.feed(char) for char in result.text] + [reply.finish(finish)]
         finish = reply.finish_reason(finish)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, True)
     return JSONResponse(
         asked.response(
-            [piece.delta() for piece in pieces],
+            [piece.delta() for piece in pieces if piece.content or piece.thinking or piece.calls],
             finish,
-            logprobs.format(result.token_ids, result.logprobs),
+            (logprobs.format(result.token_ids, result.logprobs) or {}).get("content"),
             _summed_usage(jobs, every),
             _prompts_stats(jobs, every),
         )

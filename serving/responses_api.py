@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -62,9 +63,19 @@ def _is_empty(value: Any) -> bool:
     return value is None or value == [] or value == {}
 
 
+def _is_object(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+def _is_bool(value: Any) -> bool:
+    return value is None or isinstance(value, bool)
+
+
 # Every top-level field of a Responses request: "used" (read below), "harmless" (accepted and
-# ignored: nothing a client sees changes), or a check of the field's no-op value and what any
-# other value asks for (refused: 400 unsupported_parameter).
+# ignored: nothing a client sees changes; those chat knows go on to it for their type check),
+# a type check of a field accepted and ignored (a 400 invalid_type naming the type), or a check
+# of the field's no-op value and what any other value asks for (refused: 400
+# unsupported_parameter).
 _USED = "used"
 _HARMLESS = "harmless"
 RESPONSES_FIELDS: Mapping[str, str | tuple[Callable[[Any], bool], str]] = {
@@ -82,8 +93,8 @@ RESPONSES_FIELDS: Mapping[str, str | tuple[Callable[[Any], bool], str]] = {
     "text": _USED,  # format; verbosity refused unless "medium"
     "reasoning": _USED,  # effort; summary: osd answers the thinking itself, not a summary
     "stream": _USED,
-    "stream_options": _HARMLESS,  # include_obfuscation: osd pads nothing
-    "store": _HARMLESS,  # answered store: false (vLLM's answer without its store)
+    "stream_options": (_is_object, "an object"),  # include_obfuscation: osd pads nothing
+    "store": (_is_bool, "a boolean"),  # answered store: false (vLLM's answer without its store)
     "metadata": _USED,  # answered back, as OpenAI does
     "user": _HARMLESS,
     "safety_identifier": _HARMLESS,
@@ -103,7 +114,7 @@ RESPONSES_FIELDS: Mapping[str, str | tuple[Callable[[Any], bool], str]] = {
     "prompt": (_is_default(), "a stored prompt template"),
     "background": (_is_default(False), "a response run in the background and polled"),
     "background_options": (_is_empty, "a response run in the background"),
-    "max_tool_calls": (_is_default(), "a limit on OpenAI's hosted tools' calls"),
+    "max_tool_calls": _HARMLESS,  # a limit on hosted tools' calls, which osd never makes
     "moderation": (_is_default(), "moderation of the input and output"),
     "context_management": (_is_empty, "OpenAI's compaction of long contexts"),
     "access_programs": (_is_empty, "OpenAI's programs"),
@@ -123,28 +134,31 @@ _CHAT_SPELLINGS = {
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 
 
-# What the chat request's errors name, as the Responses request spells it.
-_RESPONSES_SPELLINGS = {
-    "max_completion_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "reasoning_effort": "reasoning.effort",
-    "logprobs": "include",
-}
+# What the chat request's errors name, as the Responses request spells it (by prefix; a
+# message's field is ``input``'s, whose items need not map one to one onto messages).
+_RESPONSES_SPELLINGS = [
+    (re.compile(r"^messages(\[\d+\])?"), "input"),
+    (re.compile(r"^max_completion_tokens$"), "max_output_tokens"),
+    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"^reasoning_effort$"), "reasoning.effort"),
+    (re.compile(r"^logprobs$"), "include"),
+    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+]
 
 
 def responses_error(error: APIError) -> APIError:
     """``error`` of the chat request a Responses request ran as, naming the Responses field
-    (a message's field: ``input``, whose items need not map one to one onto messages)."""
+    (in its param and its message)."""
     param = error.param
     if param is None:
         return error
-    if param.startswith("messages"):
-        param = "input"
-    spelled = _RESPONSES_SPELLINGS.get(param)
-    if spelled is not None:
-        error.message = error.message.replace(param, spelled)
-        param = spelled
-    error.param = param
+    for pattern, spelled in _RESPONSES_SPELLINGS:
+        renamed = pattern.sub(spelled, param, count=1)
+        if renamed != param:
+            error.message = error.message.replace(param, renamed)
+            error.param = renamed
+            break
     return error
 
 
@@ -180,20 +194,23 @@ class ResponsesRequest:
         self,
         deltas: list[Mapping[str, Any]],
         finish_reason: str | None,
-        logprobs: Mapping[str, Any] | None,
+        logprobs: list[Any] | None,
         usage: Mapping[str, Any],
         stats: Any = None,
     ) -> dict[str, Any]:
         """The whole Response of a chat answer read in ``deltas`` (as streamed deltas, in the
-        order the reply said them: the items come out in the order a stream gives them), its
-        tokens' ``logprobs`` (chat's, given to the first text)."""
+        order the reply said them), by the events a stream sends. ``logprobs``: every
+        generated token's (chat's entries), given to the message where the reply is all
+        message (which tokens wrote which item of a reply with thinking or calls is not
+        tracked: its message then carries none)."""
+        plain = all(not (d.get("reasoning") or d.get("tool_calls")) for d in deltas)
+        given = {"content": logprobs} if plain and logprobs else None
         events = ResponseEvents(self)
         events.start()
         for delta in deltas:
-            given = logprobs if delta.get("content") else None
-            logprobs = None if given is not None else logprobs
-            events.feed({"choices": [{"delta": delta, "logprobs": given, "finish_reason": None}]})
-        events.feed({"choices": [{"delta": {}, "finish_reason": finish_reason}]})
+            events.feed({"choices": [{"delta": delta, "logprobs": given}]})
+            given = None if delta.get("content") else given
+        events.feed({"choices": [{"delta": {}, "logprobs": given, "finish_reason": finish_reason}]})
         response: dict[str, Any] = events.finish(usage, stats)[-1]["response"]
         return response
 
@@ -236,7 +253,7 @@ class ResponsesRequest:
 def _usage(usage: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage["total_tokens"],
@@ -248,11 +265,8 @@ def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
-def _output_text(text: str, logprobs: list[Any] | None, asked: bool) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if asked:
-        part["logprobs"] = logprobs or []
-    return part
+def _output_text(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _message_item(item_id: str, part: dict[str, Any] | None, status: str) -> dict[str, Any]:
@@ -297,6 +311,8 @@ def read_responses_request(data: Any) -> ResponsesRequest:
             # it knows too: their types)
             chat[name] = value
         elif isinstance(kind, tuple) and not kind[0](value):
+            if kind[0] in (_is_object, _is_bool):
+                raise _bad(f"{name} must be {kind[1]}", name, "invalid_type")
             raise _unsupported(name, kind[1], value)
     if "model" not in data:
         raise _bad("model is required", "model")
@@ -316,7 +332,8 @@ def read_responses_request(data: Any) -> ResponsesRequest:
     if choice is not None:
         chat["tool_choice"] = _tool_choice(choice)
     chat.update(_text_format(data.get("text")))
-    effort = _reasoning_effort(data.get("reasoning"))
+    reasoning = _reasoning(data.get("reasoning"))
+    effort = reasoning.get("effort")
     if effort is not None:
         chat["reasoning_effort"] = effort
     include = data.get("include")
@@ -324,10 +341,12 @@ def read_responses_request(data: Any) -> ResponsesRequest:
         isinstance(include, list) and all(isinstance(x, str) for x in include)
     ):
         raise _bad("include must be a list of strings", "include", "invalid_type")
+    # As OpenAI's: the output text's logprobs where include asks for them, top_logprobs
+    # alternatives at each.
     logprobs = LOGPROBS_INCLUDE in (include or [])
     top = data.get("top_logprobs")
-    if logprobs or top:
-        chat["logprobs"], logprobs = True, True
+    if logprobs:
+        chat["logprobs"] = True
         if top is not None:
             chat["top_logprobs"] = top
     if data.get("stream"):
@@ -337,21 +356,31 @@ def read_responses_request(data: Any) -> ResponsesRequest:
         isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())
     ):
         raise _bad("metadata must be an object of strings", "metadata", "invalid_type")
+    text = data.get("text") or {}
     echo = {
         "instructions": instructions,
         "max_output_tokens": data.get("max_output_tokens"),
         "metadata": metadata or {},
-        "parallel_tool_calls": data.get("parallel_tool_calls", True),
-        "reasoning": {"effort": effort, "summary": None},
-        "temperature": data.get("temperature", 1.0),
-        "text": {"format": (data.get("text") or {}).get("format") or {"type": "text"}},
-        "tool_choice": data.get("tool_choice", "auto"),
+        "parallel_tool_calls": _given(data, "parallel_tool_calls", True),
+        "reasoning": {"effort": effort, "summary": reasoning.get("summary")},
+        "temperature": _given(data, "temperature", 1.0),
+        "text": {
+            "format": text.get("format") or {"type": "text"},
+            "verbosity": text.get("verbosity") or "medium",
+        },
+        "tool_choice": _given(data, "tool_choice", "auto"),
         "tools": tools or [],
         "top_logprobs": top or 0,
-        "top_p": data.get("top_p", 1.0),
+        "top_p": _given(data, "top_p", 1.0),
         "user": data.get("user"),
     }
     return ResponsesRequest(chat, echo, logprobs)
+
+
+def _given(data: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A field as sent, its default where it was left out or null."""
+    value = data.get(name)
+    return default if value is None else value
 
 
 def _copy(source: Mapping[str, Any], target: dict[str, Any], *names: str) -> None:
@@ -369,16 +398,28 @@ def _messages(items: Any) -> list[dict[str, Any]]:
     if not isinstance(items, list):
         raise _bad("input must be a string or a list of input items", "input", "invalid_type")
     messages: list[dict[str, Any]] = []
-    thinking = ""  # a reasoning item's text, for the assistant turn that follows it
+    # Reasoning items' text, for the assistant turn that follows them (dropped where another
+    # turn comes first: a template shows an assistant's own thinking only).
+    thinking: list[str] = []
+
+    def think(message: dict[str, Any]) -> None:
+        if thinking:
+            message["reasoning"] = "\n".join(filter(None, [message.get("reasoning"), *thinking]))
+            thinking.clear()
+
     for i, item in enumerate(items):
         path = f"input[{i}]"
         if not isinstance(item, dict):
             raise _bad(f"{path} must be an object", path, "invalid_type")
-        kind = item.get("type", "message")
+        # (OpenAI's item reference may leave its type out: an id without a role)
+        kind = item.get("type") or (
+            "item_reference" if "id" in item and "role" not in item else "message"
+        )
         if kind == "message":
             message = _message(path, item)
-            if message["role"] == "assistant" and thinking:
-                message["reasoning"], thinking = thinking, ""
+            if message["role"] == "assistant":
+                think(message)
+            thinking.clear()
             messages.append(message)
         elif kind == "function_call":
             call = {
@@ -393,22 +434,27 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)
-            if thinking:
-                last["reasoning"], thinking = thinking, ""
+            think(last)
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else _parts_text(f"{path}.output", output)
             call_id = _string(item, "call_id", path)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            thinking.clear()
         elif kind == "reasoning":
-            parts = [*(item.get("content") or []), *(item.get("summary") or [])]
-            thinking = _parts_text(f"{path}.content", parts) if parts else ""
+            for name in ("content", "summary"):
+                parts = item.get(name)
+                if parts:
+                    thinking.append(_parts_text(f"{path}.{name}", parts, lists_only=True))
         elif kind == "item_reference":
             raise _unsupported(f"{path}.type", "a stored item (osd stores none)", kind)
         else:
             raise _unsupported(
-                f"{path}.type", "an item of OpenAI's hosted tools (osd runs function tools)", kind
+                f"{path}.type",
+                "an item osd does not take (it takes messages, function calls and their "
+                "outputs, and reasoning: not OpenAI's own tools' calls or compaction)",
+                kind,
             )
     return messages
 
@@ -425,10 +471,11 @@ def _message(path: str, item: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": role, "content": text}
 
 
-def _parts_text(path: str, parts: Any) -> str:
+def _parts_text(path: str, parts: Any, lists_only: bool = False) -> str:
     """Text parts joined by newlines (as chat's are); other parts refused by type."""
     if not isinstance(parts, list):
-        raise _bad(f"{path} must be a string or a list of parts", path, "invalid_type")
+        shape = "a list of parts" if lists_only else "a string or a list of parts"
+        raise _bad(f"{path} must be {shape}", path, "invalid_type")
     texts = []
     for j, part in enumerate(parts):
         where = f"{path}[{j}]"
@@ -448,6 +495,14 @@ def _string(item: Mapping[str, Any], name: str, path: str) -> str:
     return value
 
 
+# A function tool's fields beyond chat's, each with its no-op values and what another asks for.
+_TOOL_DEFAULTS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "defer_loading": ((False,), "a tool loaded only when searched for"),
+    "allowed_callers": ((["direct"],), "calls from OpenAI's programs"),
+    "output_schema": ((), "a schema of the tool's output"),
+}
+
+
 def _tools(tools: Any) -> list[dict[str, Any]]:
     """Responses' flat function tools in chat's shape."""
     if not isinstance(tools, list):
@@ -455,15 +510,29 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     shaped = []
     for i, tool in enumerate(tools):
         path = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict):
+            raise _bad(f"{path} must be an object", path, "invalid_type")
+        kind = tool.get("type")
         if kind != "function":
             raise _unsupported(
-                f"{path}.type", "one of OpenAI's hosted tools (osd runs function tools)", kind
+                f"{path}.type", "a tool of OpenAI's own (osd runs function tools)", kind
             )
-        function = {k: v for k, v in tool.items() if k != "type" and v is not None}
-        unknown = sorted(set(function) - {"name", "description", "parameters", "strict"})
-        if unknown:
-            raise _bad(f"{path}.{unknown[0]} is not a field of a function tool", path)
+        function = {}
+        for name, value in tool.items():
+            if name == "type" or value is None:
+                continue
+            if name in _TOOL_DEFAULTS:
+                allowed, asks = _TOOL_DEFAULTS[name]
+                if value not in allowed:
+                    raise _unsupported(f"{path}.{name}", asks, value)
+            elif name not in ("name", "description", "parameters", "strict"):
+                raise _bad(
+                    f"{path}.{name} is not a field of a function tool",
+                    f"{path}.{name}",
+                    "unknown_parameter",
+                )
+            else:
+                function[name] = value
         shaped.append({"type": "function", "function": function})
     return shaped
 
@@ -473,7 +542,7 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    raise _unsupported("tool_choice", "a choice of OpenAI's hosted tools or allowed_tools", choice)
+    raise _unsupported("tool_choice", "a choice of OpenAI's own tools or allowed_tools", choice)
 
 
 def _text_format(text: Any) -> dict[str, Any]:
@@ -489,33 +558,51 @@ def _text_format(text: Any) -> dict[str, Any]:
     if unknown:
         raise _bad(f"text.{unknown[0]} is not a field of text", f"text.{unknown[0]}")
     form = text.get("format")
-    if form is None or form == {"type": "text"}:
+    if form is None:
         return {}
     if not isinstance(form, dict):
         raise _bad("text.format must be an object", "text.format", "invalid_type")
-    if form.get("type") == "json_object":
+    kind = form.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise _bad("text.format.type must be text, json_object or json_schema", "text.format.type")
+    schema_fields = {"type", "name", "schema", "strict", "description"}
+    extra = sorted(set(form) - (schema_fields if kind == "json_schema" else {"type"}))
+    if extra:
+        raise _bad(
+            f"text.format.{extra[0]} is not a field of a {kind} format",
+            f"text.format.{extra[0]}",
+            "unknown_parameter",
+        )
+    if kind == "text":
+        return {}
+    if kind == "json_object":
         return {"response_format": {"type": "json_object"}}
-    if form.get("type") == "json_schema":
-        schema = {k: v for k, v in form.items() if k != "type"}
-        return {"response_format": {"type": "json_schema", "json_schema": schema}}
-    raise _bad("text.format.type must be text, json_object or json_schema", "text.format.type")
+    schema = {k: v for k, v in form.items() if k != "type"}
+    return {"response_format": {"type": "json_schema", "json_schema": schema}}
 
 
-def _reasoning_effort(reasoning: Any) -> str | None:
+def _reasoning(reasoning: Any) -> dict[str, Any]:
+    """``reasoning``'s fields (``effort`` is used; a summary is answered as the thinking)."""
     if reasoning is None:
-        return None
+        return {}
     if not isinstance(reasoning, dict):
         raise _bad("reasoning must be an object", "reasoning", "invalid_type")
     unknown = sorted(set(reasoning) - {"effort", "summary", "generate_summary"})
     if unknown:
-        raise _bad(f"reasoning.{unknown[0]} is not a field of reasoning", "reasoning")
-    return reasoning.get("effort")
+        raise _bad(
+            f"reasoning.{unknown[0]} is not a field of reasoning",
+            f"reasoning.{unknown[0]}",
+            "unknown_parameter",
+        )
+    return reasoning
 
 
 class ResponseEvents:
     """A streamed chat answer's chunks as Responses' events, in the order OpenAI sends them:
-    ``response.created``, each output item added, its deltas, done, then
-    ``response.completed`` (``response.incomplete`` where the token limit cut it)."""
+    ``response.created``, each output item added, its content part added, its deltas, done,
+    then ``response.completed`` (``response.incomplete``, and the last item ``incomplete``,
+    where the token limit cut it). A chunk's log probabilities go to the message it writes,
+    or is writing (the end-of-sequence token's comes in a chunk of its own)."""
 
     def __init__(self, request: ResponsesRequest) -> None:
         self._request = request
@@ -540,11 +627,18 @@ class ResponseEvents:
         events: list[dict[str, Any]] = []
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
+            logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if not self._request.logprobs:
+                logprobs = []
             if delta.get("reasoning"):
-                events += self._write("reasoning", delta["reasoning"], None)
-            if delta.get("content"):  # (logprobs: of the tokens that wrote it)
-                logprobs = (choice.get("logprobs") or {}).get("content") or []
-                events += self._write("message", delta["content"], logprobs)
+                events += self._write("reasoning", delta["reasoning"], [])
+            content = delta.get("content") or ""
+            if self._open is None and self.output and self.output[-1]["type"] == "function_call":
+                content = content.lstrip()  # (the whitespace after a call is the format's)
+            if content:
+                events += self._write("message", content, logprobs)
+            elif self._open is not None and self._open["type"] == "message":
+                self._logprobs += logprobs
             for call in delta.get("tool_calls") or []:
                 events += self._close() + self._call(call)
             self._finish = choice.get("finish_reason") or self._finish
@@ -552,21 +646,25 @@ class ResponseEvents:
 
     def finish(self, usage: Mapping[str, Any] | None, stats: Any) -> list[dict[str, Any]]:
         """The last events: the open item done, then the whole response."""
-        events = self._close()
+        finish = self._finish or "stop"
+        ending = "incomplete" if finish == "length" else "completed"
+        events = self._close(ending)
         if not self.output:  # nothing said: an empty message, as a whole answer has
-            events += self._write("message", "", None) + self._close()
+            events += self._write("message", "", []) + self._close(ending)
         response = self._request.envelope(
-            self._id, self._created, self.output, self._finish or "stop", usage, stats
+            self._id, self._created, self.output, finish, usage, stats
         )
         done = "incomplete" if response["status"] == "incomplete" else "completed"
         return [*events, self._event(f"response.{done}", response=response)]
 
     def fail(self, error: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """An error after the stream began: ``error``, then ``response.failed``."""
+        """An error after the stream began: ``error`` (osd's code), then ``response.failed``
+        (OpenAI's code for it: a request's grammar that failed is an invalid prompt)."""
         code = error.get("code") or error.get("type") or "server_error"
         message = error.get("message", "")
+        kind = "invalid_prompt" if error.get("type") == "invalid_request_error" else "server_error"
         response = self._request.envelope(self._id, self._created, self.output, None, None)
-        response["status"], response["error"] = "failed", {"code": code, "message": message}
+        response["status"], response["error"] = "failed", {"code": kind, "message": message}
         return [
             self._event("error", code=code, message=message, param=error.get("param")),
             self._event("response.failed", response=response),
@@ -583,47 +681,42 @@ class ResponseEvents:
         where = {"item_id": self._open["id"], "output_index": len(self.output)}
         return self._event(kind, **where, content_index=0, **fields)
 
-    def _write(self, kind: str, text: str, logprobs: list[Any] | None) -> list[dict[str, Any]]:
+    def _write(self, kind: str, text: str, logprobs: list[Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        asked = self._request.logprobs
         if self._open is None or self._open["type"] != kind:
             events += self._close()
             if kind == "reasoning":
                 item = _reasoning_item(_new_id("rs"), "", "in_progress")
+                part: dict[str, Any] = {"type": "reasoning_text", "text": ""}
             else:
                 item = _message_item(_new_id("msg"), None, "in_progress")
+                part = _output_text("")
             self._open = item
             index = len(self.output)
             events.append(self._event("response.output_item.added", output_index=index, item=item))
-            if kind == "message":
-                part = _output_text("", [], asked)
-                events.append(self._in_part("response.content_part.added", part=part))
+            events.append(self._in_part("response.content_part.added", part=part))
         self._text += text
         if kind == "reasoning":
             return [*events, self._in_part("response.reasoning_text.delta", delta=text)]
-        extra: dict[str, Any] = {}
-        if asked:
-            self._logprobs += logprobs or []
-            extra["logprobs"] = logprobs or []
-        return [*events, self._in_part("response.output_text.delta", delta=text, **extra)]
+        self._logprobs += logprobs
+        return [*events, self._in_part("response.output_text.delta", delta=text, logprobs=logprobs)]
 
-    def _close(self) -> list[dict[str, Any]]:
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
         item = self._open
         if item is None:
             return []
         text, index = self._text, len(self.output)
         if item["type"] == "reasoning":
-            done = _reasoning_item(item["id"], text)
+            done = _reasoning_item(item["id"], text, status)
+            part: dict[str, Any] = {"type": "reasoning_text", "text": text}
             events = [self._in_part("response.reasoning_text.done", text=text)]
         else:
-            asked = self._request.logprobs
-            part = _output_text(text, self._logprobs, asked)
-            done = _message_item(item["id"], part, "completed")
-            extra = {"logprobs": self._logprobs} if asked else {}
+            part = _output_text(text, self._logprobs)
+            done = _message_item(item["id"], part, status)
             events = [
-                self._in_part("response.output_text.done", text=text, **extra),
-                self._in_part("response.content_part.done", part=part),
+                self._in_part("response.output_text.done", text=text, logprobs=self._logprobs)
             ]
+        events.append(self._in_part("response.content_part.done", part=part))
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         self.output.append(done)
         self._open, self._text, self._logprobs = None, "", []

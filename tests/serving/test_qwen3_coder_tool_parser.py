@@ -212,3 +212,13 @@ def test_a_string_with_max_length_is_bounded(tokenizer):
     source = tool_call_format("qwen3_coder").grammar([{"name": "f", "parameters": bounded}], False)
     for value, accepted in [("", True), ("a\nb", True), ("abcd", False)]:
         assert _accepts(compiler, source, call_text("f", q=value)) is accepted, value
+
+
+def test_a_call_whose_function_closed_is_content_where_max_tokens_cut_the_reply():
+    """The forgiven missing ``</tool_call>`` is the model's end of turn; a reply cut by its
+    token limit there keeps its text, as every format's unfinished call does."""
+    text = OSLO.removesuffix("\n</tool_call>")
+    scanner = ToolCallScanner("qwen3_coder", ["get_weather"])
+    content, calls = scanner.feed(text)
+    more, last = scanner.finish(cut=True)
+    assert (content + more, calls + last) == (text, [])

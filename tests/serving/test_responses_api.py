@@ -20,7 +20,7 @@ from serving.responses_api import (
 )
 from tests.reliability.conftest import Replica
 from tests.serving.test_tools_api import CALC as CHAT_CALC
-from tests.serving.test_tools_api import TEMPLATE, follows_schema, template_replica
+from tests.serving.test_tools_api import CALL_TEXT, TEMPLATE, follows_schema, template_replica
 from tests.serving.test_tools_api import WEATHER as CHAT_WEATHER
 
 
@@ -103,7 +103,8 @@ def test_streamed_events_accumulate_to_the_whole_response(client, fields):
     whole = client.responses.create(model="osd", **fields)
     with client.responses.stream(model="osd", **fields) as stream:
         events = list(stream)
-    final = events[-1].response  # (the helper's get_final_response: completed ones only)
+        # What the client accumulated (its get_final_response: completed ones only).
+        final = stream.get_final_response() if whole.status == "completed" else events[-1].response
     numbers = [event.sequence_number for event in events]
     assert numbers == list(range(len(events)))
     assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
@@ -162,13 +163,42 @@ def test_a_json_schema_format_is_followed(client):
     assert answer.text.format.type == "json_schema"
 
 
-def test_logprobs_come_with_the_output_text_when_included(client):
-    answer = respond(client, input="hi", include=["message.output_text.logprobs"], top_logprobs=2)
+def test_logprobs_come_with_the_output_text_when_included_whole_and_streamed(client):
+    fields = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    answer = respond(client, **fields)
     part = answer.output[0].content[0]
     assert len(part.logprobs) == answer.usage.output_tokens
     assert all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
     assert "".join(entry.token for entry in part.logprobs) == part.text
-    assert respond(client, input="hi").output[0].content[0].logprobs is None
+    with client.responses.stream(model="osd", max_output_tokens=12, temperature=0, **fields) as s:
+        events = list(s)
+    deltas = [e.logprobs for e in events if e.type == "response.output_text.delta"]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert [x.token for x in done.logprobs] == [x.token for x in part.logprobs]
+    assert sum(len(d) for d in deltas) == len(done.logprobs)
+    # As OpenAI's: none without the include (top_logprobs alone asks for none).
+    for plain in ({}, {"top_logprobs": 2}):
+        assert respond(client, input="hi", **plain).output[0].content[0].logprobs == []
+
+
+def test_a_whole_answer_gives_its_items_in_the_order_the_reply_said_them(client):
+    said = f"let me see.\n{CALL_TEXT}\nthat is all."
+    answer = respond(
+        client,
+        input="weather in oslo?",
+        tools=[CALC, WEATHER],
+        max_output_tokens=150,
+        extra_body={"structured_outputs": {"choice": [said]}},
+    )
+    assert items(answer) == [
+        ("message", None, None),
+        ("function_call", "get_weather", '{"city": "oslo"}'),
+        ("message", None, None),
+    ]
+    assert [item.content[0].text for item in answer.output if item.type == "message"] == [
+        "let me see.",
+        "that is all.",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -189,6 +219,22 @@ def test_logprobs_come_with_the_output_text_when_included(client):
         ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
         ({"text": {"verbosity": "low"}}, "text.verbosity", "unsupported_parameter"),
         ({"extra_body": {"user": 5}}, "user", "invalid_type"),
+        ({"store": "yes"}, "store", "invalid_type"),
+        ({"input": [{"type": "reasoning", "summary": 1}]}, "input[0].summary", "invalid_type"),
+        ({"input": [{"type": "reasoning", "content": "x"}]}, "input[0].content", "invalid_type"),
+        ({"input": [{"id": "msg_1"}]}, "input[0].type", "unsupported_parameter"),
+        ({"input": [{"type": "compaction"}]}, "input[0].type", "unsupported_parameter"),
+        ({"tools": ["calc"]}, "tools[0]", "invalid_type"),
+        ({"tools": [{**CALC, "defer_loading": True}]}, "tools[0].defer_loading", None),
+        ({"tools": [{**CALC, "colour": 1}]}, "tools[0].colour", "unknown_parameter"),
+        ({"text": {"format": {"type": "text", "x": 1}}}, "text.format.x", "unknown_parameter"),
+        ({"text": {"format": {"type": "yaml"}}}, "text.format.type", None),
+        ({"reasoning": {"depth": 1}}, "reasoning.depth", "unknown_parameter"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 3}}}},
+            "text.format.schema",
+            None,
+        ),
     ],
 )
 def test_what_osd_does_not_do_is_refused_by_name(client, fields, param, code):
@@ -211,6 +257,9 @@ def test_clients_defaults_and_osds_own_fields_are_accepted(client):
         metadata={"who": "test"},
         user="u1",
         reasoning={"summary": "auto"},
+        max_tool_calls=3,
+        tools=[{**CALC, "defer_loading": False, "allowed_callers": ["direct"]}],
+        tool_choice="none",
         extra_body={"seed": 3, "top_k": 5, "log": False, "spec": {"method": "none"}},
     )
     assert answer.store is False and answer.metadata == {"who": "test"}
@@ -281,3 +330,6 @@ def test_stored_responses_are_not_found_with_a_reason(client):
         with pytest.raises(openai.NotFoundError) as missing:
             call()
         assert "osd stores no responses" in missing.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.responses.input_tokens.count(model="osd", input="hi")
+    assert "usage.input_tokens" in missing.value.body["message"]
