@@ -308,10 +308,8 @@ async def _handle_responses(runtime: ReplicaRuntime, http: Request) -> Response:
     [reply] = _replies(runtime, job)
     finish: str | None = result.finish_reason
     pieces = [Piece(content=result.text)]
-    if reply is not None:
-        # Read as a stream of characters: each piece is text, thinking or a call, in the
-        # order the reply said them (a piece read whole holds all its text before its calls).
-        pieces = [reply.feed(char) for char in result.text] + [reply.finish(finish)]
+    if reply is not None:  # in the order the reply said them
+        pieces = reply.ordered(result.text, finish)
         finish = reply.finish_reason(finish)
     logprobs = LogprobFormatter(runtime.engine.tokenizer, True)
     return JSONResponse(

@@ -15,6 +15,7 @@ reply that called a tool and stopped by itself ends with ``finish_reason: "tool_
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,6 +109,19 @@ class ChatReply:
         thinking, answer = ("", "") if self._reasoning is None else self._reasoning.finish()
         return self._read(thinking, answer, final=True, cut=reason == "length")
 
+    def ordered(self, text: str, reason: str | None) -> list[Piece]:
+        """A whole reply's pieces in the order it said them (its thinking, text and calls):
+        read in stretches that each end at a closing marker (a stretch read at once gives its
+        text before its call), harmony's character by character."""
+        if self._harmony is not None:
+            stretches = list(text)
+        else:
+            closes = [] if self._scanner is None else list(self._scanner.closes)
+            if self._reasoning is not None:
+                closes.append(self._reasoning.closing)
+            stretches = _split_after(text, closes)
+        return [self.feed(stretch) for stretch in stretches] + [self.finish(reason)]
+
     def finish_reason(self, reason: str | None) -> str | None:
         """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
         request named the function, as OpenAI answers)."""
@@ -164,6 +178,15 @@ class ChatReply:
             )
             self._count += 1
         return deltas
+
+
+def _split_after(text: str, markers: list[str]) -> list[str]:
+    """``text`` cut after each occurrence of any of ``markers``."""
+    ends = sorted(
+        {m.end() for marker in markers if marker for m in re.finditer(re.escape(marker), text)}
+    )
+    starts = [0, *ends]
+    return [text[a:b] for a, b in zip(starts, [*ends, len(text)], strict=True) if b > a]
 
 
 def _without_index(delta: dict[str, Any]) -> dict[str, Any]:

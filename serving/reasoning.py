@@ -83,6 +83,11 @@ class ReasoningReader:
         self.thought = False  # thinking text went out (the reply held some)
         self._labelled = not self._label  # the label after the opening was read
 
+    @property
+    def closing(self) -> str:
+        """The marker that ends the thinking."""
+        return self._close
+
     def feed(self, text: str) -> tuple[str, str]:
         """Takes the next piece of the reply; returns (thinking, answer) to send."""
         self._pending += text

@@ -919,6 +919,12 @@ class ToolCallScanner:
     def called(self) -> bool:
         return bool(self.calls)
 
+    @property
+    def closes(self) -> tuple[str, ...]:
+        """The markers that end a call (or a section of calls) in this format; none where
+        calls are read at the reply's end."""
+        return self._closes
+
     def feed(self, text: str) -> tuple[str, list[ParsedCall]]:
         """Takes the next piece of the reply; returns (content to send, calls completed)."""
         if self._in_call:

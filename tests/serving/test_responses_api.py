@@ -13,11 +13,15 @@ import openai
 import pytest
 from openai.types.responses.response_create_params import ResponseCreateParamsNonStreaming
 
+from serving.chat_replies import ChatReply
+from serving.reasoning import ReasoningReader
 from serving.responses_api import (
     RESPONSES_FIELDS,
     ResponseEvents,
     read_responses_request,
 )
+from serving.tool_parsers import tool_call_format
+from serving.tools import ToolPlan
 from tests.reliability.conftest import Replica
 from tests.serving.test_tools_api import CALC as CHAT_CALC
 from tests.serving.test_tools_api import CALL_TEXT, TEMPLATE, follows_schema, template_replica
@@ -333,3 +337,24 @@ def test_stored_responses_are_not_found_with_a_reason(client):
     with pytest.raises(openai.NotFoundError) as missing:
         client.responses.input_tokens.count(model="osd", input="hi")
     assert "usage.input_tokens" in missing.value.body["message"]
+
+
+def test_a_whole_reply_is_read_in_stretches_that_end_at_closing_markers():
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    reply = ChatReply(
+        ReasoningReader("qwen3", False),
+        tool_call_format("hermes"),
+        ToolPlan(tools, (), parallel=True),
+    )
+    text = f"<think>hm</think>\n\nlet me see.\n{CALL_TEXT}\n{CALL_TEXT}\nthat is all."
+    said = [
+        (p.thinking, p.content, [c["function"]["name"] for c in p.calls])
+        for p in reply.ordered(text, "stop")
+        if p.thinking or p.content or p.calls
+    ]
+    assert said == [
+        ("hm", "", []),
+        ("", "let me see.", ["get_weather"]),
+        ("", "", ["get_weather"]),
+        ("", "\nthat is all.", []),
+    ]
