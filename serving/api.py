@@ -672,15 +672,19 @@ async def _job_events(
                 finish: str | None = chunk.finish_reason
                 reply = replies[i]
                 if reply is None:
-                    piece = Piece(content=chunk.text)
-                else:
-                    piece = reply.feed(chunk.text)
+                    pieces = [Piece(content=chunk.text)]
+                else:  # (text after a call in this chunk: an event after the call's)
+                    pieces = reply.feed_ordered(chunk.text)
                     if finish is not None:
-                        piece, finish = piece + reply.finish(finish), reply.finish_reason(finish)
-                if piece.content or piece.thinking or piece.calls or finish or first[i]:
-                    yield _event(head, [choice(i, piece, finish)], **usage())
-                    echo[i], first[i] = "", False
-                    held_ids[i], held[i] = [], None if held[i] is None else []
+                        pieces[-1] += reply.finish(finish)
+                        finish = reply.finish_reason(finish)
+                for j, piece in enumerate(pieces):
+                    last = j == len(pieces) - 1
+                    end = finish if last else None
+                    if piece.content or piece.thinking or piece.calls or end or (first[i] and last):
+                        yield _event(head, [choice(i, piece, end)], **usage())
+                        echo[i], first[i] = "", False
+                        held_ids[i], held[i] = [], None if held[i] is None else []
     except GrammarFailed as exc:  # the request's grammar, not the server: its 400, in-band
         failed.append(str(exc))
         yield f"data: {json.dumps(grammar_failure(job, exc).body())}\n\n".encode()

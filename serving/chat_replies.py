@@ -92,6 +92,13 @@ class ChatReply:
             else ToolCallScanner(form.name, tools.names, tools.parallel, tools.schemas)
         )
         self._named = tools is not None and tools.named
+        # The markers that end a call, a section of calls or the thinking (feed_ordered), and
+        # the reply's last characters, where one may have begun.
+        self._markers = [] if self._scanner is None else list(self._scanner.closes)
+        if reasoning is not None:
+            self._markers.append(reasoning.closing)
+        self._longest = max((len(m) - 1 for m in self._markers), default=0)
+        self._recent = ""
         self._count = 0
         self._ids: set[str | None] = {None}  # the model's own call ids given out
 
@@ -110,17 +117,33 @@ class ChatReply:
         return self._read(thinking, answer, final=True, cut=reason == "length")
 
     def ordered(self, text: str, reason: str | None) -> list[Piece]:
-        """A whole reply's pieces in the order it said them (its thinking, text and calls):
-        read in stretches that each end at a closing marker (a stretch read at once gives its
-        text before its call), harmony's character by character."""
+        """A whole reply's pieces in the order it said them (harmony's read character by
+        character): :meth:`feed_ordered`, then the end."""
         if self._harmony is not None:
-            stretches = list(text)
-        else:
-            closes = [] if self._scanner is None else list(self._scanner.closes)
-            if self._reasoning is not None:
-                closes.append(self._reasoning.closing)
-            stretches = _split_after(text, closes)
-        return [self.feed(stretch) for stretch in stretches] + [self.finish(reason)]
+            return [self.feed(char) for char in text] + [self.finish(reason)]
+        return [*self.feed_ordered(text), self.finish(reason)]
+
+    def feed_ordered(self, text: str) -> list[Piece]:
+        """The next text of the reply as pieces in the order it said them: read in stretches
+        that each end at a closing marker (a call's, a section's, the thinking's), so a
+        piece's text comes before its call, and text after a call is a piece of its own.
+        (:meth:`feed` gives one piece, whose text and calls' order is lost.)"""
+        if self._harmony is not None or not self._markers:
+            return [self.feed(text)]
+        recent = self._recent + text
+        cut = len(self._recent)
+        ends = sorted(
+            {
+                found.end() - cut
+                for marker in self._markers
+                for found in re.finditer(re.escape(marker), recent)
+                if found.end() > cut
+            }
+        )
+        self._recent = recent[-self._longest :] if self._longest else ""
+        starts = [0, *ends]
+        stretches = [text[a:b] for a, b in zip(starts, [*ends, len(text)], strict=True) if b > a]
+        return [self.feed(stretch) for stretch in stretches] or [self.feed("")]
 
     def finish_reason(self, reason: str | None) -> str | None:
         """``tool_calls`` for a reply that called and stopped by itself (``stop`` where the
@@ -178,15 +201,6 @@ class ChatReply:
             )
             self._count += 1
         return deltas
-
-
-def _split_after(text: str, markers: list[str]) -> list[str]:
-    """``text`` cut after each occurrence of any of ``markers``."""
-    ends = sorted(
-        {m.end() for marker in markers if marker for m in re.finditer(re.escape(marker), text)}
-    )
-    starts = [0, *ends]
-    return [text[a:b] for a, b in zip(starts, [*ends, len(text)], strict=True) if b > a]
 
 
 def _without_index(delta: dict[str, Any]) -> dict[str, Any]:

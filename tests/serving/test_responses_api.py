@@ -83,10 +83,19 @@ def items(response) -> list[tuple[str, str | None, str | None]]:
     ]
 
 
+SAID = f"let me see.\n{CALL_TEXT}\nthat is all."
+
+
 @pytest.mark.parametrize(
     "fields",
     [
         {"input": "hello there"},
+        {
+            "input": "weather in oslo?",
+            "tools": [CALC, WEATHER],
+            "max_output_tokens": 150,
+            "extra_body": {"structured_outputs": {"choice": [SAID]}},
+        },
         {
             "input": "hi",
             "tools": [CALC],
@@ -186,13 +195,12 @@ def test_logprobs_come_with_the_output_text_when_included_whole_and_streamed(cli
 
 
 def test_a_whole_answer_gives_its_items_in_the_order_the_reply_said_them(client):
-    said = f"let me see.\n{CALL_TEXT}\nthat is all."
     answer = respond(
         client,
         input="weather in oslo?",
         tools=[CALC, WEATHER],
         max_output_tokens=150,
-        extra_body={"structured_outputs": {"choice": [said]}},
+        extra_body={"structured_outputs": {"choice": [SAID]}},
     )
     assert items(answer) == [
         ("message", None, None),
@@ -358,3 +366,20 @@ def test_a_whole_reply_is_read_in_stretches_that_end_at_closing_markers():
         ("", "", ["get_weather"]),
         ("", "\nthat is all.", []),
     ]
+
+
+@pytest.mark.parametrize("cut", [len("let me see.\n") + len(CALL_TEXT) - 5, len(CALL_TEXT) + 14])
+def test_a_streamed_piece_holding_a_calls_end_and_text_after_it_is_split_there(cut):
+    """A marker split between two pieces still splits the second one where it ends: text,
+    then the call, then the text after it (text pieces in a row joined)."""
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    reply = ChatReply(None, tool_call_format("hermes"), ToolPlan(tools, (), parallel=True))
+    said: list = []
+    for piece in [*reply.feed_ordered(SAID[:cut]), *reply.feed_ordered(SAID[cut:])]:
+        if piece.content:
+            if said and said[-1][0] == "text":
+                said[-1] = ("text", said[-1][1] + piece.content)
+            else:
+                said.append(("text", piece.content))
+        said += [("call", call["function"]["name"]) for call in piece.calls]
+    assert said == [("text", "let me see."), ("call", "get_weather"), ("text", "\nthat is all.")]
