@@ -46,6 +46,12 @@ __all__ = [
     "Refused",
     "check_fields",
     "check_messages",
+    "is_empty",
+    "is_false",
+    "is_null",
+    "is_one_of",
+    "shown",
+    "unsupported_message",
 ]
 
 # Used by osd (serving.protocol's request models). The sampling penalties, logit_bias and
@@ -140,7 +146,7 @@ HARMLESS: Mapping[str, Harmless] = {
 }
 
 
-def _is_false(value: Any, _: Mapping[str, Any]) -> bool:
+def is_false(value: Any, _: Mapping[str, Any]) -> bool:
     return value is None or value is False
 
 
@@ -151,19 +157,19 @@ def _is_int(*allowed: int) -> Callable[[Any, Mapping[str, Any]], bool]:
     return check
 
 
-def _is_one_of(*allowed: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+def is_one_of(*allowed: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
     def check(value: Any, _: Mapping[str, Any]) -> bool:
         return any(value == a and type(value) is type(a) for a in (None, *allowed))
 
     return check
 
 
-def _is_null(value: Any, _: Mapping[str, Any]) -> bool:
+def is_null(value: Any, _: Mapping[str, Any]) -> bool:
     # For fields whose mere presence asks for something (web_search_options: {} searches).
     return value is None
 
 
-def _is_empty(value: Any, _: Mapping[str, Any]) -> bool:
+def is_empty(value: Any, _: Mapping[str, Any]) -> bool:
     return value is None or value == [] or value == {}
 
 
@@ -190,60 +196,60 @@ class Refused:
 
 REFUSED: Mapping[str, Refused] = {
     # OpenAI, both endpoints
-    "store": Refused("storing completions for later retrieval", _is_false),
+    "store": Refused("storing completions for later retrieval", is_false),
     "service_tier": Refused(
-        "a latency or price tier; osd serves every request alike", _is_one_of("auto", "default")
+        "a latency or price tier; osd serves every request alike", is_one_of("auto", "default")
     ),
     # OpenAI completions
     "best_of": Refused("several candidates generated server-side", _is_int(1)),
-    "suffix": Refused("text inserted after the completion (fill in the middle)", _is_one_of("")),
+    "suffix": Refused("text inserted after the completion (fill in the middle)", is_one_of("")),
     # OpenAI chat
-    "functions": Refused("function calling (deprecated by OpenAI; send tools)", _is_empty),
+    "functions": Refused("function calling (deprecated by OpenAI; send tools)", is_empty),
     "function_call": Refused(
         "function calling (deprecated by OpenAI; send tool_choice)", _no_tool_choice("functions")
     ),
-    "audio": Refused("audio output", _is_null),
-    "modalities": Refused("output modalities other than text", _is_one_of(["text"])),
+    "audio": Refused("audio output", is_null),
+    "modalities": Refused("output modalities other than text", is_one_of(["text"])),
     "prediction": Refused(
-        "a predicted output as the draft; osd drafts with its own adapters", _is_null
+        "a predicted output as the draft; osd drafts with its own adapters", is_null
     ),
-    "web_search_options": Refused("web search", _is_null),
-    "verbosity": Refused("a reasoning model's verbosity", _is_one_of("medium")),
-    "moderation": Refused("moderation of the input and output", _is_null),
+    "web_search_options": Refused("web search", is_null),
+    "verbosity": Refused("a reasoning model's verbosity", is_one_of("medium")),
+    "moderation": Refused("moderation of the input and output", is_null),
     # vLLM extras, with vLLM's defaults (which are osd's behaviour)
     "min_tokens": Refused("a minimum completion length", _is_int(0)),
-    "spaces_between_special_tokens": Refused("special-token spacing in the text", _is_one_of(True)),
-    "include_stop_str_in_output": Refused("the stop string in the text", _is_false),
-    "add_generation_prompt": Refused("chat prompts without a generation prompt", _is_one_of(True)),
-    "continue_final_message": Refused("continuing the last assistant message", _is_false),
-    "use_beam_search": Refused("beam search", _is_false),
-    "length_penalty": Refused("beam search", _is_one_of(1.0, 1)),
+    "spaces_between_special_tokens": Refused("special-token spacing in the text", is_one_of(True)),
+    "include_stop_str_in_output": Refused("the stop string in the text", is_false),
+    "add_generation_prompt": Refused("chat prompts without a generation prompt", is_one_of(True)),
+    "continue_final_message": Refused("continuing the last assistant message", is_false),
+    "use_beam_search": Refused("beam search", is_false),
+    "length_penalty": Refused("beam search", is_one_of(1.0, 1)),
     "prompt_logprobs": Refused("log probabilities of the prompt tokens", _is_int(0)),
-    "chat_template": Refused("a chat template of the client's", _is_null),
-    "truncate_prompt_tokens": Refused("prompt truncation", _is_null),
+    "chat_template": Refused("a chat template of the client's", is_null),
+    "truncate_prompt_tokens": Refused("prompt truncation", is_null),
     "priority": Refused("scheduling priorities", _is_int(0)),
     "add_special_tokens": Refused(
         "special tokens added to the prompt or not, against the endpoint's way",
         lambda value, data: value is None or value is ("messages" not in data),
     ),
-    "allowed_token_ids": Refused("generation restricted to given token ids", _is_null),
-    "bad_words": Refused("words banned from the text", _is_empty),
-    "return_tokens_as_token_ids": Refused("logprob tokens spelt as token ids", _is_false),
-    "return_token_ids": Refused("the prompt's and completion's token ids", _is_false),
-    "guided_whitespace_pattern": Refused("a whitespace pattern for guided JSON", _is_null),
+    "allowed_token_ids": Refused("generation restricted to given token ids", is_null),
+    "bad_words": Refused("words banned from the text", is_empty),
+    "return_tokens_as_token_ids": Refused("logprob tokens spelt as token ids", is_false),
+    "return_token_ids": Refused("the prompt's and completion's token ids", is_false),
+    "guided_whitespace_pattern": Refused("a whitespace pattern for guided JSON", is_null),
     "guided_decoding_backend": Refused(
-        "another guided-decoding library; osd compiles grammars with its own", _is_null
+        "another guided-decoding library; osd compiles grammars with its own", is_null
     ),
-    "logits_processors": Refused("logits processors of the client's", _is_null),
+    "logits_processors": Refused("logits processors of the client's", is_null),
     # Requests with a salt must not share cached prefixes with others: osd's prefix caching
     # knows no salt, so one is refused rather than ignored.
-    "cache_salt": Refused("a prefix cache kept apart by a salt", _is_null),
-    "kv_transfer_params": Refused("KV cache transfer between instances", _is_null),
-    "vllm_xargs": Refused("vLLM's custom sampling arguments", _is_empty),
-    "mm_processor_kwargs": Refused("multimodal processing", _is_empty),
-    "media_io_kwargs": Refused("multimodal media loading", _is_empty),
-    "prompt_embeds": Refused("prompts as embeddings", _is_null),
-    "documents": Refused("documents given to the chat template", _is_null),
+    "cache_salt": Refused("a prefix cache kept apart by a salt", is_null),
+    "kv_transfer_params": Refused("KV cache transfer between instances", is_null),
+    "vllm_xargs": Refused("vLLM's custom sampling arguments", is_empty),
+    "mm_processor_kwargs": Refused("multimodal processing", is_empty),
+    "media_io_kwargs": Refused("multimodal media loading", is_empty),
+    "prompt_embeds": Refused("prompts as embeddings", is_null),
+    "documents": Refused("documents given to the chat template", is_null),
 }
 
 # Required fields are left for the request model to report when null.
@@ -279,10 +285,7 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
         if refused is not None:
             if not refused.is_default(value, data):
                 raise FieldRefused(
-                    name,
-                    f"{name} is not supported by osd: it asks for {refused.asks}, which osd does "
-                    f"not provide (got {_short(value)}); leave it out or send its default",
-                    "unsupported_parameter",
+                    name, unsupported_message(name, refused.asks, value), "unsupported_parameter"
                 )
             continue
         harmless = HARMLESS.get(name)
@@ -304,11 +307,20 @@ def check_fields(data: Mapping[str, Any], own: Collection[str]) -> dict[str, Any
 
 def _check_harmless_type(name: str, value: Any, harmless: Harmless) -> None:
     if value is not None and not harmless.fits(value):
-        message = f"{name} must be {harmless.said}, got {_short(value)}"
+        message = f"{name} must be {harmless.said}, got {shown(value)}"
         raise FieldRefused(name, message, "invalid_type")
 
 
-def _short(value: Any) -> str:
+def unsupported_message(name: str, asks: str, value: Any) -> str:
+    """Why a refused field's value is refused (``asks``: what it asks for)."""
+    return (
+        f"{name} is not supported by osd: it asks for {asks}, which osd does not provide "
+        f"(got {shown(value)}); leave it out or send its default"
+    )
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it (its first 60 characters)."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -326,9 +338,9 @@ MESSAGE_HARMLESS: Mapping[str, str] = {
     "that know it render it); osd's plain format without a template leaves it out",
 }
 MESSAGE_REFUSED: Mapping[str, Refused] = {
-    "function_call": Refused("function calling (an assistant's earlier call)", _is_null),
-    "audio": Refused("audio output (an assistant's earlier audio answer)", _is_null),
-    "refusal": Refused("a refusal apart from the content (osd's models give none)", _is_null),
+    "function_call": Refused("function calling (an assistant's earlier call)", is_null),
+    "audio": Refused("audio output (an assistant's earlier audio answer)", is_null),
+    "refusal": Refused("a refusal apart from the content (osd's models give none)", is_null),
 }
 # Roles osd does not serve (the others are the request model's to check).
 ROLE_REFUSED: Mapping[str, str] = {"function": "function calling (a function's result)"}
@@ -396,7 +408,7 @@ def _part_text(path: str, part: Any) -> Any:
         raise _unsupported(f"{path}.{kind}", PART_REFUSED[kind], kind)
     if kind != "text":
         known = ", ".join(["text", *PART_REFUSED])
-        raise _unknown(f"{path}.type", f"{_short(kind)} is not a content part type ({known})")
+        raise _unknown(f"{path}.type", f"{shown(kind)} is not a content part type ({known})")
     unknown = sorted(set(part) - _TEXT_PART)
     if unknown:
         raise _unknown(f"{path}.{unknown[0]}", "not a field of OpenAI's text content parts")
@@ -410,7 +422,7 @@ def _unsupported(param: str, asks: str, value: Any) -> FieldRefused:
     return FieldRefused(
         param,
         f"{param} is not supported by osd: it asks for {asks}, which osd does not provide "
-        f"(got {_short(value)}); leave it out",
+        f"(got {shown(value)}); leave it out",
         "unsupported_parameter",
     )
 

@@ -32,11 +32,20 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from serving.openai_fields import HARMLESS
+from serving.openai_fields import (
+    HARMLESS,
+    Harmless,
+    Refused,
+    is_empty,
+    is_false,
+    is_null,
+    is_one_of,
+    unsupported_message,
+)
 from serving.protocol import APIError
 
 __all__ = [
@@ -55,30 +64,20 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _is_default(*allowed: Any) -> Callable[[Any], bool]:
-    return lambda value: any(value == a and type(value) is type(a) for a in (None, *allowed))
-
-
-def _is_empty(value: Any) -> bool:
-    return value is None or value == [] or value == {}
-
-
 def _is_object(value: Any) -> bool:
-    return value is None or isinstance(value, dict)
+    return isinstance(value, dict)
 
 
 def _is_bool(value: Any) -> bool:
-    return value is None or isinstance(value, bool)
+    return isinstance(value, bool)
 
 
-# Every top-level field of a Responses request: "used" (read below), "harmless" (accepted and
-# ignored: nothing a client sees changes; those chat knows go on to it for their type check),
-# a type check of a field accepted and ignored (a 400 invalid_type naming the type), or a check
-# of the field's no-op value and what any other value asks for (refused: 400
-# unsupported_parameter).
 _USED = "used"
-_HARMLESS = "harmless"
-RESPONSES_FIELDS: Mapping[str, str | tuple[Callable[[Any], bool], str]] = {
+# Every top-level field of a Responses request: used (read below), harmless (accepted and
+# ignored: nothing a client sees changes; those chat knows go on to it for their type check,
+# the others are checked here), or refused unless it has its no-op value (a 400
+# unsupported_parameter naming it), as serving.openai_fields classifies chat's.
+RESPONSES_FIELDS: Mapping[str, str | Harmless | Refused] = {
     "model": _USED,
     "input": _USED,
     "instructions": _USED,
@@ -93,32 +92,33 @@ RESPONSES_FIELDS: Mapping[str, str | tuple[Callable[[Any], bool], str]] = {
     "text": _USED,  # format; verbosity refused unless "medium"
     "reasoning": _USED,  # effort; summary: osd answers the thinking itself, not a summary
     "stream": _USED,
-    "stream_options": (_is_object, "an object"),  # include_obfuscation: osd pads nothing
-    "store": (_is_bool, "a boolean"),  # answered store: false (vLLM's answer without its store)
     "metadata": _USED,  # answered back, as OpenAI does
-    "user": _HARMLESS,
-    "safety_identifier": _HARMLESS,
-    "prompt_cache_key": _HARMLESS,
-    "prompt_cache_retention": _HARMLESS,
-    "prompt_cache_options": _HARMLESS,
-    "service_tier": (_is_default("auto", "default"), "a latency or price tier"),
-    "truncation": (_is_default("disabled"), "input items dropped to fit the context"),
-    "previous_response_id": (
-        _is_default(),
+    "stream_options": Harmless("include_obfuscation: osd pads nothing", _is_object, "an object"),
+    "store": Harmless(
+        "answered store: false (vLLM's answer without its store)", _is_bool, "a boolean"
+    ),
+    "max_tool_calls": Harmless(
+        "a limit on OpenAI's own tools' calls, which osd never makes",
+        lambda value: type(value) is int,
+        "an integer",
+    ),
+    **{name: HARMLESS[name] for name in HARMLESS if name not in ("metadata", "request_id")},
+    "service_tier": Refused("a latency or price tier", is_one_of("auto", "default")),
+    "truncation": Refused("input items dropped to fit the context", is_one_of("disabled")),
+    "previous_response_id": Refused(
         "a stored response to continue (osd stores none: send the conversation in input)",
+        is_null,
     ),
-    "conversation": (
-        _is_default(),
-        "a stored conversation (osd stores none: send the conversation in input)",
+    "conversation": Refused(
+        "a stored conversation (osd stores none: send the conversation in input)", is_null
     ),
-    "prompt": (_is_default(), "a stored prompt template"),
-    "background": (_is_default(False), "a response run in the background and polled"),
-    "background_options": (_is_empty, "a response run in the background"),
-    "max_tool_calls": _HARMLESS,  # a limit on hosted tools' calls, which osd never makes
-    "moderation": (_is_default(), "moderation of the input and output"),
-    "context_management": (_is_empty, "OpenAI's compaction of long contexts"),
-    "access_programs": (_is_empty, "OpenAI's programs"),
-    "image": (_is_default(), "image generation"),
+    "prompt": Refused("a stored prompt template", is_null),
+    "background": Refused("a response run in the background and polled", is_false),
+    "background_options": Refused("a response run in the background", is_empty),
+    "moderation": Refused("moderation of the input and output", is_null),
+    "context_management": Refused("OpenAI's compaction of long contexts", is_empty),
+    "access_programs": Refused("OpenAI's programs", is_empty),
+    "image": Refused("image generation", is_null),
 }
 # Chat's spellings that the Responses API renames: refused, naming what to send instead.
 _CHAT_SPELLINGS = {
@@ -167,13 +167,7 @@ def _bad(message: str, param: str | None = None, code: str | None = None) -> API
 
 
 def _unsupported(param: str, asks: str, value: Any) -> APIError:
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    return _bad(
-        f"{param} is not supported by osd: it asks for {asks}, which osd does not provide "
-        f"(got {shown}); leave it out or send its default",
-        param,
-        "unsupported_parameter",
-    )
+    return _bad(unsupported_message(param, asks, value), param, "unsupported_parameter")
 
 
 @dataclass
@@ -306,14 +300,14 @@ def read_responses_request(data: Any) -> ResponsesRequest:
                 "unknown_parameter",
             )
         kind = RESPONSES_FIELDS.get(name)
-        if kind is None or (kind == _HARMLESS and name in HARMLESS):
+        if kind is None or (isinstance(kind, Harmless) and name in HARMLESS):
             # vLLM's extras and osd's own: the chat request judges them (the harmless ones
             # it knows too: their types)
             chat[name] = value
-        elif isinstance(kind, tuple) and not kind[0](value):
-            if kind[0] in (_is_object, _is_bool):
-                raise _bad(f"{name} must be {kind[1]}", name, "invalid_type")
-            raise _unsupported(name, kind[1], value)
+        elif isinstance(kind, Harmless) and value is not None and not kind.fits(value):
+            raise _bad(f"{name} must be {kind.said}", name, "invalid_type")
+        elif isinstance(kind, Refused) and not kind.is_default(value, data):
+            raise _unsupported(name, kind.asks, value)
     if "model" not in data:
         raise _bad("model is required", "model")
     chat["model"] = data["model"]
