@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.harmony import END as HARMONY_END
 from serving.harmony import HarmonyReader
 from serving.reasoning import ReasoningReader
 from serving.tool_parsers import ParsedCall, ToolCallFormat, ToolCallScanner
@@ -92,10 +93,12 @@ class ChatReply:
             else ToolCallScanner(form.name, tools.names, tools.parallel, tools.schemas)
         )
         self._named = tools is not None and tools.named
-        # The markers that end a call, a section of calls or the thinking (feed_ordered), and
-        # the reply's last characters, where one may have begun.
+        # The markers that end a call, a section of calls, the thinking or a harmony message
+        # (feed_ordered), and the reply's last characters, where one may have begun.
         self._markers = [] if self._scanner is None else list(self._scanner.closes)
-        if reasoning is not None:
+        if harmony:
+            self._markers = [HARMONY_END]
+        elif reasoning is not None:
             self._markers.append(reasoning.closing)
         self._longest = max((len(m) - 1 for m in self._markers), default=0)
         self._recent = ""
@@ -117,18 +120,16 @@ class ChatReply:
         return self._read(thinking, answer, final=True, cut=reason == "length")
 
     def ordered(self, text: str, reason: str | None) -> list[Piece]:
-        """A whole reply's pieces in the order it said them (harmony's read character by
-        character): :meth:`feed_ordered`, then the end."""
-        if self._harmony is not None:
-            return [self.feed(char) for char in text] + [self.finish(reason)]
+        """A whole reply's pieces in the order it said them: :meth:`feed_ordered`, then the
+        end."""
         return [*self.feed_ordered(text), self.finish(reason)]
 
     def feed_ordered(self, text: str) -> list[Piece]:
         """The next text of the reply as pieces in the order it said them: read in stretches
-        that each end at a closing marker (a call's, a section's, the thinking's), so a
-        piece's text comes before its call, and text after a call is a piece of its own.
-        (:meth:`feed` gives one piece, whose text and calls' order is lost.)"""
-        if self._harmony is not None or not self._markers:
+        that each end at a closing marker (a call's, a section's, the thinking's, a harmony
+        message's), so a piece's text comes before its call, and text after a call is a piece
+        of its own. (:meth:`feed` gives one piece, whose text and calls' order is lost.)"""
+        if not self._markers:
             return [self.feed(text)]
         recent = self._recent + text
         cut = len(self._recent)

@@ -152,3 +152,15 @@ def test_structured_output_is_the_final_channel_after_an_analysis(client):
         assert choice.logprobs.content[0].token == "<|channel|>"  # harmony's, not the JSON's
         assert set(json.loads(choice.message.content)) == {"a"}, choice
         assert "<|" not in ((choice.message.model_extra or {})["reasoning"] or "")
+
+
+def test_the_responses_api_gives_the_analysis_then_the_final_message(client, replica):
+    fields = {"model": "osd", "input": "is 2 < 3?", "max_output_tokens": 150}
+    fields["extra_body"] = harmony(replica, REPLY)["extra_body"]
+    whole = client.responses.create(**fields)
+    with client.responses.stream(**fields) as stream:
+        final = stream.get_final_response()
+    for response in (whole, final):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == "2 < 3, so."
+        assert response.output_text == "yes."
