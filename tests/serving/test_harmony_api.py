@@ -18,6 +18,7 @@ from osd.testing import char_tokenizer, save_toy_pair
 from serving.harmony import HARMONY_MARKERS
 from tests.reliability.conftest import Replica, running_replica, toy_config
 from tests.serving.test_reasoning_api import JSON_ANSWER, streamed
+from tests.serving.test_responses_api import whole_and_streamed
 from tests.serving.test_tools_api import ASK, TOOLS, chat, follows_schema
 
 TEMPLATE = (
@@ -155,12 +156,8 @@ def test_structured_output_is_the_final_channel_after_an_analysis(client):
 
 
 def test_the_responses_api_gives_the_analysis_then_the_final_message(client, replica):
-    fields = {"model": "osd", "input": "is 2 < 3?", "max_output_tokens": 150}
-    fields["extra_body"] = harmony(replica, REPLY)["extra_body"]
-    whole = client.responses.create(**fields)
-    with client.responses.stream(**fields) as stream:
-        final = stream.get_final_response()
-    for response in (whole, final):
+    fields = {"input": "is 2 < 3?", "max_output_tokens": 150, **harmony(replica, REPLY)}
+    for response in whole_and_streamed(client, **fields):
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == "2 < 3, so."
         assert response.output_text == "yes."

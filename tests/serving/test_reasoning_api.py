@@ -16,6 +16,7 @@ from tokenizers import AddedToken
 
 from osd.testing import char_tokenizer, save_toy_pair
 from tests.reliability.conftest import Replica, running_replica, toy_config
+from tests.serving.test_responses_api import whole_and_streamed
 from tests.serving.test_tools_api import ASK, TOOLS, chat
 
 # Qwen3's way, in the toy tokenizer's alphabet: with enable_thinking the generation prompt opens
@@ -187,12 +188,8 @@ def test_where_the_prompt_opens_no_thinking_a_grammar_writes_the_whole_answer(cl
 
 
 def test_the_responses_api_answers_the_thinking_as_a_reasoning_item(client):
-    fields = {"model": "osd", "input": "weather in oslo?", "max_output_tokens": 150}
-    fields["extra_body"] = written(REPLY)["extra_body"]
-    whole = client.responses.create(**fields)
-    with client.responses.stream(**fields) as stream:
-        final = stream.get_final_response()
-    for response in (whole, final):
+    fields = {"input": "weather in oslo?", "max_output_tokens": 150, **written(REPLY)}
+    for response in whole_and_streamed(client, **fields):
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == "first, 2 < 3."
         assert response.output_text == "the answer." and response.status == "completed"

@@ -42,6 +42,14 @@ def replica() -> Iterator[Replica]:
         yield replica
 
 
+def whole_and_streamed(client, **fields) -> tuple:
+    """One request's Response answered whole, and as the client accumulates it streamed
+    (completed answers only)."""
+    whole = client.responses.create(model="osd", **fields)
+    with client.responses.stream(model="osd", **fields) as stream:
+        return whole, stream.get_final_response()
+
+
 def respond(client, **fields):
     fields.setdefault("max_output_tokens", 12)
     fields.setdefault("temperature", 0)
